@@ -1,0 +1,3 @@
+from mlite.cli import entry
+
+entry()

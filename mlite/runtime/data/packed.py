@@ -1,0 +1,100 @@
+"""The one batch format of the runtime: an unpadded packed batch.
+
+All sequences of a micro-batch are concatenated into one token stream of length T. `cu_seqlens` marks the
+boundaries (attention never crosses one), `position_ids` restart at 0 in each sequence, and `labels` holds
+the *next* token for every position whose prediction is trained (IGNORE elsewhere, including the last token
+of each sequence). Per-token RL tensors (advantages, old log-probs, ...) travel in `extras` so that context
+parallel splits and pipeline sends move them with the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import torch
+
+IGNORE = -100
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # [T] int64
+    position_ids: torch.Tensor  # [T] int64, 0.. within each sequence
+    cu_seqlens: torch.Tensor  # [B+1] int32, cumulative sequence lengths, cu_seqlens[0] = 0
+    labels: torch.Tensor  # [T] int64, next token or IGNORE
+    max_seqlen: int = 0
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-token [T, ...] tensors
+
+    @classmethod
+    def from_sequences(
+        cls,
+        sequences: Sequence[Sequence[int]],
+        loss_masks: Sequence[Sequence[int | bool]] | None = None,
+        extras: dict[str, Sequence[Sequence[float]]] | None = None,
+    ) -> "PackedBatch":
+        """Pack token lists. `loss_masks[i][t]` says token t of sequence i is a training target."""
+        if not sequences or any(len(s) == 0 for s in sequences):
+            raise ValueError("from_sequences needs at least one sequence and no empty sequence")
+        ids, pos, labels, lens = [], [], [], []
+        for i, seq in enumerate(sequences):
+            mask = loss_masks[i] if loss_masks is not None else [1] * len(seq)
+            if len(mask) != len(seq):
+                raise ValueError(f"sequence {i}: loss mask has {len(mask)} entries for {len(seq)} tokens")
+            ids.extend(seq)
+            pos.extend(range(len(seq)))
+            # position t predicts token t+1; trained when token t+1 is a target
+            labels.extend(seq[t + 1] if mask[t + 1] else IGNORE for t in range(len(seq) - 1))
+            labels.append(IGNORE)
+            lens.append(len(seq))
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+        packed_extras = {
+            name: torch.tensor([v for row in rows for v in row], dtype=torch.float32)
+            for name, rows in (extras or {}).items()
+        }
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            position_ids=torch.tensor(pos, dtype=torch.long),
+            cu_seqlens=cu,
+            labels=torch.tensor(labels, dtype=torch.long),
+            max_seqlen=max(lens),
+            extras=packed_extras,
+        )
+
+    # ------------------------------------------------------------------ views
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.cu_seqlens.numel() - 1)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    @property
+    def num_target_tokens(self) -> int:
+        return int((self.labels != IGNORE).sum())
+
+    def split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Cut a per-token [T, ...] tensor back into one tensor per sequence."""
+        return list(torch.split(tensor, self.seq_lens))
+
+    def sequence_ids(self) -> torch.Tensor:
+        """[T] index of the sequence each token belongs to."""
+        lens = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        return torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens.long())
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "PackedBatch":
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return replace(
+            self,
+            input_ids=move(self.input_ids),
+            position_ids=move(self.position_ids),
+            cu_seqlens=move(self.cu_seqlens),
+            labels=move(self.labels),
+            extras={k: move(v) for k, v in self.extras.items()},
+        )
