@@ -1,0 +1,178 @@
+"""Model architecture description shared by the planner (counts, memory) and the runtime (building models).
+
+`ModelArch` is plain data (no torch). It is built from an HF `config.json` (`arch_from_hf_config`) or from a
+catalog preset (`mlite.config.catalog`). The runtime's model code reads only these fields.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from mlite.errors import MliteError
+
+# HF model_type -> our family. Families share model code: llama/qwen2/qwen3 are one dense decoder that
+# differs only in flags (qk-norm, qkv bias, tied embeddings).
+FAMILIES = {
+    "qwen3": "dense",
+    "qwen2": "dense",
+    "llama": "dense",
+    "mistral": "dense",
+    "qwen3_moe": "moe",
+    "qwen2_moe": "moe",
+    "deepseek_v3": "deepseek",
+    "deepseek_v4": "deepseek",
+}
+
+
+@dataclass(frozen=True)
+class MoEArch:
+    num_experts: int  # routed experts
+    top_k: int
+    expert_ffn: int  # intermediate size of one routed expert
+    shared_experts: int = 0
+    shared_expert_ffn: int = 0  # total intermediate size of the shared expert(s)
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    router_aux_loss_coef: float = 0.001
+    first_dense_layers: int = 0  # leading layers with a dense MLP (DeepSeek first_k_dense_replace)
+    dense_layers: tuple[int, ...] = ()  # explicit dense-MLP layer indices (Qwen mlp_only_layers)
+    layer_freq: int = 1  # every n-th layer is MoE (Qwen decoder_sparse_step)
+    shared_expert_gate: bool = False  # qwen2_moe: sigmoid gate on the shared expert
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if layer < self.first_dense_layers or layer in self.dense_layers:
+            return False
+        return (layer + 1) % self.layer_freq == 0
+
+
+@dataclass(frozen=True)
+class MLAArch:
+    """DeepSeek multi-head latent attention dimensions."""
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    name: str
+    model_type: str  # HF model_type
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn: int  # dense MLP intermediate size
+    vocab: int
+    tie_embeddings: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 32768
+    hidden_act: str = "silu"
+    moe: Optional[MoEArch] = None
+    mla: Optional[MLAArch] = None
+    extra: dict = field(default_factory=dict)  # family-specific figures (e.g. DeepSeek-V4 CSA/HCA, mHC, MTP)
+
+    @property
+    def family(self) -> str:
+        return FAMILIES[self.model_type]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def arch_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelArch:
+    """Read an HF config.json dict (dense Qwen3/Qwen2/Llama, Qwen3-MoE, DeepSeek-V3/V4)."""
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        raise MliteError(
+            f"model_type '{model_type}' is not supported; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        moe = None
+        if model_type in ("qwen3_moe", "qwen2_moe"):
+            moe = MoEArch(
+                num_experts=int(cfg["num_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                expert_ffn=int(cfg["moe_intermediate_size"]),
+                shared_experts=1 if cfg.get("shared_expert_intermediate_size") else 0,
+                shared_expert_ffn=int(cfg.get("shared_expert_intermediate_size") or 0),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "qwen3_moe")),
+                router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)),
+                dense_layers=tuple(cfg.get("mlp_only_layers") or ()),
+                layer_freq=int(cfg.get("decoder_sparse_step", 1)),
+                shared_expert_gate=model_type == "qwen2_moe",
+            )
+        elif model_type in ("deepseek_v3", "deepseek_v4"):
+            moe = MoEArch(
+                num_experts=int(cfg["n_routed_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                expert_ffn=int(cfg["moe_intermediate_size"]),
+                shared_experts=int(cfg.get("n_shared_experts", 1)),
+                shared_expert_ffn=int(cfg.get("n_shared_experts", 1)) * int(cfg["moe_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                router_aux_loss_coef=float(cfg.get("aux_loss_alpha", 0.0001)),
+                first_dense_layers=int(cfg.get("first_k_dense_replace", 0)),
+                layer_freq=int(cfg.get("moe_layer_freq", 1)),
+            )
+        mla = None
+        if model_type == "deepseek_v3":
+            mla = MLAArch(
+                q_lora_rank=cfg.get("q_lora_rank"),
+                kv_lora_rank=int(cfg["kv_lora_rank"]),
+                qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+                v_head_dim=int(cfg["v_head_dim"]),
+            )
+        known = {f.name for f in fields(ModelArch)}
+        return ModelArch(
+            name=name or cfg.get("_name_or_path") or model_type,
+            model_type=model_type,
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden=hidden,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            ffn=int(cfg.get("intermediate_size") or 0),
+            vocab=int(cfg["vocab_size"]),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+            moe=moe,
+            mla=mla,
+            extra={k: v for k, v in cfg.items() if k not in known and k.startswith(("compress", "index", "hc_", "num_nextn", "sliding"))},
+        )
+    except KeyError as err:
+        raise MliteError(f"HF config ({model_type}) lacks key {err}; is it a complete config.json?") from None
+
+
+def load_hf_arch(path: str | Path) -> ModelArch:
+    """Architecture of a local HF checkpoint (its directory or its config.json)."""
+    p = Path(path)
+    cfg_file = p / "config.json" if p.is_dir() else p
+    if not cfg_file.is_file():
+        raise MliteError(f"no HF config.json at {path}; pass a checkpoint directory or a config.json file")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as err:
+        raise MliteError(f"{cfg_file} is not valid JSON ({err.msg} at line {err.lineno})") from None
+    return arch_from_hf_config(cfg, name=p.name if p.is_dir() else p.parent.name)
