@@ -102,11 +102,12 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelArch:
         )
     try:
         hidden = int(cfg["hidden_size"])
+        rope = cfg.get("rope_parameters") or {}  # transformers >= 5 keeps rope_theta/scaling here
         heads = int(cfg["num_attention_heads"])
         moe = None
         if model_type in ("qwen3_moe", "qwen2_moe"):
             moe = MoEArch(
-                num_experts=int(cfg["num_experts"]),
+                num_experts=int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]),
                 top_k=int(cfg["num_experts_per_tok"]),
                 expert_ffn=int(cfg["moe_intermediate_size"]),
                 shared_experts=1 if cfg.get("shared_expert_intermediate_size") else 0,
@@ -153,8 +154,8 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelArch:
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+            rope_scaling=cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
             hidden_act=str(cfg.get("hidden_act", "silu")),
             moe=moe,
