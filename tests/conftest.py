@@ -1,0 +1,29 @@
+"""Shared test setup.
+
+GPU tests carry `@pytest.mark.gpu`. `invoke test` deselects them on CPU machines; `invoke test --gpu`
+selects them, and then a machine without a visible CUDA GPU is an error for the whole run, never a silent
+skip of every test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests make their own tiny models and data
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    selected_gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not selected_gpu:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise pytest.UsageError(
+            f"{len(selected_gpu)} GPU tests selected but no CUDA GPU is visible; run them on a GPU machine "
+            "(invoke test --gpu) or deselect them with -m 'not gpu'"
+        )
