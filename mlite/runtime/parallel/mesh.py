@@ -1,0 +1,111 @@
+"""The parallel layout of a run: degrees, rank placement and every named process group, built once.
+
+`ParallelDims` holds the degrees and checks them; `ParallelDims.build(device_type)` creates the device
+meshes and their process groups. Everything else asks the returned `ParallelMesh` for a named sub-mesh
+and never recomputes ranks by hand.
+
+Rank placement follows Megatron's order, tensor parallel fastest: rank = ((pp_i * dp + dp_i) * cp + cp_i)
+* tp + tp_i. The expert layout folds over the same dp x cp x tp ranks of each pipeline stage as
+edp x ep x etp (etp fastest), so with tp = ep the expert groups are the tensor-parallel groups.
+
+Named meshes and why each exists:
+- `pp`    pipeline stages (point-to-point sends between neighbours).
+- `dp`    data parallel replicas: each reads different micro-batches.
+- `cp`    context parallel: one sequence split over ranks; attention exchanges K/V here.
+- `tp`    tensor (+ sequence) parallel: weights split by column/row, activations by tokens.
+- `dp_cp` dense parameters are sharded (FSDP2) and gradients reduced over it: every rank in it sees
+          different tokens of the same weights. The loss is also averaged over it.
+- `ep`    expert parallel: experts split over ranks; tokens travel there by all-to-all.
+- `etp`   expert tensor parallel (each expert's FFN split over ranks).
+- `edp`   expert data parallel: expert weights are sharded and reduced over it (the dp_cp of experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from mlite.errors import MliteError
+
+if TYPE_CHECKING:
+    from mlite.config.schema import JobConfig
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    etp: int = 1
+    vpp: int = 1
+
+    def __post_init__(self):
+        degrees = dict(pp=self.pp, dp=self.dp, cp=self.cp, tp=self.tp, ep=self.ep, etp=self.etp, vpp=self.vpp)
+        described = ", ".join(f"{k}={v}" for k, v in degrees.items()) + f", world={self.world_size}"
+        if any(v < 1 for v in degrees.values()):
+            raise MliteError(f"parallel degrees must be >= 1 ({described})")
+        if self.pp * self.dp * self.cp * self.tp != self.world_size:
+            raise MliteError(f"pp x dp x cp x tp must equal the world size ({described}); fix the degrees")
+        if (self.dp * self.cp * self.tp) % (self.ep * self.etp):
+            raise MliteError(
+                f"ep x etp must divide dp x cp x tp = {self.dp * self.cp * self.tp} ({described}); "
+                "choose ep and etp that fold over the ranks of one pipeline stage"
+            )
+
+    @classmethod
+    def from_job(cls, job: "JobConfig", world_size: int) -> "ParallelDims":
+        par = job.parallel
+        per_replica = par.pp * par.cp * par.tp
+        if world_size % per_replica:
+            raise MliteError(
+                f"world size {world_size} is not a multiple of pp x cp x tp = {per_replica} "
+                f"(pp={par.pp}, cp={par.cp}, tp={par.tp}); change the degrees or the number of GPUs"
+            )
+        return cls(world_size, par.pp, world_size // per_replica, par.cp, par.tp, par.ep, par.etp, par.vpp)
+
+    @property
+    def edp(self) -> int:
+        return self.dp * self.cp * self.tp // (self.ep * self.etp)
+
+    @property
+    def dp_cp(self) -> int:
+        return self.dp * self.cp
+
+    def build(self, device_type: str = "cpu") -> "ParallelMesh":
+        """Create every mesh and process group (collective: all ranks call it, once)."""
+        if not dist.is_initialized():
+            raise MliteError("torch.distributed is not initialised; start the run with torchrun or srun")
+        if dist.get_world_size() != self.world_size:
+            raise MliteError(f"layout is for {self.world_size} ranks but {dist.get_world_size()} are running")
+        # one flat mesh of all ranks, split two ways: dense (pp, dp, cp, tp) and expert (pp, edp, ep, etp).
+        # Both come from the same root mesh, so FSDP2 and DTensor accept them together.
+        world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
+        dense = world._unflatten(0, (self.pp, self.dp, self.cp, self.tp), ("pp", "dp", "cp", "tp"))
+        expert = world._unflatten(0, (self.pp, self.edp, self.ep, self.etp), ("pp", "edp", "ep", "etp"))
+        named = {name: dense[name] for name in ("pp", "dp", "cp", "tp")}
+        named |= {name: expert[name] for name in ("ep", "etp", "edp")}
+        named["dp_cp"] = dense["dp", "cp"]._flatten("dp_cp")
+        return ParallelMesh(self, dense, expert, named)
+
+
+@dataclass
+class ParallelMesh:
+    dims: ParallelDims
+    dense: DeviceMesh  # (pp, dp, cp, tp) + flattened dp_cp
+    expert: DeviceMesh  # (pp, edp, ep, etp)
+    named: dict[str, DeviceMesh]  # the 1-D meshes: pp, dp, cp, tp, dp_cp, ep, etp, edp
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self.named[name]
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        return self[name].get_group()
+
+    def rank_in(self, name: str) -> int:
+        return self[name].get_local_rank()
