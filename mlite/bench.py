@@ -1,0 +1,180 @@
+"""`mlite bench`: training-step throughput of mlite next to the HF-transformers baseline, in one launch.
+
+For each case both sides train the same architecture (random weights, bf16, fused AdamW, the same batch)
+and we report tokens/s, MFU, peak memory, and the planner's memory estimate next to the measured peak.
+Timing: median over steps after warm-up, measured with CUDA events on GPUs (perf_counter on CPU, where the
+suite runs a tiny case to cover this code).
+
+MFU (as in ../shared/REFERENCE.md section 4, against the GPU's dense bf16 peak):
+    flops/token = 6 * (matmul params of the active path + LM head) + 6 * layers * (heads * head_dim) * s_eff
+where s_eff = sum(len_i^2) / sum(len_i) over the packed sequences (causal attention costs ~len^2 / 2 per
+sequence, forward + backward = 3x, 2 FLOPs per multiply-add). Only the top-k routed experts count for MoE.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Optional
+
+from mlite.config.arch import ModelArch
+
+PEAK_BF16_TFLOPS = {"h100": 989.0, "h200": 989.0, "h800": 989.0, "b200": 2250.0, "b300": 2250.0, "a100": 312.0}
+
+
+# ---------------------------------------------------------------------------------------------- FLOPs
+def matmul_params_per_token(arch: ModelArch) -> int:
+    """Parameters every token multiplies through: attention, dense or active expert MLPs, router, LM head."""
+    q_width = arch.num_heads * arch.head_dim
+    kv_width = arch.num_kv_heads * arch.head_dim
+    attention = arch.hidden * (q_width + 2 * kv_width) + q_width * arch.hidden
+    total = 0
+    for layer in range(arch.num_layers):
+        total += attention
+        if arch.moe is not None and arch.moe.is_moe_layer(layer):
+            moe = arch.moe
+            total += moe.top_k * 3 * arch.hidden * moe.expert_ffn
+            total += 3 * arch.hidden * moe.shared_expert_ffn
+            total += arch.hidden * moe.num_experts  # router
+        else:
+            total += 3 * arch.hidden * arch.ffn
+    return total + arch.hidden * arch.vocab  # LM head (counted even when tied: the matmul is done)
+
+
+def effective_seq_len(seq_lens: list[int]) -> float:
+    return sum(n * n for n in seq_lens) / max(1, sum(seq_lens))
+
+
+def flops_per_token(arch: ModelArch, seq_lens: list[int]) -> float:
+    attention = 6 * arch.num_layers * arch.num_heads * arch.head_dim * effective_seq_len(seq_lens)
+    return 6 * matmul_params_per_token(arch) + attention
+
+
+def mfu(arch: ModelArch, seq_lens: list[int], tokens_per_s: float, peak_tflops: float) -> float:
+    return flops_per_token(arch, seq_lens) * tokens_per_s / (peak_tflops * 1e12)
+
+
+# --------------------------------------------------------------------------------------------- batches
+def mixed_lengths(total_tokens: int, seed: int = 0, shortest: int = 256) -> list[int]:
+    """Sequence lengths of a realistic packed SFT batch: log-uniform between `shortest` and total/2."""
+    import random
+
+    rng = random.Random(seed)
+    lens, left = [], total_tokens
+    while left > 0:
+        n = int(math.exp(rng.uniform(math.log(shortest), math.log(max(shortest + 1, total_tokens // 2)))))
+        n = min(n, left)
+        lens.append(n)
+        left -= n
+    return lens
+
+
+# ------------------------------------------------------------------------------------------------ cases
+@dataclass
+class BenchCase:
+    name: str
+    model: str  # catalog preset
+    seq_len: int  # tokens per micro-batch (one packed stream)
+    packing: str = "full"  # full: one sequence of seq_len; mixed: several sequences of mixed lengths
+    num_layers: Optional[int] = None  # truncate the model (MoE layers on one GPU)
+    gpus: int = 1
+    dp: int = 1
+    ep: int = 1
+    cp: int = 1
+    baseline: bool = True  # also run HF transformers
+    note: str = ""
+
+
+CASES: dict[str, BenchCase] = {
+    c.name: c
+    for c in [
+        BenchCase("dense-1.7b-4k", "qwen3-1.7b", 4096),
+        BenchCase("dense-1.7b-4k-mixed", "qwen3-1.7b", 4096, packing="mixed"),
+        BenchCase("moe-30b-a3b-6l-4k", "qwen3-30b-a3b", 4096, num_layers=6),
+        BenchCase("moe-30b-a3b-6l-4k-mixed", "qwen3-30b-a3b", 4096, packing="mixed", num_layers=6),
+        BenchCase("dense-1.7b-4k-dp4", "qwen3-1.7b", 4096, gpus=4, dp=4, baseline=False),
+        BenchCase("moe-30b-a3b-8l-4k-ep4", "qwen3-30b-a3b", 4096, num_layers=8, gpus=4, ep=4, baseline=False),
+        BenchCase("dense-1.7b-16k-cp4", "qwen3-1.7b", 16384, gpus=4, cp=4, baseline=False),
+        # the CPU suite's case: exercises every code path in seconds
+        BenchCase("tiny-cpu", "tiny-qwen3-moe", 128, packing="mixed"),
+    ]
+}
+
+
+# ---------------------------------------------------------------------------------------------- timing
+@dataclass
+class Timing:
+    step_ms: list[float] = field(default_factory=list)
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.step_ms)
+
+
+def time_steps(step: Callable[[], None], warmup: int, steps: int, device: str) -> Timing:
+    """Median-friendly per-step times; CUDA events on GPUs (no host sync inside a step)."""
+    import torch
+
+    for _ in range(warmup):
+        step()
+    timing = Timing()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize()
+        timing.step_ms = [s.elapsed_time(e) for s, e in events]
+    else:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            timing.step_ms.append((time.perf_counter() - t0) * 1e3)
+    return timing
+
+
+# ---------------------------------------------------------------------------------------------- report
+@dataclass
+class BenchResult:
+    case: str
+    side: str  # mlite | hf
+    tokens_per_step: int
+    step_ms: float
+    tokens_per_s: float
+    mfu: float
+    peak_gb: float
+    estimate_gb: Optional[float] = None
+    device: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def write_results(results: list[BenchResult], out: Path, meta: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2))
+
+
+def render_table(results: list[BenchResult]) -> "object":
+    from rich.table import Table
+
+    table = Table(title="mlite bench (median step after warm-up)")
+    for col in ("case", "side", "tokens/s", "MFU", "step ms", "peak GB", "plan GB", "plan err"):
+        table.add_column(col, justify="right" if col not in ("case", "side") else "left")
+    for r in results:
+        err = "" if not r.estimate_gb or not r.peak_gb else f"{(r.estimate_gb - r.peak_gb) / r.peak_gb:+.0%}"
+        table.add_row(
+            r.case, r.side, f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}", f"{r.step_ms:.1f}", f"{r.peak_gb:.1f}",
+            "" if r.estimate_gb is None else f"{r.estimate_gb:.1f}", err,
+        )
+    return table
+
+
+__all__ = [
+    "BenchCase", "BenchResult", "CASES", "flops_per_token", "matmul_params_per_token", "mfu", "mixed_lengths",
+    "effective_seq_len", "time_steps", "write_results", "render_table", "replace",
+]
