@@ -58,6 +58,31 @@ class MLAArch:
     v_head_dim: int
 
 
+# DeepSeek-V4 per-layer attention kinds, keyed by the compression ratio HF configs use (`compress_ratios`).
+V4_ATTENTION_KINDS = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+
+@dataclass(frozen=True)
+class DeepSeekV4Arch:
+    """DeepSeek-V4 figures: one shared KV head, low-rank grouped output, CSA/HCA compressors, mHC residuals.
+
+    CSA layers (ratio 4) compress KV 4:1 with overlapping windows and pick visible rows with a lightning
+    indexer; HCA layers (ratio 128) compress 128:1 without an indexer; ratio-0 layers are sliding window only.
+    """
+
+    q_lora_rank: int
+    o_groups: int  # heads are split into groups for the low-rank output projection
+    o_lora_rank: int  # per-group rank of that projection
+    qk_rope_head_dim: int
+    compress_ratios: tuple[int, ...]  # per layer: 0 (sliding window), 4 (CSA) or 128 (HCA)
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    sliding_window: int
+    hc_mult: int  # mHC: copies of the residual stream
+    num_hash_layers: int  # leading MoE layers routed by token-id hash
+
+
 @dataclass(frozen=True)
 class ModelArch:
     name: str
@@ -79,7 +104,9 @@ class ModelArch:
     hidden_act: str = "silu"
     moe: Optional[MoEArch] = None
     mla: Optional[MLAArch] = None
-    extra: dict = field(default_factory=dict)  # family-specific figures (e.g. DeepSeek-V4 CSA/HCA, mHC, MTP)
+    extra: dict = field(default_factory=dict)  # family-specific figures not modelled above (kept for reference)
+    v4: Optional[DeepSeekV4Arch] = None  # DeepSeek-V4 attention, mHC and hash routing
+    mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint (DeepSeek num_nextn_predict_layers)
 
     @property
     def family(self) -> str:
@@ -127,7 +154,8 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelArch:
                 shared_expert_ffn=int(cfg.get("n_shared_experts", 1)) * int(cfg["moe_intermediate_size"]),
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
                 router_aux_loss_coef=float(cfg.get("aux_loss_alpha", 0.0001)),
-                first_dense_layers=int(cfg.get("first_k_dense_replace", 0)),
+                # V4 has no dense prefix (its first layers are hash-routed MoE), whatever first_k_dense_replace says
+                first_dense_layers=0 if model_type == "deepseek_v4" else int(cfg.get("first_k_dense_replace", 0)),
                 layer_freq=int(cfg.get("moe_layer_freq", 1)),
             )
         mla = None
@@ -139,6 +167,7 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelArch:
                 qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
                 v_head_dim=int(cfg["v_head_dim"]),
             )
+        v4 = _v4_from_hf_config(cfg) if model_type == "deepseek_v4" else None
         known = {f.name for f in fields(ModelArch)}
         return ModelArch(
             name=name or cfg.get("_name_or_path") or model_type,
@@ -160,10 +189,49 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelArch:
             hidden_act=str(cfg.get("hidden_act", "silu")),
             moe=moe,
             mla=mla,
+            v4=v4,
+            mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
             extra={k: v for k, v in cfg.items() if k not in known and k.startswith(("compress", "index", "hc_", "num_nextn", "sliding"))},
         )
     except KeyError as err:
         raise MliteError(f"HF config ({model_type}) lacks key {err}; is it a complete config.json?") from None
+
+
+def _v4_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV4Arch:
+    """Read V4 attention kinds from either form HF configs use: `compress_ratios` (per layer 0/4/128, the
+    released checkpoints, which also list the MTP layer) or `layer_types` + `compress_rates` (transformers)."""
+    layers = int(cfg["num_hidden_layers"])
+    if cfg.get("compress_ratios") is not None:
+        ratios = tuple(int(r) for r in cfg["compress_ratios"][:layers])
+    else:
+        rates = {kind: ratio for ratio, kind in V4_ATTENTION_KINDS.items()}
+        rates.update(cfg.get("compress_rates") or {})
+        # transformers' default when a config names neither: two HCA layers, then CSA/HCA alternating
+        kinds = cfg.get("layer_types") or (
+            ["heavily_compressed_attention"] * min(layers, 2)
+            + ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(layers - 2)]
+        )
+        ratios = tuple(int(rates[k]) for k in kinds[:layers])
+    if len(ratios) != layers:
+        raise MliteError(f"DeepSeek-V4 config lists {len(ratios)} attention kinds for {layers} layers")
+    hash_layers = cfg.get("num_hash_layers")
+    if hash_layers is None:
+        hash_layers = sum(1 for k in cfg.get("mlp_layer_types") or ["hash_moe"] * 3 if k == "hash_moe")
+    head_dim = int(cfg.get("head_dim") or 512)
+    rope_dim = cfg.get("qk_rope_head_dim") or int(head_dim * float(cfg.get("partial_rotary_factor") or 0.125))
+    return DeepSeekV4Arch(
+        q_lora_rank=int(cfg["q_lora_rank"]),
+        o_groups=int(cfg["o_groups"]),
+        o_lora_rank=int(cfg["o_lora_rank"]),
+        qk_rope_head_dim=int(rope_dim),
+        compress_ratios=ratios,
+        index_n_heads=int(cfg["index_n_heads"]),
+        index_head_dim=int(cfg["index_head_dim"]),
+        index_topk=int(cfg.get("index_topk", 512)),
+        sliding_window=int(cfg.get("sliding_window", 128)),
+        hc_mult=int(cfg.get("hc_mult", 4)),
+        num_hash_layers=int(hash_layers),
+    )
 
 
 def load_hf_arch(path: str | Path) -> ModelArch:
