@@ -15,6 +15,9 @@ Named meshes and why each exists:
 - `tp`    tensor (+ sequence) parallel: weights split by column/row, activations by tokens.
 - `dp_cp` dense parameters are sharded (FSDP2) and gradients reduced over it: every rank in it sees
           different tokens of the same weights. The loss is also averaged over it.
+- `cp_tp` the ranks that share one micro-batch's tokens: MoE router statistics are summed over it.
+- `dp_cp_tp` every rank of a pipeline stage: parameters used on token shards without TP sharding (a MoE
+          router) are reduced over it.
 - `ep`    expert parallel: experts split over ranks; tokens travel there by all-to-all.
 - `etp`   expert tensor parallel (each expert's FFN split over ranks).
 - `edp`   expert data parallel: expert weights are sharded and reduced over it (the dp_cp of experts).
@@ -91,6 +94,8 @@ class ParallelDims:
         named = {name: dense[name] for name in ("pp", "dp", "cp", "tp")}
         named |= {name: expert[name] for name in ("ep", "etp", "edp")}
         named["dp_cp"] = dense["dp", "cp"]._flatten("dp_cp")
+        named["cp_tp"] = dense["cp", "tp"]._flatten("cp_tp")
+        named["dp_cp_tp"] = dense["dp", "cp", "tp"]._flatten("dp_cp_tp")
         return ParallelMesh(self, dense, expert, named)
 
 
@@ -99,7 +104,7 @@ class ParallelMesh:
     dims: ParallelDims
     dense: DeviceMesh  # (pp, dp, cp, tp) + flattened dp_cp
     expert: DeviceMesh  # (pp, edp, ep, etp)
-    named: dict[str, DeviceMesh]  # the 1-D meshes: pp, dp, cp, tp, dp_cp, ep, etp, edp
+    named: dict[str, DeviceMesh]  # the 1-D meshes named in the module docstring
 
     def __getitem__(self, name: str) -> DeviceMesh:
         return self.named[name]

@@ -1,0 +1,164 @@
+"""Apply a parallel layout to a decoder, in a fixed order: tensor (+sequence) parallel, context parallel,
+expert parallel, then FSDP2 sharding.
+
+The decoder contract (the runtime's model code keeps it): `embed`, `layers` (ModuleDict keyed by global
+layer index; entries may be absent on a pipeline stage), `norm`, `output` (any of these may be None on a
+pipeline stage). A layer has `attn_norm`, `attn` (`q_proj`, `k_proj`, `v_proj`, `o_proj`, a swappable
+`core(q, k, v, batch)`; heads reshaped with -1), `mlp_norm` and `mlp`, either dense (`gate_proj`,
+`up_proj`, `down_proj`) or MoE (`router`, `experts` with stacked [E, ...] parameters, `ep_group`,
+`token_group`).
+
+Gradient reduction: the loss each rank computes is its share of the global loss (its tokens' summed
+cross-entropy over the global number of target tokens), so gradients are summed over ranks, never
+averaged (FSDP2's divide factor is 1).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from mlite.errors import MliteError
+from mlite.runtime.parallel.context import context_parallel_attention
+from mlite.runtime.parallel.mesh import ParallelMesh
+
+
+def is_moe(layer: nn.Module) -> bool:
+    return hasattr(layer.mlp, "router")
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
+    """Megatron-style TP with sequence parallel over `tp`: the residual stream is split by tokens, column-
+    parallel q/k/v/gate/up (all-gather in), row-parallel o/down (reduce-scatter out), vocab-parallel
+    embedding and LM head (the loss runs under `loss_parallel`)."""
+    tp = mesh["tp"]
+    if tp.size() == 1:
+        return
+    if model.embed is not None:
+        parallelize_module(model.embed, tp, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)))
+    if model.norm is not None:
+        parallelize_module(model.norm, tp, SequenceParallel(sequence_dim=0))
+    if model.output is not None:
+        parallelize_module(
+            model.output,
+            tp,
+            ColwiseParallel(input_layouts=Shard(0), output_layouts=Shard(-1), use_local_output=False),
+        )
+    for layer in model.layers.values():
+        plan = {
+            "attn_norm": SequenceParallel(sequence_dim=0),
+            "attn.q_proj": ColwiseParallel(input_layouts=Shard(0)),
+            "attn.k_proj": ColwiseParallel(input_layouts=Shard(0)),
+            "attn.v_proj": ColwiseParallel(input_layouts=Shard(0)),
+            "attn.o_proj": RowwiseParallel(output_layouts=Shard(0)),
+            "mlp_norm": SequenceParallel(sequence_dim=0),
+        }
+        if is_moe(layer):
+            # the MoE block works on this rank's tokens as plain tensors; its parameters are reduced over
+            # the token-sharing ranks by FSDP (see apply_fsdp)
+            plan["mlp"] = PrepareModuleInput(
+                input_layouts=(Shard(0), None), desired_input_layouts=(Shard(0), None), use_local_output=True
+            )
+        else:
+            plan |= {
+                "mlp.gate_proj": ColwiseParallel(input_layouts=Shard(0)),
+                "mlp.up_proj": ColwiseParallel(input_layouts=Shard(0)),
+                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(0)),
+            }
+        parallelize_module(layer, tp, plan)
+
+
+def apply_context_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
+    """Attention over the whole stream from a zigzag share of it (inputs split by split_for_context_parallel)."""
+    cp = mesh["cp"]
+    if cp.size() == 1:
+        return
+    for layer in model.layers.values():
+        layer.attn.core = functools.partial(context_parallel_attention, group=cp.get_group())
+
+
+def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
+    """Keep this ep rank's slice of the stacked experts; tokens reach them by all-to-all."""
+    ep, cp, tp = mesh["ep"], mesh["cp"], mesh["tp"]
+    token_group = mesh["cp_tp"].get_group() if cp.size() * tp.size() > 1 else None
+    for layer in model.layers.values():
+        if not is_moe(layer):
+            continue
+        layer.mlp.token_group = token_group
+        if ep.size() == 1:
+            continue
+        experts = layer.mlp.experts
+        rank, size = ep.get_local_rank(), ep.size()
+        for name, param in list(experts.named_parameters(recurse=False)):
+            if param.shape[0] % size:
+                raise MliteError(f"{param.shape[0]} experts do not split over ep={size}; choose ep dividing them")
+            local = param.shape[0] // size
+            setattr(experts, name, nn.Parameter(param.detach()[rank * local : (rank + 1) * local].clone()))
+        layer.mlp.ep_group = ep.get_group()
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    compute_dtype: torch.dtype = torch.float32,
+    offload_optimizer: bool = False,
+) -> None:
+    """FSDP2: fp32 sharded parameters (the master copy, so the optimizer state is sharded too), gathered in
+    `compute_dtype` for compute, gradients reduced in fp32. Dense parameters shard over dp_cp, experts over
+    edp, a MoE block's router over all the ranks of a stage (each sees different tokens)."""
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    extra = {"offload_policy": CPUOffloadPolicy()} if offload_optimizer else {}
+    shard = functools.partial(fully_shard, mp_policy=policy, reshard_after_forward=True, **extra)
+    groups = []
+    for layer in model.layers.values():
+        if is_moe(layer):
+            groups.append(shard(layer.mlp.experts, mesh=mesh["edp"]))
+            groups.append(shard(layer.mlp.router, mesh=mesh["dp_cp_tp"]))
+        groups.append(shard(layer, mesh=mesh["dp_cp"]))
+    if model.output is not None:  # the LM head runs in the loss, outside the decoder's forward
+        groups.append(shard(model.output, mesh=mesh["dp_cp"]))
+    groups.append(shard(model, mesh=mesh["dp_cp"]))
+    for module in groups:
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Off for all but the last micro-batch of a step: gradients accumulate unsharded-locally and FSDP2
+    reduce-scatters once per optimizer step instead of once per micro-batch."""
+    for module in model.modules():
+        if hasattr(module, "set_requires_gradient_sync"):
+            module.set_requires_gradient_sync(enabled, recurse=False)
+
+
+
+def clip_grad_norm_(params, max_norm: float, mesh: ParallelMesh) -> torch.Tensor:
+    """Global gradient norm over every rank (each shard counted once, replicas not again); scales the
+    gradients down to max_norm when above it (0: no clipping). Returns the norm before clipping."""
+    total = torch.zeros((), dtype=torch.float64)
+    grads = [p.grad for p in params if p.grad is not None]
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        copies = 1
+        if isinstance(grad, DTensor):
+            for size, placement in zip(grad.device_mesh.shape, grad.placements):
+                copies *= size if placement.is_replicate() else 1
+        total += local.double().pow(2).sum() / copies
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total)
+    norm = total.sqrt().float()
+    if max_norm > 0 and norm > max_norm:
+        for grad in grads:
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(max_norm / (norm + 1e-6))
+    return norm
