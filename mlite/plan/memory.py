@@ -1,0 +1,297 @@
+"""Memory per GPU and per node for a checked layout, itemised so that each item can be set against a measured
+peak (`mlite bench` prints this estimate next to `torch.cuda.max_memory_allocated`).
+
+The formulas are written out in docs/PLANNER.md ("Memory model"); the constants below are the knobs a
+calibration against measured peaks adjusts. Sizes are GiB (2**30 bytes), as `nvidia-smi` and torch report.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from mlite.config.arch import ModelArch
+from mlite.config.catalog import count_params, embedding_params, final_params, layer_params
+from mlite.config.schema import JobConfig
+from mlite.plan.layout import Layout
+
+GIB = 2**30
+HEADROOM = 0.90  # an estimate above this share of device (or host) memory does not fit
+GPU_OVERHEAD_GB = 4.0  # CUDA context, NCCL communicators and buffers, cuBLAS/attention workspaces, allocator slack
+CPU_OVERHEAD_GB = 1.0  # torch + Python per process when the "GPU" is the host (gloo runs)
+HOST_OVERHEAD_PER_RANK_GB = 8.0  # per training process on the host: Python, CUDA host state, pinned buffers, data
+MOE_IMBALANCE = 1.0  # routed tokens a rank receives, relative to a perfectly balanced router
+LOGIT_EXTRA_BYTES = 8  # per logit beyond its compute-dtype copy: the fp32 softmax and its fp32 gradient
+FSDP_PREFETCH_LAYERS = 2  # FSDP2 holds the current layer and the prefetched next one unsharded
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class MemoryItem:
+    name: str
+    gb: float
+    note: str = ""
+
+
+@dataclass
+class MemoryEstimate:
+    stage: int  # pipeline rank the items describe: the one with the largest total
+    items: list[MemoryItem]  # per GPU, training step
+    capacity_gb: float  # per GPU (on CPU: host memory per rank)
+    host_items: list[MemoryItem]  # per node
+    host_capacity_gb: float
+    stage_totals_gb: list[float]  # per pipeline rank
+    rollout_items: list[MemoryItem] = field(default_factory=list)  # per GPU, GRPO generation phase
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def train_gb(self) -> float:
+        return sum(i.gb for i in self.items)
+
+    @property
+    def rollout_gb(self) -> float:
+        return sum(i.gb for i in self.rollout_items)
+
+    @property
+    def total_gb(self) -> float:
+        """Peak per GPU: the larger of the training step and the rollout phase."""
+        return max(self.train_gb, self.rollout_gb)
+
+    @property
+    def usable_gb(self) -> float:
+        return self.capacity_gb * HEADROOM
+
+    @property
+    def host_total_gb(self) -> float:
+        return sum(i.gb for i in self.host_items)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_gb <= self.usable_gb and self.host_total_gb <= self.host_capacity_gb * HEADROOM
+
+    def as_dict(self) -> dict:
+        return {
+            "stage": self.stage, "fits": self.fits, "total_gb": self.total_gb, "train_gb": self.train_gb,
+            "rollout_gb": self.rollout_gb, "capacity_gb": self.capacity_gb, "usable_gb": self.usable_gb,
+            "host_total_gb": self.host_total_gb, "host_capacity_gb": self.host_capacity_gb,
+            "items": [asdict(i) for i in self.items], "rollout_items": [asdict(i) for i in self.rollout_items],
+            "host_items": [asdict(i) for i in self.host_items], "stage_totals_gb": self.stage_totals_gb,
+            "notes": self.notes,
+        }
+
+
+# ------------------------------------------------------------------------------------------- parameters
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one GPU of a pipeline stage holds, after tp and ep x etp split them."""
+
+    dense: float  # sharded by fsdp2 / dist_opt over dp x cp
+    experts: float  # sharded over edp
+    largest_unit: float  # largest layer (or embedding / head) on this GPU: FSDP2's unit of gathering
+
+
+def stage_params(arch: ModelArch, layout: Layout, stage: int) -> StageParams:
+    dense = experts = largest = 0.0
+    for i in layout.stage_layers[stage]:
+        lp = layer_params(arch, i)
+        d = (lp.attention + lp.mlp) / layout.tp + lp.replicated
+        e = lp.experts / (layout.ep * layout.etp)
+        dense, experts, largest = dense + d, experts + e, max(largest, d + e)
+    table = arch.vocab * arch.hidden / layout.tp  # vocab-parallel embedding / head
+    if stage == 0:
+        dense += table
+        largest = max(largest, table)
+    if stage == layout.pp - 1:
+        head = embedding_params(arch) / layout.tp - table if layout.pp == 1 else table  # tied: a copy with pp > 1
+        dense += head + final_params(arch)
+        largest = max(largest, table)
+    return StageParams(dense, experts, largest)
+
+
+# ------------------------------------------------------------------------------------------ activations
+def layer_activation_bytes(arch: ModelArch, layer: int, act: int, granularity: str) -> tuple[float, float]:
+    """Bytes per token one layer keeps for backward, before tp splits them: (attention + dense/shared MLP +
+    residual streams, routed experts). `granularity` is none or selective (full is handled by the caller).
+    Attention is assumed fused (flash-style): only its log-sum-exp per head is kept, never the score matrix."""
+    h = arch.hidden
+    selective = granularity == "selective"  # norms, activation functions and attention cores recomputed
+    norms = h if selective else 2 * h  # norm inputs are kept; their outputs are recomputed under selective
+    if arch.v4 is not None:
+        v4, hd = arch.v4, arch.head_dim
+        attn = norms + 2 * v4.q_lora_rank + arch.num_heads * hd * 2 + 2 * hd + v4.o_groups * v4.o_lora_rank
+        attn += 2 * v4.hc_mult * h  # mHC: the residual copies entering each of the two sub-blocks
+        extra = 4 * arch.num_heads + (4 * v4.index_topk if v4.compress_ratios[layer] == 4 else 0)
+    elif arch.mla is not None:
+        m = arch.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        attn = norms + 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_rope_head_dim
+        attn += arch.num_heads * (2 * qk + 2 * m.v_head_dim)  # q, k, v, attention output
+        extra = 4 * arch.num_heads
+    else:
+        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        attn = norms + 2 * q + 2 * kv  # q, k, v, attention output
+        extra = 4 * arch.num_heads  # fp32 log-sum-exp per head
+    moe = arch.moe
+    if moe is None or not moe.is_moe_layer(layer):
+        mlp = 2 * arch.ffn + (0 if selective else arch.ffn)  # gate+up outputs, activation output
+        return act * (attn + mlp) + extra, 0.0
+    shared = 2 * moe.shared_expert_ffn + (0 if selective else moe.shared_expert_ffn)
+    per_copy = 2 * h + 2 * moe.expert_ffn + (0 if selective else moe.expert_ffn)  # dispatched in/out + FFN
+    routed = act * moe.top_k * MOE_IMBALANCE * per_copy
+    return act * (attn + shared) + extra + 4 * moe.num_experts, routed  # + fp32 router logits
+
+
+def layer_input_bytes(arch: ModelArch, act: int) -> int:
+    """What full recompute keeps per layer and token: the layer input (all mHC copies for V4)."""
+    return act * arch.hidden * (arch.v4.hc_mult if arch.v4 is not None else 1)
+
+
+def in_flight_micro_batches(layout: Layout, stage: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in whole-stage units. 1F1B: pp - r
+    (warm-up). Interleaved: Megatron's warm-up of (pp - r - 1) x 2 + (vpp - 1) x pp chunks, plus one."""
+    if layout.pp == 1:
+        return 1.0
+    if layout.vpp == 1:
+        return float(min(layout.pp - stage, layout.micro_batches))
+    chunks = (layout.pp - stage - 1) * 2 + (layout.vpp - 1) * layout.pp + 1
+    return min(chunks, layout.micro_batches * layout.vpp) / layout.vpp
+
+
+# ----------------------------------------------------------------------------------------------- stages
+def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int) -> tuple[list[MemoryItem], float, list[MemoryItem]]:
+    """(training items per GPU, bytes offloaded to the host per GPU, resident state items for rollout)."""
+    w = DTYPE_BYTES[job.precision.compute]
+    act = w
+    g = 4 if job.precision.grad_reduce == "fp32" else 2
+    fp32_compute = job.precision.compute == "fp32"
+    off = job.offload
+    frac = off.optimizer_fraction if off.optimizer else 0.0
+    sp = stage_params(arch, layout, stage)
+    dense_shards, expert_shards = layout.dp * layout.cp, layout.edp
+    sharded = sp.dense / dense_shards + sp.experts / expert_shards  # parameters this GPU owns a shard of
+    full = sp.dense + sp.experts  # parameters this GPU computes with
+    items: list[MemoryItem] = []
+    host = 0.0
+
+    def put(name: str, nbytes: float, note: str, to_host: float = 0.0) -> None:
+        nonlocal host
+        host += nbytes * to_host
+        items.append(MemoryItem(name, nbytes * (1 - to_host) / GIB, note))
+
+    if job.optimizer.backend == "dist_opt":
+        put("weights", full * w, f"{job.precision.compute}, full copy of this stage after tp/ep split")
+        put("gradients", full * g, f"{job.precision.grad_reduce} grad buffer, not sharded (Megatron DDP)")
+        if not fp32_compute:
+            put("master weights", sharded * 4, f"fp32, sharded over dp x cp={dense_shards} / edp={expert_shards}",
+                frac)
+        put("optimizer state", sharded * 8, f"Adam m, v fp32, sharded; {frac:.0%} offloaded", frac)
+    else:
+        put("master weights", sharded * 4, f"fp32 FSDP2 shards over dp x cp={dense_shards} / edp={expert_shards}",
+            1.0 if off.params else 0.0)
+        put("gathered weights", FSDP_PREFETCH_LAYERS * sp.largest_unit * w,
+            f"{job.precision.compute}, {FSDP_PREFETCH_LAYERS} layers unsharded at a time")
+        put("gradients", sharded * 4 + sp.largest_unit * w, "fp32 shards + one unsharded layer being reduced",
+            (sharded * 4 / (sharded * 4 + sp.largest_unit * w)) if off.grads else 0.0)
+        put("optimizer state", sharded * 8, f"Adam m, v fp32, sharded; {frac:.0%} offloaded", frac)
+    resident = list(items)
+
+    tokens = layout.tokens_per_micro_batch / layout.cp / layout.tp  # SP splits every token-wise activation
+    layers = layout.stage_layers[stage]
+    per_layer = [layer_activation_bytes(arch, i, act, job.recompute.granularity) for i in layers]
+    r = job.recompute
+    working = 0.0
+    if r.granularity == "full" and layers:
+        n = min(r.num_layers, len(layers))
+        keep = layer_input_bytes(arch, act)
+        if r.method == "uniform":  # groups of n layers, each keeping only its input
+            groups = [per_layer[k : k + n] for k in range(0, len(per_layer), n)]
+            base, routed = keep * len(groups), 0.0
+            working = max(sum(a + b for a, b in grp) for grp in groups)
+        else:  # block: the first n layers of the stage recompute, the others keep everything
+            base = keep * n + sum(a for a, _ in per_layer[n:])
+            routed = sum(b for _, b in per_layer[n:])
+            working = max(a + b for a, b in per_layer[:n])
+    else:
+        base, routed = sum(a for a, _ in per_layer), sum(b for _, b in per_layer)
+    flight = in_flight_micro_batches(layout, stage)
+    note = f"{tokens:.0f} tokens/GPU/micro-batch x {flight:g} in flight, recompute {r.granularity}"
+    put("activations", base * tokens * flight, note)
+    if arch.moe is not None:
+        put("activations: routed experts", routed * tokens * flight, f"top-{arch.moe.top_k} token copies")
+    if working:
+        put("recompute working set", working * tokens, f"one group of {r.num_layers} layer(s) rebuilt")
+    if stage == layout.pp - 1:
+        logit_tokens = layout.tokens_per_micro_batch / layout.cp  # gathered over tp before the vocab-parallel head
+        put("logits", logit_tokens * arch.vocab / layout.tp * (w + LOGIT_EXTRA_BYTES),
+            f"{logit_tokens:.0f} tokens x vocab/tp, + fp32 softmax and its gradient")
+    cpu = job.cluster.gpu == "cpu"
+    put("framework overhead", (CPU_OVERHEAD_GB if cpu else GPU_OVERHEAD_GB) * GIB,
+        "torch runtime" if cpu else "CUDA context, NCCL buffers, workspaces, allocator slack")
+    return items, host, resident
+
+
+def _rollout_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int, resident: list[MemoryItem],
+                   capacity_gb: float, notes: list[str]) -> list[MemoryItem]:
+    """GRPO generation phase on the same GPUs: the trainer's resident state plus the engine's memory."""
+    r = job.rollout
+    # gradients are freed after each optimizer step; gathered weights are counted below for the engine
+    items = [MemoryItem(f"trainer: {i.name}", i.gb, "resident during rollout") for i in resident
+             if i.name not in ("gathered weights", "gradients") and i.gb > 0]
+    if r.engine == "vllm":
+        share = r.gpu_memory_utilization * capacity_gb
+        items.append(MemoryItem("vLLM (weights + KV cache)", share, f"rollout.gpu_memory_utilization x {capacity_gb:.0f} GB"))
+        weights_gb = count_params(arch).total * DTYPE_BYTES[job.precision.compute] / r.tp / GIB
+        if weights_gb > share * HEADROOM:
+            notes.append(f"vLLM needs {weights_gb:.1f} GB per GPU for weights at rollout.tp={r.tp}, more than its "
+                         f"{share:.1f} GB share: raise rollout.tp or rollout.gpu_memory_utilization")
+            items.append(MemoryItem("vLLM weights beyond its share", weights_gb - share * HEADROOM, "does not fit"))
+        return items
+    act = DTYPE_BYTES[job.precision.compute]
+    sequences = math.ceil(r.prompts_per_step * r.n / layout.dp)
+    length = r.max_prompt_length + r.max_response_length
+    kv = sum(_kv_bytes_per_sequence(arch, i, length, act) for i in layout.stage_layers[stage]) / layout.tp
+    sp = stage_params(arch, layout, stage)
+    if job.optimizer.backend == "fsdp2":
+        items.append(MemoryItem("gathered weights", FSDP_PREFETCH_LAYERS * sp.largest_unit * act / GIB,
+                                "FSDP2 unshards layer by layer while generating"))
+    items.append(MemoryItem("KV cache", sequences * kv / GIB, f"{sequences} sequences x {length} tokens"))
+    cpu = job.cluster.gpu == "cpu"
+    items.append(MemoryItem("framework overhead", CPU_OVERHEAD_GB if cpu else GPU_OVERHEAD_GB, ""))
+    return items
+
+
+def _kv_bytes_per_sequence(arch: ModelArch, layer: int, length: int, act: int) -> float:
+    if arch.v4 is not None:
+        v4 = arch.v4
+        ratio = v4.compress_ratios[layer]
+        rows = min(length, v4.sliding_window) + (length / ratio if ratio else 0)
+        return act * (rows * arch.head_dim + (length / 4 * v4.index_head_dim if ratio == 4 else 0))
+    if arch.mla is not None:
+        return act * length * (arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim)
+    return act * length * 2 * arch.num_kv_heads * arch.head_dim
+
+
+# ------------------------------------------------------------------------------------------------ entry
+def estimate_memory(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstimate:
+    """Itemised memory of the fullest pipeline rank, and host memory per node."""
+    c = job.cluster
+    cpu = c.gpu == "cpu"
+    capacity = c.host_memory_gb / c.gpus_per_node if cpu else c.memory_per_gpu_gb
+    stages = [_stage_items(job, arch, layout, s) for s in range(layout.pp)]
+    totals = [sum(i.gb for i in items) for items, _, _ in stages]
+    worst = max(range(layout.pp), key=lambda s: totals[s])
+    items, _, resident = stages[worst]
+    notes: list[str] = []
+    rollout = _rollout_items(job, arch, layout, worst, resident, capacity, notes) if job.job == "grpo" else []
+    # Ranks are placed pipeline-outermost, so a node's GPUs usually share a stage: count the largest offload.
+    offloaded = max(host for _, host, _ in stages) / GIB
+    host_items = [
+        MemoryItem("offloaded state", offloaded * c.gpus_per_node, f"{offloaded:.1f} GB x {c.gpus_per_node} ranks")]
+    if cpu:  # the ranks' "device" memory is host memory: their totals (overhead included) land here
+        host_items.append(MemoryItem("ranks' working memory", max(totals) * c.gpus_per_node, "gloo ranks on the host"))
+    else:
+        host_items.append(MemoryItem("process overhead", HOST_OVERHEAD_PER_RANK_GB * c.gpus_per_node,
+                                     f"{HOST_OVERHEAD_PER_RANK_GB:g} GB x {c.gpus_per_node} ranks"))
+    return MemoryEstimate(stage=worst, items=items, capacity_gb=capacity, host_items=host_items,
+                          host_capacity_gb=c.host_memory_gb, stage_totals_gb=totals, rollout_items=rollout,
+                          notes=notes)
