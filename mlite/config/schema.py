@@ -55,6 +55,9 @@ GPU_MEMORY_GB = {  # usable HBM per GPU, as the driver reports it (GiB)
     "cpu": 0.0,
 }
 GPU_TYPES = tuple(GPU_MEMORY_GB)
+# Dense bf16 peak per GPU (TFLOP/s), for MFU and the planner's cost model; "cpu" is a nominal figure.
+GPU_BF16_TFLOPS = {"h100": 989.0, "h800": 989.0, "h200": 989.0, "h20": 148.0, "b200": 2250.0, "b300": 2250.0,
+                   "gb200": 2500.0, "gb300": 2500.0, "a100": 312.0, "cpu": 1.0}
 
 
 class ClusterConfig(Section):

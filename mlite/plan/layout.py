@@ -123,18 +123,22 @@ def split_stages(layers: int, pp: int, vpp: int, first: int | None, last: int | 
     return sizes
 
 
+def balanced_first_last(layers: int, pp: int) -> tuple[int, int]:
+    """Stage sizes for layers that pp does not divide: middle stages of ceil(L/pp) layers (fewer if that would
+    leave first and last nothing), the rest shared by first and last, the last (which holds the head) no larger."""
+    if pp == 2:
+        return layers - layers // 2, layers // 2
+    middle = math.ceil(layers / pp)
+    while layers - (pp - 2) * middle < 2 and middle > 1:
+        middle -= 1
+    rest = layers - (pp - 2) * middle
+    return rest - rest // 2, rest // 2
+
+
 def suggest_first_last(layers: int, pp: int) -> str:
-    """A fix for an uneven split: middle stages of ceil(L/pp) layers, the rest shared by first and last."""
     if pp == 1:
         return "use pp=1"
-    middle = math.ceil(layers / pp)
-    rest = layers - (pp - 2) * middle
-    while rest < 2 and middle > 1:
-        middle -= 1
-        rest = layers - (pp - 2) * middle
-    if pp == 2:
-        rest, middle = layers, 0
-    first, last = rest - rest // 2, rest // 2
+    first, last = balanced_first_last(layers, pp)
     return f"e.g. set parallel.pp_first_stage_layers={first} and parallel.pp_last_stage_layers={last}"
 
 

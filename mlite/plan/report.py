@@ -1,0 +1,99 @@
+"""Render a plan or a recommendation: rich tables for people, plain dicts for `--json`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from mlite.config.catalog import PRESETS, count_params, preset_arch
+from mlite.plan import Plan
+from mlite.plan.recommend import Candidate
+
+
+def plan_dict(plan: Plan) -> dict[str, Any]:
+    lay = plan.layout
+    return {
+        "model": plan.arch.name,
+        "params": plan.params.as_dict(),
+        "layout": {"world": lay.world, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, "dp": lay.dp,
+                   "ep": lay.ep, "etp": lay.etp, "edp": lay.edp, "sequence_parallel": lay.sequence_parallel,
+                   "stage_layers": [len(s) for s in lay.stage_layers], "micro_batches": lay.micro_batches,
+                   "tokens_per_micro_batch": lay.tokens_per_micro_batch, "sequence_split": lay.split},
+        "memory": plan.memory.as_dict(),
+        "fits": plan.memory.fits,
+    }
+
+
+def render_plan(console: Console, plan: Plan) -> None:
+    lay, mem, pc = plan.layout, plan.memory, plan.params
+    c = plan.job.cluster
+    console.print(f"[bold]{plan.arch.name}[/]: {pc.total / 1e9:.1f}B parameters, {pc.active / 1e9:.1f}B active "
+                  f"({pc.non_embedding_total / 1e9:.1f}B / {pc.non_embedding_active / 1e9:.1f}B without embeddings)")
+    console.print(f"cluster: {c.nodes} x {c.gpus_per_node} {c.gpu} ({mem.capacity_gb:.1f} GB each), "
+                  f"host {c.host_memory_gb:g} GB per node")
+    console.print(f"layout: {lay.describe()}  edp{lay.edp}  SP {'on' if lay.sequence_parallel else 'off'}  "
+                  f"stages {[len(s) for s in lay.stage_layers]} layers  {lay.micro_batches} micro-batches/step "
+                  f"of {lay.tokens_per_micro_batch} tokens  {plan.job.optimizer.backend}")
+    table = Table(title=f"memory per GPU (pipeline stage {mem.stage}, the fullest)")
+    table.add_column("item")
+    table.add_column("GB", justify="right")
+    table.add_column("how")
+    for item in mem.items:
+        table.add_row(item.name, f"{item.gb:.2f}", item.note)
+    table.add_row("[bold]total (training step)[/]", f"[bold]{mem.train_gb:.2f}[/]", "")
+    console.print(table)
+    if mem.rollout_items:
+        rollout = Table(title="memory per GPU during rollout (GRPO)")
+        rollout.add_column("item")
+        rollout.add_column("GB", justify="right")
+        rollout.add_column("how")
+        for item in mem.rollout_items:
+            rollout.add_row(item.name, f"{item.gb:.2f}", item.note)
+        rollout.add_row("[bold]total (rollout)[/]", f"[bold]{mem.rollout_gb:.2f}[/]", "")
+        console.print(rollout)
+    host = Table(title="host memory per node")
+    host.add_column("item")
+    host.add_column("GB", justify="right")
+    host.add_column("how")
+    for item in mem.host_items:
+        host.add_row(item.name, f"{item.gb:.1f}", item.note)
+    console.print(host)
+    for note in mem.notes:
+        console.print(f"note: {note}")
+    verdict = "[green]FITS[/]" if mem.fits else "[red]DOES NOT FIT[/]"
+    console.print(f"{verdict}: {mem.total_gb:.1f} GB of {mem.usable_gb:.1f} GB usable per GPU "
+                  f"({mem.capacity_gb:.1f} GB x headroom); host {mem.host_total_gb:.0f} of "
+                  f"{mem.host_capacity_gb:.0f} GB per node")
+
+
+def render_candidates(console: Console, candidates: list[Candidate], title: str) -> None:
+    table = Table(title=title)
+    for name in ("#", "layout", "edp", "stages (first/last)", "recompute", "offload opt", "GB/GPU", "host GB",
+                 "step s (est.)", "largest costs"):
+        table.add_column(name, justify="right" if name in ("#", "edp", "GB/GPU", "host GB", "step s (est.)") else "left")
+    for rank, cand in enumerate(candidates, 1):
+        p = cand.job.parallel
+        stages = f"{p.pp_first_stage_layers}/{p.pp_last_stage_layers}" if p.pp_first_stage_layers is not None else "even"
+        costs = sorted(cand.cost.items(), key=lambda kv: -kv[1])[:3]
+        table.add_row(str(rank), cand.layout.describe(), str(cand.layout.edp), stages, cand.job.recompute.granularity,
+                      "yes" if cand.job.offload.optimizer else "no", f"{cand.memory.total_gb:.1f}",
+                      f"{cand.memory.host_total_gb:.0f}", f"{cand.step_s:.2f}",
+                      ", ".join(f"{k} {v:.2f}" for k, v in costs))
+    console.print(table)
+
+
+def models_table() -> tuple[Table, list[dict[str, Any]]]:
+    table = Table(title="model catalog (model.name)")
+    rows = []
+    for column in ("name", "type", "layers", "hidden", "heads/kv", "experts", "total B", "active B"):
+        table.add_column(column, justify="left" if column in ("name", "type") else "right")
+    for name in sorted(PRESETS):
+        arch = preset_arch(name)
+        pc = count_params(arch)
+        experts = f"{arch.moe.num_experts} top-{arch.moe.top_k}" if arch.moe else "-"
+        table.add_row(name, arch.model_type, str(arch.num_layers), str(arch.hidden),
+                      f"{arch.num_heads}/{arch.num_kv_heads}", experts, f"{pc.total / 1e9:.2f}", f"{pc.active / 1e9:.2f}")
+        rows.append({"name": name, "model_type": arch.model_type, **pc.as_dict()})
+    return table, rows
