@@ -19,7 +19,6 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_gather
 
 from mlite.errors import MliteError
 from mlite.runtime.data.packed import PackedBatch
@@ -66,8 +65,8 @@ def context_parallel_attention(
 ) -> torch.Tensor:
     """Exact causal attention of local queries over the keys of the whole stream -> [t, heads, d]."""
     token_index, sequence_id = batch.extras[TOKEN_INDEX], batch.extras[SEQUENCE_ID]
-    all_k = torch.cat(all_gather(k.contiguous(), group=group))
-    all_v = torch.cat(all_gather(v.contiguous(), group=group))
+    all_k = GatherTokens.apply(k, group)
+    all_v = GatherTokens.apply(v, group)
     with torch.no_grad():
         key_index = _gather_ints(token_index, group)
         key_sequence = _gather_ints(sequence_id, group)
@@ -84,6 +83,31 @@ def masked_attention(q, k, v, allowed, scale=None) -> torch.Tensor:
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=scale
     )
     return out.transpose(0, 1)
+
+
+class GatherTokens(torch.autograd.Function):
+    """All-gather along tokens (equal shares); backward sums each share's gradient back to its owner.
+
+    torch.distributed.nn's all_gather backward addresses group members by their global rank, which breaks on
+    sub-groups with gloo; this one reduce-scatters on NCCL and all-reduces then slices elsewhere."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, size = ctx.group, dist.get_world_size(ctx.group)
+        grad = grad.contiguous()
+        if dist.get_backend(group) == "nccl":
+            out = grad.new_empty(grad.shape[0] // size, *grad.shape[1:])
+            dist.reduce_scatter_tensor(out, grad, group=group)
+            return out, None
+        dist.all_reduce(grad, group=group)
+        return grad.chunk(size)[dist.get_rank(group)].clone(), None
 
 
 def _gather_ints(t: torch.Tensor, group) -> torch.Tensor:
