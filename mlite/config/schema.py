@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -118,6 +118,11 @@ class OptimizerConfig(Section):
     clip_grad: float = Field(1.0, ge=0)  # 0 disables clipping
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["cosine", "constant", "linear"] = "cosine"
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _yaml_list(cls, value):  # YAML has lists, not tuples; strict mode would refuse [0.9, 0.95]
+        return tuple(value) if isinstance(value, list) else value
 
     @model_validator(mode="after")
     def _lrs(self):
@@ -271,6 +276,9 @@ class JobConfig(Section):
                 object.__setattr__(self, "grpo", GRPOConfig())
         elif self.rollout is not None or self.grpo is not None:
             raise ValueError("rollout / grpo sections apply to job: grpo only (this job is sft)")
+        if self.trainer.device == "cuda" and self.cluster.gpu == "cpu":
+            raise ValueError("trainer.device: cuda contradicts cluster.gpu: cpu; set cluster.gpu to the GPU type "
+                             "(h100, h200, ...) or trainer.device to cpu")
         if self.offload.params and self.optimizer.backend == "dist_opt":
             raise ValueError(
                 "offload.params needs optimizer.backend: fsdp2 (Megatron-Core's distributed optimizer keeps "

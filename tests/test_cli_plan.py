@@ -1,0 +1,95 @@
+"""`mlite plan` as users run it: a subprocess. Exit 0 when the layout fits, 2 with one line and no traceback
+for bad input, 3 when valid but too big; JSON output; no torch imported; `invoke plan` passes arguments on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mlite(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mlite", "plan", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("preset", ["deepseek_v3_sft", "qwen3_235b_a22b_sft", "qwen3_30b_a3b_sft",
+                                    "deepseek_v4_flash_sft", "deepseek_v4_flash_grpo", "demo_sft"])
+def test_published_presets_fit(preset):
+    result = mlite(preset, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["fits"] and report["memory"]["total_gb"] <= report["memory"]["usable_gb"]
+
+
+def test_human_report_lists_layout_memory_host_and_verdict():
+    result = mlite("deepseek_v4_flash_sft")
+    assert result.returncode == 0
+    for text in ("tp1 pp4 cp4 dp8 ep8", "edp4", "optimizer state", "activations", "gradients",
+                 "host memory per node", "FITS"):
+        assert text in result.stdout, text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["qwen3_30b_a3b_sft", "--set", "parallel.tp=3"], "not divisible by pp x cp x tp = 3"),
+    (["qwen3_30b_a3b_sft", "--set", "parallel.bogus=1"], "unknown key 'parallel.bogus'"),
+    (["qwen3_30b_a3b_sft", "--set", "parallel.tp=x"], "parallel.tp"),
+    (["qwen3_30b_a3b_sft", "--set", "data.seq_len=4097", "--set", "parallel.tp=2", "--set", "parallel.ep=4"],
+     "multiple of 2"),
+    (["no_such_preset"], "unknown job preset 'no_such_preset'"),
+    (["--bogus-flag"], "unrecognized arguments"),
+    (["demo_sft", "--set", "model.name=gpt5"], "unknown model 'gpt5'"),
+])
+def test_bad_input_is_one_line_exit_2(args, message):
+    result = mlite(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr
+
+
+def test_valid_but_too_big_exits_3():
+    result = mlite("deepseek_v3_sft", "--set", "offload.optimizer=false", "--set", "offload.optimizer_fraction=null")
+    assert result.returncode == 3
+    assert "DOES NOT FIT" in result.stdout
+
+
+def test_recommend_json_is_sorted_and_fits():
+    result = mlite("qwen3_235b_a22b_sft", "--recommend", "--json", "--top", "4")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert len(rows) == 4
+    assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+    assert all(r["memory_gb"] <= 96 * 0.9 for r in rows)
+    nothing = mlite("deepseek_v3_sft", "--recommend", "--set", "cluster.nodes=1")
+    assert nothing.returncode == 3 and "no layout fits" in nothing.stderr
+
+
+def test_list_models():
+    result = mlite("--list-models", "--json")
+    models = {row["name"]: row for row in json.loads(result.stdout)}
+    assert round(models["deepseek-v3"]["total"] / 1e9) == 671
+    assert {"deepseek-v4-flash", "qwen3-30b-a3b", "llama-3.1-70b", "tiny-qwen3-moe"} <= set(models)
+
+
+def test_plan_never_imports_torch():
+    code = ("import sys; from mlite.cli import main\n"
+            "rc = main(['plan', 'deepseek_v4_flash_grpo', '--recommend', '--json'])\n"
+            "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'megatron')]\n"
+            "assert rc == 0 and not heavy, heavy\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+
+
+def test_invoke_plan_passes_arguments_and_exit_status():
+    invoke = [sys.executable, "-m", "invoke"]
+    ok = subprocess.run(invoke + ["plan", "--config", "qwen3_30b_a3b_sft", "--json"], capture_output=True,
+                        text=True, cwd=ROOT)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["layout"]["ep"] == 8
+    bad = subprocess.run(invoke + ["plan", "--config", "qwen3_30b_a3b_sft", "--set", "parallel.tp=3"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "not divisible" in bad.stderr
