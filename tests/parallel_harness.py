@@ -25,7 +25,7 @@ from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.parallel.context import masked_attention
 from mlite.runtime.parallel.expert import load_balance_loss, moe_dispatch_combine
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS = 32, 4, 2, 8, 64, 96, 2
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS = 32, 4, 2, 8, 64, 96, 4
 EXPERTS, TOP_K, EXPERT_FFN = 4, 2, 16
 
 
@@ -124,14 +124,14 @@ class Decoder(nn.Module):
         self.norm = nn.RMSNorm(HIDDEN, eps=1e-6)
         self.output = nn.Linear(HIDDEN, VOCAB, bias=False)
 
-    def forward(self, batch: PackedBatch):  # -> hidden [T, HIDDEN], aux loss
-        x = self.embed(batch.input_ids)
+    def forward(self, batch: PackedBatch, hidden=None):  # -> hidden [T, HIDDEN], aux loss
+        x = self.embed(batch.input_ids) if self.embed is not None else hidden  # pipeline stages after the first
         aux = torch.zeros(())
         for layer in self.layers.values():
             x = layer(x, batch)
             if isinstance(layer.mlp, MoE):
                 aux = aux + layer.mlp.aux_loss
-        return self.norm(x), aux
+        return (self.norm(x) if self.norm is not None else x), aux
 
 
 def make_model(moe: bool, seed: int = 0) -> Decoder:

@@ -26,7 +26,8 @@ from mlite.runtime.parallel.parallelize import (
     clip_grad_norm_,
     set_gradient_sync,
 )
-from parallel_harness import launch, make_batches, make_model, total_targets
+from mlite.runtime.parallel.pipeline import PipelineRunner, keep_chunk, one_f_one_b, split_layers
+from parallel_harness import LAYERS, launch, make_batches, make_model, total_targets
 
 STEPS, MICRO_BATCHES, AUX_COEF, LR, CLIP = 3, 4, 0.1, 1e-2, 1.0
 
@@ -51,11 +52,8 @@ def train(model, mesh=None) -> list[tuple[float, float]]:
             if dims.cp > 1:
                 batch = split_for_context_parallel(batch, dims.cp, cp_rank)
             hidden, aux = model(batch)
-            logits = model.output(hidden)
-            with loss_parallel():  # vocab-parallel cross-entropy when the logits are split over tp
-                ce = F.cross_entropy(logits, batch.labels, ignore_index=IGNORE, reduction="sum") / targets
-                if isinstance(ce, DTensor):
-                    ce = ce.to_local()  # replicated over tp: every tp rank holds the whole value
+            with loss_parallel():  # its backward too runs under the vocab-parallel loss
+                ce = ce_loss(model, hidden, batch, targets)
                 (ce + AUX_COEF * aux).backward()
             ce_total += ce.detach()
             aux_total += aux.detach()
@@ -69,14 +67,71 @@ def train(model, mesh=None) -> list[tuple[float, float]]:
     return history
 
 
-def _worker(rank, world, layout, moe, out):
-    mesh = ParallelDims(world, **layout).build("cpu")
-    model = make_model(moe)
+def ce_loss(model, hidden, batch, targets):
+    """Summed cross-entropy over the step's target count; call under loss_parallel() (vocab split over tp)."""
+    logits = model.output(hidden)
+    ce = F.cross_entropy(logits, batch.labels, ignore_index=IGNORE, reduction="sum") / targets
+    return ce.to_local() if isinstance(ce, DTensor) else ce  # replicated over tp: each rank holds the whole
+
+
+def train_pipeline(chunks: dict, mesh) -> list[tuple[float, float]]:
+    """The same steps through the 1F1B (interleaved when vpp > 1) pipeline schedule."""
+    dims = mesh.dims
+    pp_ranks = dist.get_process_group_ranks(mesh.group("pp"))
+    runner = PipelineRunner(chunks, dims.pp * dims.vpp, pp_ranks, hidden_size=32)
+    params = [p for chunk in chunks.values() for p in chunk.parameters()]
+    opt = torch.optim.AdamW(params, lr=LR, foreach=False)
+    batches = make_batches(STEPS * MICRO_BATCHES)
+    history = []
+    for step in range(STEPS):
+        step_batches = batches[step * MICRO_BATCHES : (step + 1) * MICRO_BATCHES]
+        targets = total_targets(step_batches)
+        mine = step_batches[mesh.rank_in("dp") :: dims.dp]
+        if dims.cp > 1:
+            mine = [split_for_context_parallel(b, dims.cp, mesh.rank_in("cp")) for b in mine]
+        for chunk in chunks.values():
+            set_gradient_sync(chunk, False)
+        actions = one_f_one_b(dims.pp, dims.vpp, mesh.rank_in("pp"), len(mine))
+        with loss_parallel():
+            result = runner.run(
+                actions,
+                mine,
+                loss_fn=lambda chunk, hidden, batch: ce_loss(chunk, hidden, batch, targets),
+                aux_coef=AUX_COEF,
+                before_backward=lambda c, last: set_gradient_sync(chunks[c], last),
+            )
+        ce_total, aux_total = result["loss"], result["aux"]
+        dist.all_reduce(ce_total, group=mesh.group("dp_cp"))
+        dist.all_reduce(aux_total, group=mesh.group("dp_cp_tp"))
+        both = torch.stack([ce_total, aux_total])
+        dist.all_reduce(both, group=mesh.group("pp"))  # the loss lives on the last stage, aux on all
+        norm = clip_grad_norm_(params, CLIP, mesh)
+        opt.step()
+        opt.zero_grad()
+        history.append((float(both[0] + AUX_COEF * both[1]), float(norm)))
+    return history
+
+
+def parallelize(model, mesh):
     apply_tensor_parallel(model, mesh)
     apply_context_parallel(model, mesh)
     apply_expert_parallel(model, mesh)
     apply_fsdp(model, mesh)
-    history = train(model, mesh)
+    return model
+
+
+def _worker(rank, world, layout, moe, out):
+    mesh = ParallelDims(world, **layout).build("cpu")
+    dims = mesh.dims
+    if dims.pp == 1:
+        history = train(parallelize(make_model(moe), mesh), mesh)
+    else:
+        split = split_layers(LAYERS, dims.pp, dims.vpp)
+        mine = range(mesh.rank_in("pp"), dims.pp * dims.vpp, dims.pp)
+        chunks = {
+            c: parallelize(keep_chunk(make_model(moe), split[c], c == 0, c == len(split) - 1), mesh) for c in mine
+        }
+        history = train_pipeline(chunks, mesh)
     if rank == 0:
         torch.save(history, out)
 
@@ -109,8 +164,11 @@ def check_parity(tmp_path, world, layout, moe):
         (2, dict(cp=2)),
         (4, dict(dp=2, tp=2)),
         (4, dict(cp=2, tp=2)),
+        (2, dict(pp=2)),
+        (2, dict(pp=2, vpp=2)),
+        (4, dict(pp=2, tp=2)),
     ],
-    ids=["dp2", "tp2", "cp2", "tp2xdp2", "cp2xtp2"],
+    ids=["dp2", "tp2", "cp2", "tp2xdp2", "cp2xtp2", "pp2", "pp2+vpp2", "pp2xtp2"],
 )
 def test_layout_matches_one_process(tmp_path, world, layout, moe):
     check_parity(tmp_path, world, layout, moe)
