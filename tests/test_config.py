@@ -81,3 +81,22 @@ def test_missing_file_and_bad_yaml(tmp_path):
     assert "config file not found" in error_of(str(tmp_path / "nope.yaml"))
     assert "unknown job preset 'nope'" in error_of("nope")
     assert "not valid YAML" in error_of(write(tmp_path, "model: [unclosed\n"))
+
+
+def test_every_key_is_documented():
+    import typing
+    from pathlib import Path
+
+    from pydantic import BaseModel
+
+    from mlite.config.schema import JobConfig
+
+    def keys(model, prefix=""):
+        for name, field in model.model_fields.items():
+            sections = [a for a in (field.annotation, *typing.get_args(field.annotation))
+                        if isinstance(a, type) and issubclass(a, BaseModel)]
+            yield from keys(sections[0], f"{prefix}{name}.") if sections else [prefix + name]
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md").read_text()
+    missing = [k for k in keys(JobConfig) if f"`{k}`" not in doc]
+    assert not missing, f"keys missing from docs/CONFIG.md: {missing}"
