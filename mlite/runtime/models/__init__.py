@@ -1,0 +1,51 @@
+"""Native model code: one module per model family, all built from `mlite.config.arch.ModelArch`.
+
+    build_model(arch, attention_backend="auto", dtype=torch.float32, device="cpu") -> Transformer
+    model(batch: PackedBatch) -> ModelOutput(hidden [T, H], aux_loss)
+    model.compute_logits(hidden) -> [T, vocab]
+    model.decode(input_ids [B, t], positions [B, t], cache) -> logits [B, t, vocab]   (rollout)
+    model.hf_layout() -> native <-> HF names (mlite.runtime.ckpt.hf loads and exports with it)
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from mlite.config.arch import ModelArch
+from mlite.errors import MliteError
+from mlite.runtime.kernels import resolve_attention_backend
+from mlite.runtime.models.base import KVCache, ModelOutput
+from mlite.runtime.models.qwen3 import Transformer
+
+SUPPORTED_FAMILIES = ("dense", "moe")  # FAMILIES in mlite.config.arch: qwen3/qwen2/llama/mistral, qwen3_moe
+
+
+def build_model(
+    arch: ModelArch,
+    attention_backend: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    layers: Optional[Iterable[int]] = None,
+    init: bool = True,
+) -> Transformer:
+    """A model for `arch` with freshly initialised weights (load real ones with mlite.runtime.ckpt.hf).
+
+    `layers`: the global layer indices of this pipeline stage (all by default). `device="meta"` builds the
+    structure without memory (names and shapes only). `init=False` leaves the weights uninitialised."""
+    if arch.family not in SUPPORTED_FAMILIES:
+        raise MliteError(
+            f"model_type '{arch.model_type}' has no native model yet; native families: qwen3, qwen2, llama, "
+            "mistral, qwen3_moe"
+        )
+    device = torch.device(device)
+    backend = resolve_attention_backend(attention_backend, device.type if device.type != "meta" else "cpu")
+    with device:
+        model = Transformer(arch, attention_backend=backend, layers=layers)
+    if init and device.type != "meta":
+        model.init_weights()
+    return model.to(dtype)
+
+
+__all__ = ["KVCache", "ModelOutput", "Transformer", "build_model"]

@@ -1,0 +1,25 @@
+"""Pluggable kernels: the fast path and the pure-torch path sit one function apart.
+
+- `attention`: causal attention over a packed token stream that never crosses a sequence boundary, by
+  backend name (`torch`, `sdpa`, `varlen`, `flash_attn`, `te`) or `auto`; `cached_attention` for decoding.
+- `grouped_gemm`: one matmul per expert over rows grouped by expert (`torch._grouped_mm` or a loop).
+"""
+
+from mlite.runtime.kernels.attention import (
+    ATTENTION_BACKENDS,
+    available_attention_backends,
+    cached_attention,
+    resolve_attention_backend,
+    varlen_attention,
+)
+from mlite.runtime.kernels.grouped_gemm import grouped_gemm, grouped_gemm_loop
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "available_attention_backends",
+    "cached_attention",
+    "grouped_gemm",
+    "grouped_gemm_loop",
+    "resolve_attention_backend",
+    "varlen_attention",
+]

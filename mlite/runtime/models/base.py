@@ -1,0 +1,94 @@
+"""Pieces every model family shares: the forward output, the KV cache, RMSNorm, rotary embeddings and the
+description of how one native parameter is stored in an HF checkpoint."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from mlite.errors import MliteError
+
+
+@dataclass
+class ModelOutput:
+    hidden: torch.Tensor  # [T, H]: after the final norm on the last stage, the residual stream before it
+    aux_loss: torch.Tensor  # scalar: MoE load-balancing loss times its coefficient (0 for dense models)
+
+
+@dataclass
+class KVCache:
+    """Keys and values per layer for decoding a padded batch; slot p of row b holds position p of sequence b."""
+
+    k: dict[str, torch.Tensor]  # layer name -> [B, S, kv_heads, head_dim]
+    v: dict[str, torch.Tensor]
+
+    @property
+    def max_len(self) -> int:
+        return next(iter(self.k.values())).shape[1]
+
+
+@dataclass
+class HFTensors:
+    """How one native parameter is stored in an HF checkpoint: under `hf_names`, cut by `split` (native ->
+    HF tensors, in the order of `hf_names`) and put back by `join`."""
+
+    param: str
+    hf_names: list[str]
+    split: Callable[[torch.Tensor], list[torch.Tensor]]
+    join: Callable[[list[torch.Tensor]], torch.Tensor]
+
+
+def same_tensor(name: str, param: str) -> HFTensors:
+    return HFTensors(param, [name], split=lambda t: [t], join=lambda ts: ts[0])
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, normalised in fp32 and scaled in the input dtype (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict], device=None) -> torch.Tensor:
+    """[head_dim/2] rotary frequencies, with the default, linear or llama3 scaling."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_context = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+        return torch.where(medium, smoothed, scaled)
+    raise MliteError(f"rope scaling '{kind}' is not supported by the native models; supported: default, linear, llama3")
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """positions [...] -> cos, sin [..., head_dim], computed in fp32."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d], cos/sin [T, d]: rotate the two halves of each head."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
