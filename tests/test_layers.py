@@ -21,6 +21,7 @@ LAYERS = {
     "mlite.errors": 0,
     "mlite.config": 1,
     "mlite.stack": 1,
+    "mlite.images": 1,
     "mlite.plan": 2,
     "mlite.runtime": 3,
     "mlite.trainers": 4,
