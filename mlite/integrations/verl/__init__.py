@@ -1,0 +1,43 @@
+"""mlite as a verl training engine (`engine=mlite`).
+
+`import verl` imports `mlite.integrations.verl.plugin` (our `verl.plugins` entry point), which calls
+`register`: it registers the
+`mlite` backend for language models in verl's `EngineRegistry` and a `cpu` platform (selected only with
+`VERL_PLATFORM=cpu`). The Hydra config ships in `mlite/integrations/verl/config`:
+
+    python -m verl.trainer.sft_trainer hydra.searchpath=[pkg://mlite.integrations.verl.config] engine=mlite ...
+
+Nothing here patches verl: its registries are its extension points.
+"""
+
+from __future__ import annotations
+
+CONFIG_SEARCHPATH = "pkg://mlite.integrations.verl.config"
+BACKEND = "mlite"
+_registered = False
+
+
+def register() -> None:
+    """Register the engine and the cpu platform with verl; idempotent."""
+    global _registered
+    if _registered:
+        return
+    from verl.plugin.platform.platform_manager import PlatformRegistry
+
+    from mlite.integrations.verl.platform_cpu import PlatformCPU
+
+    # the platform first: importing verl's engine modules already asks for the current platform
+    PlatformRegistry.register(platform="cpu")(PlatformCPU)
+
+    from verl.workers.engine.base import EngineRegistry
+
+    from mlite.integrations.verl.engine import MliteEngineWithLMHead
+
+    EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "cpu"])(
+        MliteEngineWithLMHead
+    )
+    _registered = True
+
+
+def is_registered() -> bool:
+    return _registered

@@ -1,0 +1,68 @@
+"""The `engine=mlite` config section as verl sees it (a verl `EngineConfig` dataclass).
+
+Each field maps onto one key of mlite's own job config (`to_job_dict`), so a layout means the same thing
+under verl and under `mlite sft` / `mlite grpo`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from verl.workers.config.engine import EngineConfig
+
+
+@dataclass
+class MliteEngineConfig(EngineConfig):
+    strategy: str = "mlite"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    attention_backend: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "bfloat16"  # compute dtype: bfloat16 | float16 | float32 (master weights stay fp32)
+    seed: int = 42
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.strategy != "mlite":
+            raise ValueError(f"MliteEngineConfig.strategy must be 'mlite' (got {self.strategy!r})")
+
+
+_COMPUTE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp32": "fp32"}
+
+
+def to_job_dict(
+    engine: MliteEngineConfig, model_path: str, optim: Any, total_steps: Optional[int] = None
+) -> dict[str, Any]:
+    """verl's engine + optimizer config -> mlite job dict (validated by `mlite.config.job_from_dict`)."""
+    if engine.dtype not in _COMPUTE:
+        raise ValueError(f"engine.dtype {engine.dtype!r}: use one of {', '.join(_COMPUTE)}")
+    warmup = optim.lr_warmup_steps if (optim.lr_warmup_steps or -1) >= 0 else 0
+    if warmup == 0 and optim.lr_warmup_steps_ratio and total_steps:
+        warmup = int(optim.lr_warmup_steps_ratio * total_steps)
+    schedule = getattr(optim, "lr_scheduler_type", "constant")
+    min_ratio = getattr(optim, "min_lr_ratio", None) or 0.0
+    return {
+        "job": "sft",
+        "model": {"path": model_path, "attention_backend": engine.attention_backend},
+        "parallel": {
+            "tp": engine.tensor_parallel_size,
+            "pp": engine.pipeline_parallel_size,
+            "cp": engine.context_parallel_size,
+            "ep": engine.expert_parallel_size,
+        },
+        "optimizer": {
+            "lr": float(optim.lr),
+            "min_lr": float(optim.lr) * float(min_ratio),
+            "weight_decay": float(optim.weight_decay),
+            "betas": tuple(float(b) for b in optim.betas),
+            "clip_grad": float(optim.clip_grad),
+            "warmup_steps": int(warmup),
+            "schedule": schedule,
+        },
+        "precision": {"compute": _COMPUTE[engine.dtype]},
+        "offload": {"params": bool(engine.param_offload), "optimizer": bool(engine.optimizer_offload)},
+        "trainer": {"seed": int(engine.seed), "device": engine.device, "steps": max(int(total_steps or 1), 1)},
+    }
