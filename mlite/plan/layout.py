@@ -212,7 +212,7 @@ def _check_model_split(job: JobConfig, arch: ModelArch) -> None:
 
 
 def _check_sequence_split(job: JobConfig, arch: ModelArch) -> int:
-    """Sequence parallel splits every packed micro-batch over tp ranks; context parallel cuts each sequence
+    """Sequence parallel splits every packed micro-batch over tp ranks; context parallel cuts its token stream
     into 2 x cp chunks (zigzag: rank i takes chunks i and 2cp-1-i, balancing causal work). Lengths must split
     evenly: an uneven split is refused here rather than failing inside a collective later."""
     p, d = job.parallel, job.data
