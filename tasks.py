@@ -63,3 +63,58 @@ def plan(c, config="", set_=None, recommend=False, json=False):
     args += ["--recommend"] if recommend else []
     args += ["--json"] if json else []
     _mlite(c, *args)
+
+
+# ------------------------------------------------------------------------------------ container images
+# Logic and command construction live in mlite/images.py (tested there); these only pass arguments.
+_IMAGE_HELP = {
+    "arch": "GPU architecture: sm90 (Hopper) or sm100 (Blackwell)",
+    "stack": "stack version from docker/stacks/ (default: the newest)",
+    "target": "image stage: runtime or dev",
+    "image": "image repository for the tag (default: $MLITE_IMAGE or mlite)",
+    "dry_run": "print the exact docker command without running it (no engine needed)",
+}
+
+
+def _images(action: str, **kwargs) -> None:
+    from mlite import images
+
+    sys.exit(images.main(action, **kwargs))
+
+
+@task(help={**_IMAGE_HELP, "push": "push the image after building it",
+            "cache_ref": "registry ref for the build cache (default: a local folder)"})
+def build(c, arch, stack="", target="runtime", push=False, dry_run=False, image="", cache_ref=""):
+    """Build the mlite image for one GPU architecture with docker buildx (pins from docker/stacks/)."""
+    _images("build", arch=arch, stack=stack or None, target=target, push=push, dry_run=dry_run,
+            image=image or None, cache_ref=cache_ref or None)
+
+
+@task(help=_IMAGE_HELP)
+def push(c, arch, stack="", target="runtime", dry_run=False, image=""):
+    """Push the image tagged for this arch and stack."""
+    _images("push", arch=arch, stack=stack or None, target=target, dry_run=dry_run, image=image or None)
+
+
+@task(help=_IMAGE_HELP)
+def pull(c, arch, stack="", target="runtime", dry_run=False, image=""):
+    """Pull the prebuilt image tagged for this arch and stack."""
+    _images("pull", arch=arch, stack=stack or None, target=target, dry_run=dry_run, image=image or None)
+
+
+@task(help={**_IMAGE_HELP, "target": "image stage: dev (default) or runtime",
+            "command": "command to run in the container (default: bash)"})
+def shell(c, arch, stack="", target="dev", dry_run=False, image="", command="bash"):
+    """Open a shell in the image on all GPUs with the repository at /workspace (prints the docker run)."""
+    _images("shell", arch=arch, stack=stack or None, target=target, dry_run=dry_run, image=image or None,
+            command=command)
+
+
+@task(help={"stack": "stack version (default: $MLITE_STACK, else the newest)", "arch": "sm90 or sm100",
+            "strict": "exit 1 when anything is missing or wrong", "require_gpu": "a missing GPU is a problem"})
+def doctor(c, stack="", arch="", strict=False, require_gpu=False):
+    """Check this environment against a stack's pins: versions, imports, GPU arch, NCCL, cuDNN DSA."""
+    args = ["doctor"] + ([f"--stack={stack}"] if stack else []) + ([f"--arch={arch}"] if arch else [])
+    args += ["--strict"] if strict else []
+    args += ["--require-gpu"] if require_gpu else []
+    _mlite(c, *args)

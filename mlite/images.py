@@ -147,15 +147,13 @@ def engine_problem() -> str | None:
 
 
 def execute(cmd: list[str], dry_run: bool = False) -> int:
-    """Print the exact command; run it unless dry_run. Without an engine: MliteError (exit 2)."""
-    print(shlex.join(cmd), flush=True)
-    if dry_run:
-        return 0
-    problem = engine_problem()
+    """Print the exact command and run it; dry_run only prints. Without an engine: MliteError (exit 2)."""
+    problem = None if dry_run else engine_problem()
     if problem:
         raise MliteError(f"no Docker engine: {problem}; start the Docker daemon (or run on a machine with one), "
                          "or add --dry-run to print the command only")
-    return subprocess.run(cmd, cwd=REPO).returncode
+    print(shlex.join(cmd), flush=True)
+    return 0 if dry_run else subprocess.run(cmd, cwd=REPO).returncode
 
 
 def build(arch: str, stack: str | None = None, target: str = "runtime", push: bool = False,
