@@ -22,27 +22,14 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from mlite.config.arch import ModelArch
-
-PEAK_BF16_TFLOPS = {"h100": 989.0, "h200": 989.0, "h800": 989.0, "b200": 2250.0, "b300": 2250.0, "a100": 312.0}
+from mlite.config.catalog import layer_params
 
 
 # ---------------------------------------------------------------------------------------------- FLOPs
 def matmul_params_per_token(arch: ModelArch) -> int:
-    """Parameters every token multiplies through: attention, dense or active expert MLPs, router, LM head."""
-    q_width = arch.num_heads * arch.head_dim
-    kv_width = arch.num_kv_heads * arch.head_dim
-    attention = arch.hidden * (q_width + 2 * kv_width) + q_width * arch.hidden
-    total = 0
-    for layer in range(arch.num_layers):
-        total += attention
-        if arch.moe is not None and arch.moe.is_moe_layer(layer):
-            moe = arch.moe
-            total += moe.top_k * 3 * arch.hidden * moe.expert_ffn
-            total += 3 * arch.hidden * moe.shared_expert_ffn
-            total += arch.hidden * moe.num_experts  # router
-        else:
-            total += 3 * arch.hidden * arch.ffn
-    return total + arch.hidden * arch.vocab  # LM head (counted even when tied: the matmul is done)
+    """Parameters every token multiplies through (the catalog's active count per layer) plus the LM head,
+    which runs even when tied to the embedding. Norm weights ride along: under 0.1% of the total."""
+    return sum(layer_params(arch, i).active for i in range(arch.num_layers)) + arch.hidden * arch.vocab
 
 
 def effective_seq_len(seq_lens: list[int]) -> float:
