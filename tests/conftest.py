@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests make their own tiny models
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.hookimpl(trylast=True)  # after `-m "not gpu"` has deselected: count only what will run
 def pytest_collection_modifyitems(config, items):
     selected_gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not selected_gpu:
