@@ -103,11 +103,12 @@ def pull(c, arch, stack="", target="runtime", dry_run=False, image=""):
 
 
 @task(help={**_IMAGE_HELP, "target": "image stage: dev (default) or runtime",
-            "command": "command to run in the container (default: bash)"})
-def shell(c, arch, stack="", target="dev", dry_run=False, image="", command="bash"):
+            "command": "command to run in the container (default: bash)",
+            "tty": "attach a terminal (--no-tty in CI)"})
+def shell(c, arch, stack="", target="dev", dry_run=False, image="", command="bash", tty=True):
     """Open a shell in the image on all GPUs with the repository at /workspace (prints the docker run)."""
     _images("shell", arch=arch, stack=stack or None, target=target, dry_run=dry_run, image=image or None,
-            command=command)
+            command=command, tty=tty)
 
 
 @task(help={"stack": "stack version (default: $MLITE_STACK, else the newest)", "arch": "sm90 or sm100",

@@ -122,10 +122,11 @@ def pull_command(tag: str) -> list[str]:
     return ["docker", "pull", tag]
 
 
-def shell_command(tag: str, repo: Path = REPO, command: str = "bash") -> list[str]:
-    """An interactive dev shell on all GPUs with the repository mounted at /workspace."""
+def shell_command(tag: str, repo: Path = REPO, command: str = "bash", tty: bool = True) -> list[str]:
+    """A shell (or `command`) on all GPUs with the repository mounted at /workspace; tty=False for CI."""
     return [
-        "docker", "run", "--rm", "-it", "--gpus", "all", "--ipc=host", f"--shm-size={SHELL_SHM_SIZE}",
+        "docker", "run", "--rm", *(["-it"] if tty else []), "--gpus", "all", "--ipc=host",
+        f"--shm-size={SHELL_SHM_SIZE}",
         "--ulimit", "memlock=-1", "--ulimit", f"stack={STACK_LIMIT_BYTES}",
         "-v", f"{repo.resolve()}:/workspace", "-w", "/workspace", tag, *shlex.split(command),
     ]
@@ -172,8 +173,9 @@ def pull(arch: str, stack: str | None = None, target: str = "runtime", dry_run: 
 
 
 def shell(arch: str, stack: str | None = None, target: str = "dev", dry_run: bool = False,
-          image: str | None = None, command: str = "bash") -> int:
-    return execute(shell_command(image_tag(load_stack(stack), arch, target, image), command=command), dry_run)
+          image: str | None = None, command: str = "bash", tty: bool = True) -> int:
+    tag = image_tag(load_stack(stack), arch, target, image)
+    return execute(shell_command(tag, command=command, tty=tty), dry_run)
 
 
 def main(action: str, **kwargs) -> int:
