@@ -1,0 +1,78 @@
+"""The built-in rollout: batched sampling on our own model with its KV cache (no vLLM needed).
+
+Prompts of different lengths are prefilled as one right-padded batch (cache slot p holds position p of
+its row, so no shifting), then every row advances one token per step. A row finishes at a stop token
+(kept in the response: the policy learns to stop) or at `max_new_tokens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from mlite.trainers.grpo.sampling import sample
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    stopped: bool  # ended with a stop token (else cut at max_new_tokens)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    pad_id: int = 0,
+) -> list[Completion]:
+    """Sample one response per prompt (repeat a prompt n times for a GRPO group)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt and no empty prompt")
+    device = next(model.parameters()).device
+    rows, longest = len(prompts), max(len(p) for p in prompts)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    input_ids = torch.full((rows, longest), pad_id, dtype=torch.long, device=device)
+    positions = torch.full((rows, longest), -1, dtype=torch.long, device=device)  # -1: padding
+    for i, prompt in enumerate(prompts):
+        input_ids[i, : len(prompt)] = torch.tensor(list(prompt), device=device)
+        positions[i, : len(prompt)] = torch.arange(len(prompt), device=device)
+
+    cache = model.new_kv_cache(rows, longest + params.max_new_tokens)
+    logits = model.decode(input_ids, positions, cache)  # [B, longest, V]
+    next_logits = logits[torch.arange(rows, device=device), lengths - 1]  # each row's last prompt token
+    stop_ids = torch.tensor(params.stop_token_ids or [-1], device=device)
+    responses = torch.full((rows, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+    response_len = torch.zeros(rows, dtype=torch.long, device=device)
+    for step in range(params.max_new_tokens):
+        token = sample(next_logits, params.temperature, params.top_k, params.top_p, generator)
+        token = torch.where(done, torch.full_like(token, pad_id), token)
+        responses[:, step] = token
+        response_len += (~done).long()
+        hit_stop = torch.isin(token, stop_ids) & ~done
+        stopped |= hit_stop
+        done |= hit_stop
+        if bool(done.all()) or step == params.max_new_tokens - 1:
+            break
+        # finished rows keep decoding padding (their outputs are ignored): one batch shape, no NaN rows
+        next_logits = model.decode(token[:, None], (lengths + step)[:, None], cache)[:, 0]
+
+    return [
+        Completion(list(map(int, prompts[i])), responses[i, : int(response_len[i])].tolist(), bool(stopped[i]))
+        for i in range(rows)
+    ]
