@@ -1,0 +1,123 @@
+"""Optimizer, learning-rate schedule and gradient clipping, owned by the runtime (models never build them).
+
+    schedule = LRSchedule(job.optimizer, total_steps)     # lr of every step, a pure function of the step
+    backend = build_optimizer(job, model, params_group)   # AdamW over fp32 master parameters
+    grad_norm, skipped = backend.step()                   # clip, skip on a non-finite norm, update
+
+The backend interface (`OptimizerBackend`) is what a parallel layout plugs into: `LocalAdamW` is the
+single-process (and replicated) backend; FSDP2 and Megatron's distributed optimizer (issue 5) provide the
+same five methods, with their grad norm reduced over the groups that shard the parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Optional, Protocol
+
+import torch
+
+from mlite.config.schema import OptimizerConfig
+
+
+# --------------------------------------------------------------------------------------- schedule
+def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup to cfg.lr over warmup_steps steps
+    (the first step already trains, at lr / warmup_steps), then constant, linear or cosine decay to min_lr
+    at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    decay_steps = max(total_steps - cfg.warmup_steps - 1, 1)
+    progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
+    if cfg.schedule == "linear":
+        return cfg.lr - (cfg.lr - cfg.min_lr) * progress
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LRSchedule:
+    """Sets the optimizer's lr for the next step; its whole state is the step counter."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int):
+        self.optimizer, self.cfg, self.total_steps = optimizer, cfg, total_steps
+        self.step_count = 0
+        self._apply()
+
+    @property
+    def lr(self) -> float:
+        return lr_at(self.step_count, self.cfg, self.total_steps)
+
+    def step(self) -> float:
+        """Advance to the next optimizer step; returns its lr."""
+        self.step_count += 1
+        self._apply()
+        return self.lr
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+
+    def state_dict(self) -> dict:
+        return {"step_count": self.step_count, "total_steps": self.total_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step_count"])
+        self._apply()
+
+
+# ---------------------------------------------------------------------------------------- backends
+class OptimizerBackend(Protocol):
+    """What the runtime asks of an optimizer backend (one per parallel layout)."""
+
+    optimizer: torch.optim.Optimizer  # the torch optimizer, for checkpoints (DCP names its state by FQN)
+    skipped_steps: int
+
+    def step(self) -> tuple[float, bool]:
+        """Clip, then update unless the grad norm is non-finite. Returns (grad norm before clipping, skipped)."""
+
+    def zero_grad(self) -> None: ...
+
+
+class LocalAdamW:
+    """AdamW on parameters that are all whole on this rank (one process, or replicated data parallel).
+
+    Parameters stay fp32 (they are the master weights); bf16 compute happens under autocast in the runtime,
+    so there is no separate master copy to keep in sync. `grad_norm_fn` lets a layout that shards or
+    replicates parameters reduce the norm over its groups (default: the local norm)."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        cfg: OptimizerConfig,
+        grad_norm_fn: Optional[Callable[[list[torch.Tensor]], torch.Tensor]] = None,
+    ):
+        self.params = [p for p in params if p.requires_grad]
+        self.cfg = cfg
+        decay = [p for p in self.params if p.ndim >= 2]  # no weight decay on norms and biases
+        no_decay = [p for p in self.params if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True
+        )
+        self.grad_norm_fn = grad_norm_fn or _local_grad_norm
+        self.skipped_steps = 0
+
+    def step(self) -> tuple[float, bool]:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = self.grad_norm_fn(grads) if grads else torch.zeros(())
+        if not torch.isfinite(norm):
+            # an inf/nan gradient would poison the Adam moments for good: drop this step's update
+            self.skipped_steps += 1
+            self.zero_grad()
+            return float(norm), True
+        if self.cfg.clip_grad > 0:
+            torch.nn.utils.clip_grads_with_norm_(grads, self.cfg.clip_grad, norm, foreach=True)
+        self.optimizer.step()
+        return float(norm), False
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _local_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=True)

@@ -1,0 +1,290 @@
+"""The runtime: what trainers (SFT, GRPO) and the verl plug-in drive. It owns the model, the device and
+precision, the parallel layout, the optimizer and the LR schedule; models only declare parameters.
+
+    rt = Runtime(job)
+    outs = rt.forward_backward(micro_batches, loss_fn)       # per micro-batch: loss, metrics, log-probs
+    grad_norm, skipped = rt.optimizer_step()                  # clip; skip (and count) a non-finite norm
+    rt.lr_scheduler_step(); rt.zero_grad()
+    rt.save_checkpoint(dir, extra_state) / rt.load_checkpoint(dir) -> extra_state
+    for hf_name, tensor in rt.export_weights(): ...           # a stream, for export and rollout weight sync
+
+`loss_fn(batch, token_logprobs, entropy, aux_loss) -> (loss, metrics)` returns this micro-batch's share of
+the step's loss (normalised by global counts, see mlite.runtime.loss.sft_loss), so summing the gradients
+over micro-batches and data-parallel ranks gives the exact gradient of the step's loss.
+
+Precision: parameters and optimizer state are fp32 (the master weights); on a GPU, `precision.compute:
+bf16` runs the forward and backward under autocast. On CPU compute is fp32.
+
+Layout: every decision about devices, meshes and groups lives in `_setup_layout`; one process is the
+layout with every degree 1 (`ParallelDims(world_size=1)`), and the loss is reduced over the `dp_cp` group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import json
+import random
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from mlite.config.arch import ModelArch, arch_from_hf_config
+from mlite.config.schema import JobConfig
+from mlite.errors import MliteError
+from mlite.runtime.ckpt import checkpoint as ckpt
+from mlite.runtime.data.packed import PackedBatch
+from mlite.runtime.loss import token_logprobs
+from mlite.runtime.models import build_model
+from mlite.runtime.optim import LocalAdamW, LRSchedule
+from mlite.runtime.parallel.mesh import ParallelDims
+
+LossFn = Callable[..., tuple[torch.Tensor, dict]]
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def pick_device(choice: str) -> torch.device:
+    """trainer.device: auto (cuda when visible, else cpu), cpu or cuda (refused when no GPU is visible)."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise MliteError("trainer.device: cuda but no CUDA GPU is visible; run on a GPU node or set trainer.device=cpu")
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def hf_config_of(job: JobConfig) -> dict[str, Any]:
+    """The HF config.json dict of the job's model (a catalog preset or a local checkpoint)."""
+    if job.model.name is not None:
+        from mlite.config.catalog import PRESETS, preset_arch
+
+        preset_arch(job.model.name)  # the catalog's own error for an unknown name
+        return {**PRESETS[job.model.name]}
+    path = Path(job.model.path)
+    config = path if path.name == "config.json" else path / "config.json"
+    if not config.is_file():
+        raise MliteError(f"model.path {job.model.path}: no config.json there; point it at an HF checkpoint dir")
+    return json.loads(config.read_text())
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state["numpy"] = {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "gauss": gauss}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np_state = state["numpy"]
+    np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+class Runtime:
+    def __init__(self, job: JobConfig, total_steps: Optional[int] = None, hf_config: Optional[dict] = None):
+        """Build the model (random init from trainer.seed, or HF weights when model.load_weights), the
+        optimizer and the schedule. `hf_config` overrides the model's config.json (export uses the copy in a
+        checkpoint); `total_steps` is the schedule's length (default trainer.steps)."""
+        self.job = job
+        self.device = pick_device(job.trainer.device)
+        compute = job.precision.compute if self.device.type == "cuda" else "fp32"
+        self.autocast_dtype = None if compute == "fp32" else COMPUTE_DTYPES[compute]
+        if job.trainer.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=False)
+        self.hf_config = hf_config if hf_config is not None else hf_config_of(job)
+        self.arch: ModelArch = arch_from_hf_config(self.hf_config, name=job.model.name or "")
+        self._setup_layout()
+
+        seed_everything(job.trainer.seed)  # same initial weights on every rank and every run
+        self.model = build_model(self.arch, job.model.attention_backend, dtype=torch.float32, device=self.device)
+        if job.model.load_weights and hf_config is None:
+            from mlite.runtime.ckpt.hf import load_hf_weights
+
+            load_hf_weights(self.model, job.model.path, torch.float32)
+        self.optim = LocalAdamW(self.model.parameters(), job.optimizer)
+        self.schedule = LRSchedule(self.optim.optimizer, job.optimizer, total_steps or job.trainer.steps)
+
+    # ------------------------------------------------------------------------------------- layout
+    def _setup_layout(self) -> None:
+        """Degrees, meshes and groups. One process: all degrees 1, no process group needed. Multi-rank
+        layouts (mlite.runtime.parallel: FSDP2, TP, CP, EP, PP) plug in here (issue 5)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.dims = ParallelDims.from_job(self.job, world)
+        if world > 1:
+            raise MliteError(
+                f"this runtime runs one process; {world} ranks need the parallel layouts of issue 5 "
+                "(launch a single process, or wait for parallel support in the runtime)"
+            )
+        self.mesh = None
+        self.loss_group = None  # dp_cp: where the loss's token counts are summed
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.rank_in("dp") if self.mesh is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def dp_group(self):
+        return self.mesh.group("dp") if self.mesh is not None else None
+
+    @property
+    def is_output_rank(self) -> bool:
+        """The rank whose outputs (log-probs, metrics) are the step's: last pipeline stage, tp/cp rank 0."""
+        if self.mesh is None:
+            return True
+        return (self.mesh.rank_in("pp") == self.dims.pp - 1 and self.mesh.rank_in("tp") == 0
+                and self.mesh.rank_in("cp") == 0)
+
+    def global_sum(self, value: float | int) -> float:
+        """Sum a count (e.g. target tokens) over the loss group: the normaliser of an exact global mean."""
+        if self.loss_group is None:
+            return value
+        t = torch.tensor(float(value), dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.loss_group)
+        return t.item()
+
+    # ---------------------------------------------------------------------------------- training
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def forward_backward(
+        self,
+        micro_batches: list[PackedBatch],
+        loss_fn: Optional[LossFn],
+        forward_only: bool = False,
+        with_entropy: bool = False,
+        temperature: float = 1.0,
+    ) -> list[dict[str, Any]]:
+        """Run each micro-batch forward (and backward unless forward_only); gradients accumulate.
+
+        Per micro-batch: {"loss", "metrics", "logprobs" [T], "entropy" [T] or None, "num_tokens"}; log-probs
+        of IGNORE labels are 0. With loss_fn None (forward_only), only the log-probs are computed."""
+        if loss_fn is None and not forward_only:
+            raise ValueError("forward_backward needs a loss_fn unless forward_only")
+        outputs = []
+        for batch in micro_batches:
+            batch = batch.to(self.device)
+            with torch.set_grad_enabled(not forward_only), self._autocast():
+                out = self.model(batch)
+                logprobs, entropy = token_logprobs(
+                    out.hidden, batch.labels, self.model.compute_logits, temperature, with_entropy
+                )
+                loss, metrics = loss_fn(batch, logprobs, entropy, out.aux_loss) if loss_fn else (None, {})
+            if not forward_only:
+                loss.backward()
+            outputs.append({
+                "loss": float(loss.detach()) if loss is not None else None,
+                "metrics": metrics,
+                "logprobs": logprobs.detach(),
+                "entropy": entropy.detach() if entropy is not None else None,
+                "num_tokens": batch.num_tokens,
+            })
+        return outputs
+
+    def forward_backward_logprobs(
+        self, batch: PackedBatch, loss_fn: Callable, forward_only: bool = False, temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[float, dict]:
+        """One micro-batch with a loss of (token_logprobs, entropy) only: the verl plug-in's call."""
+        (out,) = self.forward_backward(
+            [batch], lambda b, lp, ent, aux: loss_fn(lp, ent), forward_only, with_entropy, temperature
+        )
+        return out["loss"], out["metrics"]
+
+    def zero_grad(self) -> None:
+        self.optim.zero_grad()
+
+    def optimizer_step(self) -> tuple[float, bool]:
+        """Clip and update. Returns (grad norm before clipping, skipped); a non-finite norm skips the update."""
+        return self.optim.step()
+
+    def lr_scheduler_step(self) -> float:
+        return self.schedule.step()
+
+    @property
+    def lr(self) -> float:
+        return self.schedule.lr
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optim.skipped_steps
+
+    def train(self) -> None:
+        self.model.train()
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    def to(self, device: str | torch.device, model: bool = True, optimizer: bool = True) -> None:
+        """Move parameters (and their grads) and/or optimizer state, e.g. to the CPU while vLLM generates."""
+        device = torch.device(device) if str(device) != "cuda" else self.device
+        if model:
+            for p in self.model.parameters():
+                p.data = p.data.to(device)
+                if p.grad is not None:
+                    p.grad = p.grad.to(device)
+        if optimizer:
+            for state in self.optim.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        state[key] = value.to(device)
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def _state_tensors(self) -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(self.model, self.optim.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def save_checkpoint(self, path: str | Path, extra_state: Optional[dict] = None) -> Path:
+        """Atomically write model, optimizer, schedule, RNG streams and `extra_state` (JSON-able) to `path`."""
+        meta = {
+            "format": 1,
+            "schedule": self.schedule.state_dict(),
+            "skipped_steps": self.optim.skipped_steps,
+            "world_size": self.dims.world_size,
+            "job": self.job.model_dump(mode="json"),
+            "hf_config": self.hf_config,
+            "extra": extra_state or {},
+        }
+        return ckpt.save_checkpoint(path, self._state_tensors(), {"rng": rng_state()}, meta)
+
+    def load_checkpoint(self, path: str | Path) -> dict:
+        """Restore everything `save_checkpoint` wrote (refusing a corrupt checkpoint); returns extra_state."""
+        tensors = self._state_tensors()
+        meta, rank_state = ckpt.load_checkpoint(path, tensors)
+        set_state_dict(self.model, self.optim.optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict=tensors["optimizer"])
+        self.schedule.load_state_dict(meta["schedule"])
+        self.optim.skipped_steps = int(meta["skipped_steps"])
+        if rank_state is not None:
+            set_rng_state(rank_state["rng"])
+        return meta["extra"]
+
+    # ------------------------------------------------------------------------------------ export
+    def export_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named tensors one at a time (never the whole state at once)."""
+        from mlite.runtime.ckpt.hf import iter_hf_weights
+
+        for name, tensor in iter_hf_weights(self.model):
+            yield name, (tensor.to(dtype) if dtype is not None else tensor)
