@@ -161,7 +161,149 @@ def render_table(results: list[BenchResult]) -> "object":
     return table
 
 
+# ---------------------------------------------------------------------------------------------- runners
+def case_arch(case: BenchCase) -> ModelArch:
+    from mlite.config.catalog import preset_arch
+
+    arch = preset_arch(case.model)
+    return replace(arch, num_layers=case.num_layers) if case.num_layers else arch
+
+
+def case_seq_lens(case: BenchCase, seed: int = 0) -> list[int]:
+    return [case.seq_len] if case.packing == "full" else mixed_lengths(case.seq_len, seed=seed, shortest=max(8, case.seq_len // 16))
+
+
+def random_sequences(seq_lens: list[int], vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in seq_lens]
+
+
+def _free(device: str) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gb(device: str) -> float:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else 0.0
+
+
+def mlite_step_fn(arch: ModelArch, sequences: list[list[int]], device: str, compile_blocks: bool):
+    """One mlite training step: packed forward, chunked LM-head loss (no [T, V] logits kept), backward,
+    fused AdamW. bf16 parameters and optimizer state, as the HF baseline (same precision on both sides)."""
+    import torch
+
+    from mlite.runtime.data.packed import PackedBatch
+    from mlite.runtime.loss import token_logprobs
+    from mlite.runtime.models import build_model
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = build_model(arch, attention_backend="auto", dtype=dtype, device=device)
+    if compile_blocks:
+        for block in model.layers.values():
+            block.compile(dynamic=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.startswith("cuda"))
+    batch = PackedBatch.from_sequences(sequences).to(device)
+    targets = batch.num_target_tokens
+
+    def step() -> None:
+        out = model(batch)
+        logp, _ = token_logprobs(out.hidden, batch.labels, model.compute_logits)
+        loss = -logp.sum() / targets + out.aux_loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, (model, opt)
+
+
+def hf_step_fn(arch: ModelArch, sequences: list[list[int]], device: str):
+    """The baseline: transformers' own model, SDPA attention, a right-padded batch (HF's usual way to train
+    on sequences of mixed lengths), loss computed by the model, fused AdamW."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mlite.runtime.ckpt.hf import hf_config_from_arch
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    cfg = hf_config_from_arch(arch, dtype)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.startswith("cuda"))
+    longest = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
+
+    def step() -> None:
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, (model, opt)
+
+
+def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str) -> Optional[float]:
+    """The planner's per-GPU peak for this case (bf16 params and optimizer state, as benchmarked)."""
+    from mlite.config import job_from_dict
+    from mlite.plan import plan_job
+
+    if gpu not in ("h100", "h200", "b200", "b300", "a100", "h800", "h20"):
+        return None
+    job = job_from_dict({
+        "model": {"name": case.model},
+        "cluster": {"nodes": 1, "gpus_per_node": case.gpus, "gpu": gpu},
+        "parallel": {"ep": case.ep, "cp": case.cp},
+        "precision": {"compute": "bf16", "master": "bf16"},
+        "data": {"seq_len": case.seq_len, "micro_batch_size": 1, "global_batch_size": case.dp,
+                 "dynamic_batch": False},
+    })
+    return plan_job(job, arch).memory.per_gpu_gb
+
+
+def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, sides=("mlite", "hf"),
+             compile_blocks: bool = True, gpu: str = "cpu", peak_tflops: float = 1.0) -> list[BenchResult]:
+    arch = case_arch(case)
+    seq_lens = case_seq_lens(case)
+    sequences = random_sequences(seq_lens, arch.vocab, seed=0)
+    tokens = sum(seq_lens)
+    results = []
+    for side in sides:
+        if side == "hf" and not case.baseline:
+            continue
+        _free(device)
+        step, keep = (mlite_step_fn(arch, sequences, device, compile_blocks and device.startswith("cuda"))
+                      if side == "mlite" else hf_step_fn(arch, sequences, device))
+        timing = time_steps(step, warmup, steps, device)
+        tps = tokens / (timing.median_ms / 1e3)
+        results.append(BenchResult(
+            case=case.name, side=side, tokens_per_step=tokens, step_ms=timing.median_ms, tokens_per_s=tps,
+            mfu=mfu(arch, seq_lens, tps, peak_tflops), peak_gb=_peak_gb(device),
+            estimate_gb=planner_estimate_gb(case, arch, gpu) if side == "mlite" else None, device=device,
+            extra={"seq_lens": seq_lens if len(seq_lens) < 64 else len(seq_lens), "step_ms_all": timing.step_ms},
+        ))
+        del step, keep
+    _free(device)
+    return results
+
+
 __all__ = [
     "BenchCase", "BenchResult", "CASES", "flops_per_token", "matmul_params_per_token", "mfu", "mixed_lengths",
-    "effective_seq_len", "time_steps", "write_results", "render_table", "replace",
+    "effective_seq_len", "time_steps", "write_results", "render_table", "run_case", "case_arch",
 ]

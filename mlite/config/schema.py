@@ -134,8 +134,16 @@ class OptimizerConfig(Section):
 # ---------------------------------------------------------------------------------- precision & memory
 class PrecisionConfig(Section):
     compute: Literal["bf16", "fp16", "fp32"] = "bf16"  # dtype of matmuls and activations
-    master: Literal["fp32"] = "fp32"  # master weights and optimizer state are always fp32
+    # fp32: fp32 master weights and Adam state beside bf16 compute weights (the safe default);
+    # bf16: parameters, gradients and Adam state all in bf16 (half the state memory; what plain HF training does)
+    master: Literal["fp32", "bf16"] = "fp32"
     grad_reduce: Literal["fp32", "bf16"] = "fp32"
+
+    @model_validator(mode="after")
+    def _master(self):
+        if self.master == "bf16" and self.compute != "bf16":
+            raise ValueError(f"precision.master: bf16 needs precision.compute: bf16 (got {self.compute})")
+        return self
 
 
 class RecomputeConfig(Section):

@@ -178,21 +178,25 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int) ->
         host += nbytes * to_host
         items.append(MemoryItem(name, nbytes * (1 - to_host) / GIB, note))
 
+    master = job.precision.master  # fp32: separate fp32 master copy; bf16: the parameters are the master
+    mb = DTYPE_BYTES[master]
     if job.optimizer.backend == "dist_opt":
         put("weights", full * w, f"{job.precision.compute}, full copy of this stage after tp/ep split")
-        put("gradients", full * g, f"{job.precision.grad_reduce} grad buffer, not sharded (Megatron DDP)")
-        if not fp32_compute:
+        put("gradients", full * (g if master == "fp32" else mb),
+            f"{job.precision.grad_reduce if master == 'fp32' else master} grad buffer, not sharded (Megatron DDP)")
+        if not fp32_compute and master == "fp32":
             put("master weights", sharded * 4, f"fp32, sharded over dp x cp={dense_shards} / edp={expert_shards}",
                 frac)
-        put("optimizer state", sharded * 8, f"Adam m, v fp32, sharded; {frac:.0%} offloaded", frac)
+        put("optimizer state", sharded * 2 * mb, f"Adam m, v {master}, sharded; {frac:.0%} offloaded", frac)
     else:
-        put("master weights", sharded * 4, f"fp32 FSDP2 shards over dp x cp={dense_shards} / edp={expert_shards}",
-            1.0 if off.params else 0.0)
-        put("gathered weights", FSDP_PREFETCH_LAYERS * sp.largest_unit * w,
+        put("master weights", sharded * mb,
+            f"{master} FSDP2 shards over dp x cp={dense_shards} / edp={expert_shards}", 1.0 if off.params else 0.0)
+        put("gathered weights", FSDP_PREFETCH_LAYERS * sp.largest_unit * w
+            if sharded < full or master != job.precision.compute else 0.0,  # one unsharded bf16 copy needs none
             f"{job.precision.compute}, {FSDP_PREFETCH_LAYERS} layers unsharded at a time")
-        put("gradients", sharded * 4 + sp.largest_unit * w, "fp32 shards + one unsharded layer being reduced",
-            (sharded * 4 / (sharded * 4 + sp.largest_unit * w)) if off.grads else 0.0)
-        put("optimizer state", sharded * 8, f"Adam m, v fp32, sharded; {frac:.0%} offloaded", frac)
+        put("gradients", sharded * mb + sp.largest_unit * w, f"{master} shards + one unsharded layer being reduced",
+            (sharded * mb / (sharded * mb + sp.largest_unit * w)) if off.grads else 0.0)
+        put("optimizer state", sharded * 2 * mb, f"Adam m, v {master}, sharded; {frac:.0%} offloaded", frac)
     resident = list(items)
 
     tokens = layout.tokens_per_micro_batch / layout.cp / layout.tp  # SP splits every token-wise activation
