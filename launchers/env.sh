@@ -1,0 +1,33 @@
+# shellcheck shell=bash
+# The launch environment every mlite launcher and Slurm template shares. Sourced, never run.
+# Each variable keeps a value already set in the environment, so any one can be overridden per job.
+
+# --- CUDA and the PyTorch allocator
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}    # one hardware queue: TP/CP comm overlaps compute in issue order
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # less fragmentation with packed, variable-length batches
+export TORCH_NCCL_AVOID_RECORD_STREAMS=${TORCH_NCCL_AVOID_RECORD_STREAMS:-1}  # free comm buffers promptly instead of at stream sync
+
+# --- NCCL: known hangs off, timeouts raised and named
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}                          # NVLink SHARP has known hangs; opt in per job
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}                                    # INFO when chasing a hang
+export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}                            # InfiniBand retry timeout exponent (4.096 us x 2^22 ~ 17 s)
+export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-7}                         # InfiniBand retries before a link error
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}  # on a collective timeout: tear down and exit, never hang
+export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=${TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC:-1200}  # watchdog of the NCCL watchdog (first steps can be slow)
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}       # flight-recorder dump names the collective that hung
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}  # collectives kept for that dump
+
+# --- torchrun: how long nodes wait for each other at start
+export RDZV_TIMEOUT_S=${RDZV_TIMEOUT_S:-600}                             # static rendezvous on the first node: all nodes must join within this
+
+# --- Ray (GRPO): large jobs need longer health checks than Ray's defaults
+export RAY_health_check_timeout_ms=${RAY_health_check_timeout_ms:-30000}    # one missed health check is not a dead node
+export RAY_health_check_failure_threshold=${RAY_health_check_failure_threshold:-10}  # consecutive misses before a node is declared dead
+export RAY_gcs_rpc_server_reconnect_timeout_s=${RAY_gcs_rpc_server_reconnect_timeout_s:-120}  # workers wait this long for a busy head
+export RAY_DEDUP_LOGS=${RAY_DEDUP_LOGS:-0}                               # every rank's lines in the node logs
+export RAY_USAGE_STATS_ENABLED=${RAY_USAGE_STATS_ENABLED:-0}             # clusters without internet: no usage report
+
+# --- Python and tokenizers
+export PYTHONUNBUFFERED=${PYTHONUNBUFFERED:-1}                           # log lines appear as they happen
+export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}           # no fork warnings from HF tokenizers in data workers
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}                             # one thread per rank unless a job asks for more
