@@ -111,7 +111,7 @@ class LocalAdamW:
             self.zero_grad()
             return float(norm), True
         if self.cfg.clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_(grads, self.cfg.clip_grad, norm, foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.clip_grad, norm, foreach=True)
         self.optimizer.step()
         return float(norm), False
 

@@ -1,0 +1,176 @@
+"""The runtime API against direct torch computations: loss and gradients, accumulation over micro-batches,
+chunked log-probs and entropy, skipping non-finite steps, clipping and the LR schedules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mlite.config import job_from_dict
+from mlite.config.schema import OptimizerConfig
+from mlite.runtime.data.packed import IGNORE, PackedBatch
+from mlite.runtime.engine import Runtime
+from mlite.runtime.loss import sft_loss, token_logprobs
+from mlite.runtime.optim import lr_at
+
+
+def make_job(**optimizer):
+    return job_from_dict({
+        "model": {"name": "tiny-qwen3"},
+        "precision": {"compute": "fp32"},
+        "optimizer": {"lr": 1e-3, **optimizer},
+        "trainer": {"device": "cpu", "steps": 10, "seed": 7},
+    })
+
+
+def sequences(lengths, seed=0, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def prompt_masks(seqs, prompt=3):  # first `prompt` tokens are not trained, as with a chat prompt
+    return [[0] * prompt + [1] * (len(s) - prompt) for s in seqs]
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_forward_backward_equals_direct_cross_entropy():
+    rt = Runtime(make_job())
+    seqs = sequences([9, 14, 6])
+    batch = PackedBatch.from_sequences(seqs, prompt_masks(seqs))
+    (out,) = rt.forward_backward([batch], sft_loss(batch.num_target_tokens), with_entropy=True)
+    ours = grads(rt.model)
+
+    rt.zero_grad()
+    logits = rt.model.compute_logits(rt.model(batch).hidden)  # [T, V]
+    reference = F.cross_entropy(logits, batch.labels, ignore_index=IGNORE, reduction="mean")
+    reference.backward()
+    assert out["loss"] == pytest.approx(reference.item(), rel=1e-6)
+    for name, g in grads(rt.model).items():
+        torch.testing.assert_close(ours[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+    logp = torch.log_softmax(logits.detach(), -1)
+    trained = batch.labels != IGNORE
+    expected = logp.gather(-1, batch.labels.clamp(min=0)[:, None])[:, 0] * trained
+    torch.testing.assert_close(out["logprobs"], expected)
+    torch.testing.assert_close(out["entropy"], -(logp.exp() * logp).sum(-1))
+    assert out["metrics"]["target_tokens"] == int(trained.sum()) == sum(len(s) - 3 for s in seqs)
+
+
+def test_chunked_logprobs_equal_whole_including_gradients():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(23, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (23,))
+    labels[[0, 7, 22]] = IGNORE
+    results = []
+    for chunk in (4, 1000):
+        hidden.grad = None
+        lp, ent = token_logprobs(hidden, labels, head, temperature=0.7, with_entropy=True, chunk_tokens=chunk)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        results.append((lp.detach(), ent.detach(), hidden.grad.clone()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+    assert results[0][0][[0, 7, 22]].eq(0).all()
+
+
+def test_accumulating_micro_batches_equals_one_big_batch():
+    seqs = sequences([9, 14, 6, 11, 5])
+    masks = prompt_masks(seqs)
+    whole = PackedBatch.from_sequences(seqs, masks)
+
+    rt = Runtime(make_job())
+    (big,) = rt.forward_backward([whole], sft_loss(whole.num_target_tokens))
+    one_batch = grads(rt.model)
+
+    rt.zero_grad()
+    parts = [PackedBatch.from_sequences(seqs[:2], masks[:2]), PackedBatch.from_sequences(seqs[2:], masks[2:])]
+    total = sum(p.num_target_tokens for p in parts)
+    outs = rt.forward_backward(parts, sft_loss(total))
+    assert sum(o["loss"] for o in outs) == pytest.approx(big["loss"], rel=1e-6)
+    for name, g in grads(rt.model).items():
+        torch.testing.assert_close(g, one_batch[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_forward_only_needs_no_loss_and_keeps_no_graph():
+    rt = Runtime(make_job())
+    batch = PackedBatch.from_sequences(sequences([8, 5]))
+    (out,) = rt.forward_backward([batch], None, forward_only=True)
+    assert out["loss"] is None and not out["logprobs"].requires_grad
+    assert all(p.grad is None for p in rt.model.parameters())
+    with pytest.raises(ValueError, match="needs a loss_fn"):
+        rt.forward_backward([batch], None)
+
+
+def test_non_finite_gradient_skips_the_update_and_is_counted():
+    rt = Runtime(make_job())
+    batch = PackedBatch.from_sequences(sequences([8, 5]))
+    before = {n: p.detach().clone() for n, p in rt.model.named_parameters()}
+    rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
+    next(rt.model.parameters()).grad[0, 0] = float("nan")
+    norm, skipped = rt.optimizer_step()
+    assert skipped and math.isnan(norm) and rt.skipped_steps == 1
+    for n, p in rt.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert all(p.grad is None for p in rt.model.parameters())  # the poisoned gradient is gone
+
+    rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
+    norm, skipped = rt.optimizer_step()
+    assert not skipped and math.isfinite(norm) and rt.skipped_steps == 1
+    assert any(not torch.equal(p, before[n]) for n, p in rt.model.named_parameters())
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_grad_norm_is_reported_before_clipping_and_clipping_applies(clip):
+    rt = Runtime(make_job(clip_grad=clip))
+    batch = PackedBatch.from_sequences(sequences([12, 7]))
+    rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
+    raw = torch.nn.utils.get_total_norm([p.grad for p in rt.model.parameters()]).item()
+    norm, _ = rt.optimizer_step()
+    assert norm == pytest.approx(raw, rel=1e-6)
+    after = torch.nn.utils.get_total_norm([p.grad for p in rt.model.parameters()]).item()
+    assert raw > 0.05  # the clip below really cuts
+    assert after == pytest.approx(clip if clip else raw, rel=1e-5)
+
+
+def test_lr_schedules():
+    cfg = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=4, schedule="cosine")
+    total = 14  # warmup 0..3, decay over steps 4..13
+    assert [lr_at(s, cfg, total) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, cfg, total) == 1.0
+    assert lr_at(13, cfg, total) == pytest.approx(0.1)
+    mid = 4 + 9 / 2  # cosine halfway is the mean of lr and min_lr
+    assert lr_at(int(mid), cfg, total) > 0.55 > lr_at(int(mid) + 1, cfg, total)
+    linear = cfg.model_copy(update={"schedule": "linear"})
+    assert [round(lr_at(s, linear, total), 6) for s in (4, 7, 13, 20)] == [1.0, 0.7, 0.1, 0.1]
+    constant = cfg.model_copy(update={"schedule": "constant"})
+    assert {lr_at(s, constant, total) for s in range(4, 30)} == {1.0}
+
+
+def test_runtime_schedule_drives_the_optimizer_lr():
+    rt = Runtime(make_job(warmup_steps=2, schedule="linear", min_lr=0.0))
+    seen = [rt.optim.optimizer.param_groups[0]["lr"]]
+    for _ in range(3):
+        seen.append(rt.lr_scheduler_step())
+        assert rt.optim.optimizer.param_groups[0]["lr"] == seen[-1]
+    assert seen == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3 * (1 - 1 / 7)])  # decay: steps 2..9
+
+
+def test_weight_decay_spares_norms_and_biases():
+    rt = Runtime(make_job(weight_decay=0.1))
+    decay, no_decay = rt.optim.optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_cuda_without_gpu_is_one_clear_error():
+    from mlite.errors import MliteError
+
+    with pytest.raises(MliteError, match="no CUDA GPU is visible"):
+        Runtime(job_from_dict({"model": {"name": "tiny-qwen3"}, "trainer": {"device": "cuda"}}))
