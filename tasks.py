@@ -50,6 +50,21 @@ def test(c, gpu=False, k="", workers=2, extra=""):
 
 @task(
     help={
+        "cases": "comma-separated case names (default: every single-GPU case); `mlite bench --list` shows them",
+        "steps": "timed steps per side",
+        "device": "auto | cpu | cuda",
+        "no_baseline": "skip the HF-transformers side",
+        "out": "JSON results file",
+    }
+)
+def bench(c, cases="", steps=8, device="auto", no_baseline=False, out="runs/bench/results.json"):
+    """Benchmark mlite's training step against HF transformers: tokens/s, MFU, peak memory vs the planner."""
+    args = ["bench", *[n for n in cases.split(",") if n], f"--steps={steps}", f"--device={device}", f"--out={out}"]
+    _mlite(c, *args, *(["--no-baseline"] if no_baseline else []))
+
+
+@task(
+    help={
         "config": "job YAML file or packaged preset name",
         "set_": "override key.sub=value (repeatable)",
         "recommend": "enumerate and rank valid layouts instead of checking one",

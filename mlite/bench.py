@@ -141,6 +141,40 @@ class BenchResult:
     extra: dict = field(default_factory=dict)
 
 
+def detect_gpu(device: str) -> tuple[str, float]:
+    """(gpu type as the config names it, dense bf16 peak TFLOP/s) of the device."""
+    from mlite.config.schema import GPU_BF16_TFLOPS
+
+    if not device.startswith("cuda"):
+        return "cpu", GPU_BF16_TFLOPS["cpu"]
+    import torch
+
+    name = torch.cuda.get_device_name().lower()
+    gpu = next((g for g in GPU_BF16_TFLOPS if g != "cpu" and g in name.replace(" ", "")), "h100")
+    return gpu, GPU_BF16_TFLOPS[gpu]
+
+
+def environment(device: str) -> dict:
+    import datetime
+    import platform
+
+    import torch
+
+    import mlite
+
+    env = {"date": datetime.date.today().isoformat(), "mlite": mlite.__version__, "torch": torch.__version__,
+           "python": platform.python_version(), "device": device}
+    if device.startswith("cuda"):
+        env |= {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return env
+
+
 def write_results(results: list[BenchResult], out: Path, meta: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2))

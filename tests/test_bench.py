@@ -32,3 +32,25 @@ def test_mixed_lengths_fill_the_budget_exactly_and_vary():
     lens = mixed_lengths(4096, seed=3)
     assert sum(lens) == 4096 and len(set(lens)) > 1
     assert lens == mixed_lengths(4096, seed=3)
+
+
+def test_tiny_case_runs_both_sides_and_reports(tmp_path):
+    from mlite.bench import CASES, render_table, run_case, write_results
+
+    results = run_case(CASES["tiny-cpu"], "cpu", steps=2, warmup=1, compile_blocks=False)
+    assert [r.side for r in results] == ["mlite", "hf"]
+    for r in results:
+        assert r.tokens_per_step == 128 and r.step_ms > 0 and r.tokens_per_s > 0 and 0 < r.mfu
+    assert results[0].estimate_gb is None  # the planner estimates GPU memory; a CPU run has no peak to compare
+    write_results(results, tmp_path / "r.json", {"device": "cpu"})
+    assert '"side": "hf"' in (tmp_path / "r.json").read_text()
+    assert render_table(results).row_count == 2
+
+
+def test_cli_refuses_unknown_case_in_one_line():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "mlite", "bench", "no-such-case"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "unknown bench case" in proc.stderr
