@@ -25,7 +25,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -180,8 +180,10 @@ class CheckpointManager:
         found = [int(m.group(1)) for p in self.root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
         return sorted(found, reverse=True)
 
-    def save(self, step: int, tensors: dict, rank_state: dict, meta: dict) -> Path:
-        path = save_checkpoint(self.path_for(step), tensors, rank_state, meta)
+    def save(self, step: int, write: Callable[[Path], Path]) -> Path:
+        """`write(path)` writes the checkpoint atomically (e.g. Runtime.save_checkpoint); then `latest`
+        moves to it and checkpoints beyond the newest keep_last are deleted."""
+        path = write(self.path_for(step))
         if _rank() == 0:
             _write_text(self.root / LATEST, path.name + "\n")
             for old in self.steps()[self.keep_last :]:

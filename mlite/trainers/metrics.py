@@ -1,0 +1,143 @@
+"""Training metrics: a JSONL file (the record a resumed run continues exactly), TensorBoard scalars, a PNG
+loss curve, and a progress display with loss, tokens/s and ETA. Shared by the SFT and GRPO trainers.
+
+Only the output rank writes (rank 0); other ranks get a writer that does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+PLOT_FILE = "loss.png"
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsWriter:
+    """Appends one JSON record per logged step to `{output_dir}/metrics.jsonl` and the same scalars to
+    TensorBoard. A run resumed from step k first drops the records after k (written by the interrupted
+    run past its last checkpoint), so the file reads as if the run had never stopped."""
+
+    def __init__(self, output_dir: str | Path, tensorboard: bool = True, resume_step: int = 0, enabled: bool = True):
+        self.enabled = enabled
+        self.path = Path(output_dir) / METRICS_FILE
+        self.tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step] if resume_step else []
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)
+        self.file = open(self.path, "a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step hides the events the interrupted run wrote after the checkpoint
+            self.tb = SummaryWriter(str(Path(output_dir) / TENSORBOARD_DIR), purge_step=resume_step + 1 if resume_step else None)
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **values}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def plot_metrics(
+    metrics_path: str | Path, png_path: str | Path, keys: Iterable[str] = ("loss",), title: str = "training loss"
+) -> Optional[Path]:
+    """A PNG of `keys` against the step (matplotlib, no display needed). None when nothing was logged."""
+    records = read_metrics(metrics_path)
+    keys = [k for k in keys if any(k in r for r in records)]
+    if not keys:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 3.2 * len(keys)), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        ax.plot(*zip(*points), marker="." if len(points) < 60 else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_title(title)
+    fig.tight_layout()
+    png_path = Path(png_path)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class ProgressDisplay:
+    """A live progress bar on a terminal (loss, tokens/s, ETA); one plain line per logged step otherwise
+    (Slurm logs, CI). ETA extrapolates the mean step time of this process (a resumed run restarts it)."""
+
+    def __init__(self, total_steps: int, start_step: int = 0, description: str = "train", enabled: bool = True, console=None):
+        from rich.console import Console
+
+        self.enabled = enabled
+        self.total, self.start = total_steps, start_step
+        self.console = console or Console(stderr=True)
+        self.started = time.perf_counter()
+        self.live = enabled and self.console.is_terminal
+        if self.live:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self.progress = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"), console=self.console, transient=False,
+            )
+            self.task = self.progress.add_task(description, total=total_steps, completed=start_step, status="")
+            self.progress.start()
+        self.description = description
+
+    def eta(self, step: int) -> float:
+        done = step - self.start
+        return (time.perf_counter() - self.started) / done * (self.total - step) if done > 0 else float("nan")
+
+    def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
+        if not self.enabled:
+            return
+        eta = self.eta(step)
+        status = f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  ETA {format_duration(eta) if math.isfinite(eta) else '?'}"
+        status += f"  {extra}" if extra else ""
+        if self.live:
+            self.progress.update(self.task, completed=step, status=status)
+        else:
+            self.console.print(f"{self.description} step {step}/{self.total}  {status}", highlight=False)
+
+    def close(self) -> None:
+        if self.live:
+            self.progress.stop()

@@ -1,0 +1,170 @@
+"""Training checkpoints: exact restore, atomic saves, keep-last-N, corrupt and truncated checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from mlite.config import job_from_dict
+from mlite.errors import MliteError
+from mlite.runtime.ckpt import checkpoint as ckpt
+from mlite.runtime.ckpt.checkpoint import CheckpointManager, resolve_checkpoint, verify_checkpoint
+from mlite.runtime.data.packed import PackedBatch
+from mlite.runtime.engine import Runtime
+from mlite.runtime.loss import sft_loss
+
+
+def make_job(model="tiny-qwen3"):
+    return job_from_dict({
+        "model": {"name": model},
+        "precision": {"compute": "fp32"},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.01},
+        "trainer": {"device": "cpu", "steps": 8, "seed": 3},
+    })
+
+
+def batch_for(step: int) -> PackedBatch:
+    g = torch.Generator().manual_seed(step)
+    return PackedBatch.from_sequences([torch.randint(0, 256, (n,), generator=g).tolist() for n in (11, 6, 9)])
+
+
+def train_steps(rt: Runtime, steps) -> list[float]:
+    losses = []
+    for step in steps:
+        rt.zero_grad()
+        b = batch_for(step)
+        (out,) = rt.forward_backward([b], sft_loss(b.num_target_tokens))
+        rt.optimizer_step()
+        rt.lr_scheduler_step()
+        losses.append(out["loss"])
+    return losses
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_save_then_load_continues_bitwise(tmp_path, model):
+    straight = Runtime(make_job(model))
+    expected = train_steps(straight, range(6))
+
+    first = Runtime(make_job(model))
+    assert train_steps(first, range(3)) == expected[:3]
+    torch.manual_seed(99)  # an RNG position that must come back
+    first.save_checkpoint(tmp_path / "ck", extra_state={"step": 3, "note": "hi"})
+    after_save = torch.rand(3)
+
+    second = Runtime(make_job(model))
+    assert second.load_checkpoint(tmp_path / "ck") == {"step": 3, "note": "hi"}
+    torch.testing.assert_close(torch.rand(3), after_save, rtol=0, atol=0)  # RNG restored
+    assert second.schedule.step_count == 3 and second.optim.optimizer.param_groups[0]["lr"] == second.lr
+    assert train_steps(second, range(3, 6)) == expected[3:]  # bitwise: == on Python floats
+    for (name, a), b in zip(straight.model.named_parameters(), second.model.parameters()):
+        assert torch.equal(a, b), name
+    sa, sb = straight.optim.optimizer.state_dict()["state"], second.optim.optimizer.state_dict()["state"]
+    for key in sa:
+        assert torch.equal(sa[key]["exp_avg_sq"], sb[key]["exp_avg_sq"])
+
+
+def test_checkpoint_names_tensors_by_parameter_with_global_shapes(tmp_path):
+    rt = Runtime(make_job())
+    train_steps(rt, range(1))
+    rt.save_checkpoint(tmp_path / "ck")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(tmp_path / "ck" / ckpt.TENSORS)).read_metadata()
+    shapes = {k: list(v.size) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
+    assert shapes["model.layers.0.attn.q_proj.weight"] == [64, 64]
+    assert shapes["optimizer.state.layers.1.mlp.down_proj.weight.exp_avg"] == [64, 128]
+    meta = json.loads((tmp_path / "ck" / ckpt.META).read_text())
+    assert meta["hf_config"]["hidden_size"] == 64 and meta["job"]["model"]["name"] == "tiny-qwen3"
+
+
+def save_runtime(rt, extra=None):
+    return lambda path: rt.save_checkpoint(path, extra or {})
+
+
+def test_keep_last_n_and_latest_pointer(tmp_path):
+    rt = Runtime(make_job())
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    for step in (2, 4, 6):
+        manager.save(step, save_runtime(rt, {"step": step}))
+    assert manager.steps() == [6, 4]
+    assert sorted(p.name for p in manager.root.iterdir()) == ["latest", "step_00000004", "step_00000006"]
+    assert (manager.root / "latest").read_text().strip() == "step_00000006"
+    assert resolve_checkpoint(tmp_path) == manager.path_for(6)
+    assert resolve_checkpoint(manager.root) == manager.path_for(6)
+
+
+def test_a_crash_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    rt = Runtime(make_job())
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    manager.save(2, save_runtime(rt, {"step": 2}))
+    train_steps(rt, range(1))
+
+    def crash(path, data):  # dies after the tensors are written, before the manifest
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "_write_json", crash)
+    with pytest.raises(OSError, match="disk full"):
+        manager.save(4, save_runtime(rt, {"step": 4}))
+    monkeypatch.undo()
+
+    assert (manager.root / "step_00000004.partial").is_dir()  # the half-written save is set aside
+    assert manager.steps() == [2] and manager.latest_good() == manager.path_for(2)
+    assert Runtime(make_job()).load_checkpoint(manager.latest_good()) == {"step": 2}
+    manager.save(4, save_runtime(rt, {"step": 4}))  # the next save cleans the leftovers and rotates
+    assert sorted(p.name for p in manager.root.iterdir()) == ["latest", "step_00000004"]
+
+
+def test_a_checkpoint_renamed_but_not_yet_pointed_to_is_still_found(tmp_path):
+    rt = Runtime(make_job())
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    manager.save(2, save_runtime(rt, {"step": 2}))
+    rt.save_checkpoint(manager.path_for(4), {"step": 4})  # as if the process died before updating `latest`
+    assert manager.latest_good() == manager.path_for(4)
+
+
+def distcp_file(path):
+    return next((path / ckpt.TENSORS).glob("*.distcp"))
+
+
+def test_truncated_and_altered_checkpoints_are_refused_with_one_line(tmp_path):
+    rt = Runtime(make_job())
+    rt.save_checkpoint(tmp_path / "a")
+    verify_checkpoint(tmp_path / "a")
+    data = distcp_file(tmp_path / "a")
+    size = data.stat().st_size
+    os.truncate(data, size // 2)
+    with pytest.raises(MliteError, match=rf"corrupt: tensors/__0_0.distcp has {size // 2} bytes, the manifest says {size}") as err:
+        Runtime(make_job()).load_checkpoint(tmp_path / "a")
+    assert "\n" not in str(err.value)
+
+    rt.save_checkpoint(tmp_path / "b")
+    data = distcp_file(tmp_path / "b")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size, one flipped byte
+    data.write_bytes(bytes(raw))
+    with pytest.raises(MliteError, match="does not match its sha256"):
+        verify_checkpoint(tmp_path / "b")
+
+    (tmp_path / "c").mkdir()
+    with pytest.raises(MliteError, match="incomplete"):
+        verify_checkpoint(tmp_path / "c")
+
+
+def test_auto_resume_skips_a_corrupt_newest_checkpoint_with_a_warning(tmp_path, caplog):
+    rt = Runtime(make_job())
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    manager.save(2, save_runtime(rt, {"step": 2}))
+    manager.save(4, save_runtime(rt, {"step": 4}))
+    os.truncate(distcp_file(manager.path_for(4)), 10)
+    with caplog.at_level(logging.WARNING):
+        assert manager.latest_good() == manager.path_for(2)
+    assert "skipping a bad checkpoint" in caplog.text and "step_00000004" in caplog.text
+
+
+def test_resolve_checkpoint_explains_a_wrong_path(tmp_path):
+    with pytest.raises(MliteError, match="not a checkpoint nor a run directory"):
+        resolve_checkpoint(tmp_path / "nowhere")
