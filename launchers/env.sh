@@ -15,7 +15,7 @@ export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-7}                         # Infin
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}  # on a collective timeout: tear down and exit, never hang
 export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=${TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC:-1200}  # watchdog of the NCCL watchdog (first steps can be slow)
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}       # flight-recorder dump names the collective that hung
-export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}  # collectives kept for that dump
+export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}    # flight recorder: collectives kept for that dump
 
 # --- torchrun: how long nodes wait for each other at start
 export RDZV_TIMEOUT_S=${RDZV_TIMEOUT_S:-600}                             # static rendezvous on the first node: all nodes must join within this

@@ -92,7 +92,7 @@ write_command_file() {
     echo "#!/usr/bin/env bash"
     echo "# resolved by $(basename "$0") on $(hostname) at $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     local name
-    for name in $(compgen -e | grep -E '^(CUDA_|NCCL_|TORCH_NCCL_|PYTORCH_|PYTHON[A-Z]|RAY_|OMP_|TOKENIZERS_)' | sort); do
+    for name in $(compgen -e | grep -E '^(CUDA_|NCCL_|TORCH_NCCL_|TORCH_FR_|PYTORCH_|PYTHON[A-Z]|RAY_|OMP_|TOKENIZERS_)' | sort); do
       printf 'export %s=%q\n' "$name" "${!name}"
     done
     printf '%q ' "$@"

@@ -308,7 +308,7 @@ def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str) -> Optional[
         "data": {"seq_len": case.seq_len, "micro_batch_size": 1, "global_batch_size": case.dp,
                  "dynamic_batch": False},
     })
-    return plan_job(job, arch).memory.per_gpu_gb
+    return plan_job(job, arch).memory.train_gb
 
 
 def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, sides=("mlite", "hf"),

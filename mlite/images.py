@@ -62,6 +62,7 @@ def build_args(stack: Stack, arch: str) -> dict[str, str]:
         "MAX_JOBS": str(stack.max_jobs),
         "NVTE_BUILD_THREADS_PER_JOB": str(stack.nvte_build_threads_per_job),
         "MLITE_VERSION": __version__,
+        "UV_EXCLUDE_NEWER": stack.exclude_newer,
     }
     for name, version in stack.wheels.items():
         args[arg_name(name, "VERSION")] = version
@@ -82,6 +83,7 @@ def labels(stack: Stack, arch: str) -> dict[str, str]:
         f"{LABEL_PREFIX}.arch": arch,
         f"{LABEL_PREFIX}.cuda": stack.cuda,
         f"{LABEL_PREFIX}.python": stack.python,
+        f"{LABEL_PREFIX}.exclude_newer": stack.exclude_newer,
         f"{LABEL_PREFIX}.torch_cuda_arch_list": pins.torch_cuda_arch_list,
         f"{LABEL_PREFIX}.nvte_cuda_archs": pins.nvte_cuda_archs,
         f"{LABEL_PREFIX}.flash_attn_cuda_archs": pins.flash_attn_cuda_archs,
@@ -186,3 +188,17 @@ def main(action: str, **kwargs) -> int:
     except MliteError as err:
         print(f"mlite {action}: error: {err}", file=sys.stderr)
         return 2
+
+
+PYPI = "https://pypi.org/simple"
+
+
+def resolve_command(stack: Stack, requirements: Path, overrides: Path, output: Path, uv: str = "uv") -> list[str]:
+    """`uv pip compile` of the image's Python layer for the image's Python and platform, wheels only, with
+    the image's NCCL override and index date. Reads no local pip/uv config (a machine's constraints or
+    find-links must not change what the image resolves to)."""
+    return [
+        uv, "pip", "compile", "--no-config", "--index-url", PYPI, "--python-version", stack.python,
+        "--python-platform", stack.python_platform, "--no-build", "--exclude-newer", stack.exclude_newer,
+        "--override", str(overrides), "--no-header", "--no-annotate", str(requirements), "--output-file", str(output),
+    ]

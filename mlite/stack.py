@@ -120,6 +120,7 @@ class Stack:
     base_image: str  # name:tag
     base_digest: str  # sha256:... or "" where none was recorded
     glibc: str  # the base image's, e.g. 2.39: wheels are resolved for manylinux_2_39
+    exclude_newer: str  # YYYY-MM-DD: the resolver sees the index as of that day, so dependencies of pins hold still
     max_jobs: int
     nvte_build_threads_per_job: int
     wheels: dict[str, str]
@@ -211,7 +212,7 @@ def parse_stack(data: dict[str, Any], path: Path) -> Stack:
 
     _only_keys(data, {"stack", "build", "wheels", "git", "arch"}, path, "(top level)")
     head, build, wheels, git, arch = (table(k) for k in ("stack", "build", "wheels", "git", "arch"))
-    _only_keys(head, {"version", "python", "cuda", "base_image", "base_digest", "glibc"}, path, "stack")
+    _only_keys(head, {"version", "python", "cuda", "base_image", "base_digest", "glibc", "exclude_newer"}, path, "stack")
     _only_keys(build, {"max_jobs", "nvte_build_threads_per_job"}, path, "build")
     version = str(need(head, "version", "stack"))
     if version != path.stem:
@@ -225,6 +226,7 @@ def parse_stack(data: dict[str, Any], path: Path) -> Stack:
         base_image=str(need(head, "base_image", "stack")),
         base_digest=str(head.get("base_digest", "")),
         glibc=str(need(head, "glibc", "stack")),
+        exclude_newer=str(need(head, "exclude_newer", "stack")),
         max_jobs=int(need(build, "max_jobs", "build")),
         nvte_build_threads_per_job=int(need(build, "nvte_build_threads_per_job", "build")),
         wheels={str(k): str(v) for k, v in wheels.items()},
@@ -295,6 +297,8 @@ def validate(stack: Stack) -> None:
         raise MliteError(f"{where}: stack.base_image = '{stack.base_image}' needs a fixed tag (name:tag, not latest)")
     if stack.base_digest and not re.match(r"^sha256:[0-9a-f]{64}$", stack.base_digest):
         raise MliteError(f"{where}: stack.base_digest must be sha256:<64 hex> or left out")
+    if not re.match(r"^\d{4}-\d{2}-\d{2}$", stack.exclude_newer):
+        raise MliteError(f"{where}: stack.exclude_newer = '{stack.exclude_newer}' must be a date, YYYY-MM-DD")
     if stack.cuda not in stack.base_image:
         raise MliteError(f"{where}: stack.cuda = {stack.cuda} but the base image is {stack.base_image}; "
                          "they must name the same CUDA")

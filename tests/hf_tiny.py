@@ -42,7 +42,11 @@ FAMILIES = {
     ),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", MOE | {"norm_topk_prob": True}),
     # unnormalised top-k weights and a dense layer among the MoE layers
-    "qwen3_moe_mixed": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", MOE | {"norm_topk_prob": False, "mlp_only_layers": [0]}),
+    "qwen3_moe_mixed": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        MOE | {"norm_topk_prob": False, "mlp_only_layers": [0]},
+    ),
 }
 
 

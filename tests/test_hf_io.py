@@ -11,9 +11,9 @@ from dataclasses import replace
 import pytest
 import torch
 import transformers
+from hf_tiny import make_hf_model, save_hf_model
 from safetensors.torch import load_file, save_file
 
-from hf_tiny import make_hf_model, save_hf_model
 from mlite.config.arch import arch_from_hf_config, load_hf_arch
 from mlite.errors import MliteError
 from mlite.runtime.ckpt.hf import (
@@ -69,13 +69,17 @@ def test_bf16_checkpoint_loads_into_fp32_and_fp32_into_bf16(tmp_path):
     assert stored["model.norm.weight"].dtype == torch.bfloat16
     model = loaded(tmp_path / "bf16")  # fp32 model
     assert model.norm.weight.dtype == torch.float32
-    assert torch.equal(model.layers["1"].attn.k_proj.weight, stored["model.layers.1.self_attn.k_proj.weight"].float())
+    assert torch.equal(
+        model.layers["1"].attn.k_proj.weight, stored["model.layers.1.self_attn.k_proj.weight"].float()
+    )
 
     save_hf_model("qwen3", tmp_path / "fp32")
     model = build_model(load_hf_arch(tmp_path / "fp32"), attention_backend="torch")
     load_hf_weights(model, tmp_path / "fp32", dtype=torch.bfloat16)
     fp32 = all_tensors(tmp_path / "fp32")["model.embed_tokens.weight"]
-    assert model.embed.weight.dtype == torch.bfloat16 and torch.equal(model.embed.weight, fp32.to(torch.bfloat16))
+    assert model.embed.weight.dtype == torch.bfloat16 and torch.equal(
+        model.embed.weight, fp32.to(torch.bfloat16)
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_tied", "qwen2", "qwen3_moe_mixed"])
@@ -83,7 +87,9 @@ def test_round_trip_is_bitwise_and_transformers_reads_the_export(tmp_path, famil
     src = save_hf_model(family, tmp_path / "src")
     model = loaded(src)
     out = save_hf_checkpoint(model, model.arch, tmp_path / "export", max_shard_bytes=16 * 1024)
-    assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("model-*-of-*.safetensors"))) > 1
+    assert (out / "model.safetensors.index.json").is_file() and len(
+        list(out.glob("model-*-of-*.safetensors"))
+    ) > 1
     # the same tensors under the same names, bit for bit, as transformers wrote
     original, exported = all_tensors(src), all_tensors(out)
     assert exported.keys() == original.keys()
@@ -143,7 +149,12 @@ def test_export_holds_at_most_one_shard_of_tensors(tmp_path):
             alive.add(t)
             yield f"t{i:02d}", t
 
-    out = save_hf_checkpoint(stream(), build_model(load_hf_arch(save_hf_model("qwen3", tmp_path / "s")), device="meta").arch, tmp_path / "out", max_shard_bytes=16 * 1024)
+    out = save_hf_checkpoint(
+        stream(),
+        build_model(load_hf_arch(save_hf_model("qwen3", tmp_path / "s")), device="meta").arch,
+        tmp_path / "out",
+        max_shard_bytes=16 * 1024,
+    )
     assert most[0] <= 5  # 4 tensors of the shard being filled + the one the generator still references
     shards = sorted(out.glob("model-*.safetensors"))
     assert len(shards) == 5
@@ -194,7 +205,9 @@ def test_missing_tensor_is_named(checkpoint):
 
 def test_extra_tensor_is_named(checkpoint):
     rewrite(checkpoint, lambda t: t.__setitem__("model.layers.2.mlp.gate.weight", torch.zeros(4, 32)))
-    expect_error(checkpoint, "tensor 'model.layers.2.mlp.gate.weight'", "is not a parameter of qwen3_moe with 2 layers")
+    expect_error(
+        checkpoint, "tensor 'model.layers.2.mlp.gate.weight'", "is not a parameter of qwen3_moe with 2 layers"
+    )
 
 
 def test_corrupt_and_truncated_files_are_named(checkpoint):
@@ -226,3 +239,29 @@ def test_missing_checkpoint_and_occupied_export_directory(tmp_path, checkpoint):
     with pytest.raises(MliteError, match="tensor 'x' appears twice"):
         save_hf_checkpoint(iter([("x", torch.zeros(1)), ("x", torch.zeros(1))]), model.arch, tmp_path / "dup")
     assert not (tmp_path / "dup").exists()  # a failed export leaves nothing behind
+
+
+def _export_fsdp_sharded(rank, world, src, out_file):
+    from torch.distributed.fsdp import fully_shard
+
+    model = loaded(src)
+    reference = {name: t.clone() for name, t in iter_hf_weights(model)}
+    for layer in model.layers.values():
+        fully_shard(layer)
+    fully_shard(model)
+    assert any(type(p).__name__ == "DTensor" for p in model.parameters())
+    streamed = dict(iter_hf_weights(model))
+    assert streamed.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(streamed[name], tensor), name
+    if rank == 0:
+        torch.save(len(streamed), out_file)
+
+
+def test_weight_stream_gathers_fsdp_shards_on_every_rank(tmp_path):
+    """The runtime exports FSDP2-sharded models through the same stream: 2 gloo ranks, full tensors out."""
+    from parallel_harness import launch
+
+    src = save_hf_model("qwen3_moe", tmp_path / "src")
+    launch(2, _export_fsdp_sharded, src, tmp_path / "count.pt")
+    assert torch.load(tmp_path / "count.pt") == len(all_tensors(src))

@@ -24,7 +24,7 @@ HEADS, KV_HEADS, DIM = 4, 2, 16
 def packed_qkv(lens=LENS, dtype=torch.float32, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
     t = sum(lens)
-    make = lambda h: torch.randn(t, h, DIM, generator=g).to(device, dtype).requires_grad_()  # noqa: E731
+    make = lambda h: torch.randn(t, h, DIM, generator=g).to(device, dtype).requires_grad_()
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
     return make(HEADS), make(KV_HEADS), make(KV_HEADS), cu
 
@@ -34,7 +34,11 @@ def whole_stream_reference(q, k, v, lens):
     seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
     idx = torch.arange(seq.numel())
     allowed = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])
-    q, k, v = q.double(), k.double().repeat_interleave(HEADS // KV_HEADS, 1), v.double().repeat_interleave(HEADS // KV_HEADS, 1)
+    q, k, v = (
+        q.double(),
+        k.double().repeat_interleave(HEADS // KV_HEADS, 1),
+        v.double().repeat_interleave(HEADS // KV_HEADS, 1),
+    )
     scores = torch.einsum("qhd,khd->hqk", q, k) / DIM**0.5
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
@@ -67,7 +71,9 @@ def test_every_cpu_backend_agrees_with_the_torch_path(backend):
 def test_backend_resolution():
     assert resolve_attention_backend("auto", "cpu") == "sdpa"
     assert resolve_attention_backend("torch", "cpu") == "torch"
-    with pytest.raises(MliteError, match="unknown attention backend 'flash'; choose auto or one of torch, sdpa"):
+    with pytest.raises(
+        MliteError, match="unknown attention backend 'flash'; choose auto or one of torch, sdpa"
+    ):
         resolve_attention_backend("flash", "cpu")
     for gpu_only in ("varlen", "flash_attn", "te"):
         with pytest.raises(MliteError, match=f"'{gpu_only}' cannot run here: it runs on CUDA GPUs only"):
@@ -81,7 +87,10 @@ def test_cached_attention_matches_packed_attention():
     packed = varlen_attention(q, k, v, cu, max(lens), backend="torch").detach()
     width = max(lens)
     bq = torch.zeros(len(lens), width, HEADS, DIM)
-    bk, bv = torch.zeros(len(lens), width + 2, KV_HEADS, DIM), torch.zeros(len(lens), width + 2, KV_HEADS, DIM)
+    bk, bv = (
+        torch.zeros(len(lens), width + 2, KV_HEADS, DIM),
+        torch.zeros(len(lens), width + 2, KV_HEADS, DIM),
+    )
     positions = torch.full((len(lens), width), -1)
     for b, (start, n) in enumerate(zip(cu[:-1].tolist(), lens)):
         bq[b, :n], bk[b, :n], bv[b, :n] = q[start : start + n], k[start : start + n], v[start : start + n]

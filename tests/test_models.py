@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from hf_tiny import FAMILIES, make_hf_model
+
 from mlite.config.arch import arch_from_hf_config
 from mlite.errors import MliteError
 from mlite.runtime.ckpt.hf import load_hf_weights
@@ -127,7 +127,11 @@ def test_packed_and_unpacked_give_the_same_per_token_loss(checkpoints, family):
         alone = []
         for seq, mask in zip(seqs, masks):
             one = PackedBatch.from_sequences([seq], [mask])
-            alone.append(F.cross_entropy(model.compute_logits(model(one).hidden), one.labels, ignore_index=IGNORE, reduction="none"))
+            alone.append(
+                F.cross_entropy(
+                    model.compute_logits(model(one).hidden), one.labels, ignore_index=IGNORE, reduction="none"
+                )
+            )
     torch.testing.assert_close(packed_loss, torch.cat(alone), rtol=1e-6, atol=1e-6)
     assert (packed_loss > 0).sum() == packed.num_target_tokens
 
@@ -144,7 +148,9 @@ def test_pipeline_stages_compose_to_the_whole_model(checkpoints, family):
         mid = first(batch)
         got = last(batch, hidden=mid.hidden)
         torch.testing.assert_close(got.hidden, expected.hidden, rtol=0, atol=0)
-        torch.testing.assert_close(last.compute_logits(got.hidden), whole.compute_logits(expected.hidden), rtol=0, atol=0)
+        torch.testing.assert_close(
+            last.compute_logits(got.hidden), whole.compute_logits(expected.hidden), rtol=0, atol=0
+        )
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "qwen3_moe"])
@@ -154,7 +160,9 @@ def test_kv_cache_decoding_matches_the_full_forward(checkpoints, family):
     continuation = random_sequences(lens=(3, 3, 3), seed=12)
     full = [p + c for p, c in zip(prompts, continuation)]
     with torch.no_grad():
-        reference = torch.split(model.compute_logits(model(PackedBatch.from_sequences(full)).hidden), [len(s) for s in full])
+        reference = torch.split(
+            model.compute_logits(model(PackedBatch.from_sequences(full)).hidden), [len(s) for s in full]
+        )
         width = max(map(len, prompts))
         ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])  # right-padded prefill
         pos = torch.tensor([list(range(len(p))) + [-1] * (width - len(p)) for p in prompts])
@@ -174,7 +182,11 @@ def test_layer_names_follow_the_parallel_contract(checkpoints):
     model = native(checkpoints["qwen3_moe_mixed"][1])
     layer0, layer1 = model.layers["0"], model.layers["1"]
     assert hasattr(layer0.mlp, "gate_proj") and not hasattr(layer0.mlp, "router")  # mlp_only_layers=[0]
-    assert layer1.mlp.experts.gate_up.shape == (4, 2 * 16, 32) and layer1.mlp.experts.down.shape == (4, 32, 16)
+    assert layer1.mlp.experts.gate_up.shape == (4, 2 * 16, 32) and layer1.mlp.experts.down.shape == (
+        4,
+        32,
+        16,
+    )
     tied = native(checkpoints["qwen3_tied"][1])
     assert tied.output.weight is tied.embed.weight
 
@@ -188,11 +200,24 @@ def test_bad_model_requests_are_one_line_errors(checkpoints):
     with pytest.raises(MliteError, match="attention backend 'flash_attn' cannot run here"):
         build_model(arch, attention_backend="flash_attn")
     with pytest.raises(MliteError, match="rope scaling 'yarn' is not supported"):
-        build_model(arch_from_hf_config(hf_config(arch) | {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}))
+        build_model(
+            arch_from_hf_config(hf_config(arch) | {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+        )
     deepseek = arch_from_hf_config(
-        {"model_type": "deepseek_v3", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
-         "vocab_size": 96, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-         "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}
+        {
+            "model_type": "deepseek_v3",
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "vocab_size": 96,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "kv_lora_rank": 8,
+            "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 4,
+            "v_head_dim": 8,
+        }
     )
     with pytest.raises(MliteError, match="'deepseek_v3' has no native model yet"):
         build_model(deepseek)
@@ -210,7 +235,9 @@ def hf_config(arch):
 @pytest.mark.parametrize("backend", ["sdpa", "varlen", "auto"])
 def test_bf16_logits_on_cuda_match_transformers(checkpoints, family, backend):
     path = checkpoints[family][1]
-    hf = make_hf_model(family).to("cuda", torch.bfloat16)  # a fresh copy: the fixture's model stays fp32 on CPU
+    hf = make_hf_model(family).to(
+        "cuda", torch.bfloat16
+    )  # a fresh copy: the fixture's model stays fp32 on CPU
     model = native(path, backend=backend, device="cuda", dtype=torch.bfloat16)
     seqs = random_sequences()
     with torch.no_grad():

@@ -29,7 +29,7 @@ from mlite.runtime.parallel.parallelize import (
 from mlite.runtime.parallel.pipeline import PipelineRunner, keep_chunk, one_f_one_b, split_layers
 from parallel_harness import LAYERS, launch, make_batches, make_model, total_targets
 
-STEPS, MICRO_BATCHES, AUX_COEF, LR, CLIP = 3, 4, 0.1, 1e-2, 1.0
+STEPS, MICRO_BATCHES, LR, CLIP = 3, 4, 1e-2, 1.0
 
 
 def train(model, mesh=None) -> list[tuple[float, float]]:
@@ -51,10 +51,11 @@ def train(model, mesh=None) -> list[tuple[float, float]]:
                 set_gradient_sync(model, i == len(mine) - 1)
             if dims.cp > 1:
                 batch = split_for_context_parallel(batch, dims.cp, cp_rank)
-            hidden, aux = model(batch)
+            out = model(batch)
+            hidden, aux = out.hidden, out.aux_loss
             with loss_parallel():  # its backward too runs under the vocab-parallel loss
                 ce = ce_loss(model, hidden, batch, targets)
-                (ce + AUX_COEF * aux).backward()
+                (ce + aux).backward()
             ce_total += ce.detach()
             aux_total += aux.detach()
         if mesh:
@@ -63,7 +64,7 @@ def train(model, mesh=None) -> list[tuple[float, float]]:
         norm = clip_grad_norm_(params, CLIP, mesh)
         opt.step()
         opt.zero_grad()
-        history.append((float(ce_total + AUX_COEF * aux_total), float(norm)))
+        history.append((float(ce_total + aux_total), float(norm)))
     return history
 
 
@@ -78,7 +79,7 @@ def train_pipeline(chunks: dict, mesh) -> list[tuple[float, float]]:
     """The same steps through the 1F1B (interleaved when vpp > 1) pipeline schedule."""
     dims = mesh.dims
     pp_ranks = dist.get_process_group_ranks(mesh.group("pp"))
-    runner = PipelineRunner(chunks, dims.pp * dims.vpp, pp_ranks, hidden_size=32)
+    runner = PipelineRunner(chunks, dims.pp * dims.vpp, pp_ranks)
     params = [p for chunk in chunks.values() for p in chunk.parameters()]
     opt = torch.optim.AdamW(params, lr=LR, foreach=False)
     batches = make_batches(STEPS * MICRO_BATCHES)
@@ -97,7 +98,6 @@ def train_pipeline(chunks: dict, mesh) -> list[tuple[float, float]]:
                 actions,
                 mine,
                 loss_fn=lambda chunk, hidden, batch: ce_loss(chunk, hidden, batch, targets),
-                aux_coef=AUX_COEF,
                 before_backward=lambda c, last: set_gradient_sync(chunks[c], last),
             )
         ce_total, aux_total = result["loss"], result["aux"]
@@ -108,7 +108,7 @@ def train_pipeline(chunks: dict, mesh) -> list[tuple[float, float]]:
         norm = clip_grad_norm_(params, CLIP, mesh)
         opt.step()
         opt.zero_grad()
-        history.append((float(both[0] + AUX_COEF * both[1]), float(norm)))
+        history.append((float(both[0] + both[1]), float(norm)))
     return history
 
 

@@ -91,7 +91,7 @@ container_setup() {
       export PYTHON=${PYTHON:-python} ;;
     apptainer)
       [[ -n $IMAGE ]] || fail "CONTAINER=apptainer needs IMAGE (a .sif file)"
-      RUN_PREFIX=(apptainer exec --nv --cleanenv --pwd "$MLITE_ROOT")
+      RUN_PREFIX=(apptainer exec --nv --pwd "$MLITE_ROOT")  # the job's environment (knobs) passes through
       if [[ -n $MOUNTS ]]; then RUN_PREFIX+=(--bind "$MOUNTS"); fi
       RUN_PREFIX+=("$IMAGE")
       export PYTHON=${PYTHON:-python} ;;
@@ -118,8 +118,8 @@ validate_launch() {
   if [[ $DRY_RUN == 1 ]]; then  # outside an allocation: here, with this machine's mlite
     NODE_RANK=0 VALIDATE=1 PYTHON=${PYTHON_HERE:-python} "$MLITE_ROOT/launchers/$role.sh" > "$LOG_DIR/launch.txt" 2>&1 || rc=$?
   else
-    DRY_RUN=1 VALIDATE=1 NODE_RANK=0 step_srun --nodes=1 --ntasks=1 --overlap -w "$HEAD_NODE" -- \
-      "$MLITE_ROOT/launchers/$role.sh" > "$LOG_DIR/launch.txt" 2>&1 || rc=$?
+    step_srun --nodes=1 --ntasks=1 --overlap -w "$HEAD_NODE" -- \
+      env DRY_RUN=1 VALIDATE=1 NODE_RANK=0 "$MLITE_ROOT/launchers/$role.sh" > "$LOG_DIR/launch.txt" 2>&1 || rc=$?
   fi
   if ((rc != 0)); then
     cat "$LOG_DIR/launch.txt" >&2

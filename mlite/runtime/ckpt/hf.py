@@ -14,13 +14,13 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Union
 
 import torch
-import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from mlite.config.arch import ModelArch
 from mlite.errors import MliteError
@@ -36,7 +36,7 @@ WeightStream = Iterable[tuple[str, torch.Tensor]]
 class _SafetensorsCheckpoint:
     """The tensors of a checkpoint (a directory, an index file or one .safetensors file), read lazily."""
 
-    def __init__(self, path: Union[str, Path]):
+    def __init__(self, path: str | Path):
         self.path = Path(path)
         self._open: dict[Path, object] = {}
         self.file_of = self._weight_map()  # HF name -> file
@@ -49,18 +49,24 @@ class _SafetensorsCheckpoint:
             elif (p / SINGLE_FILE).is_file():
                 p = p / SINGLE_FILE
             else:
-                raise MliteError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}; is it an HF checkpoint directory?")
+                raise MliteError(
+                    f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}; is it an HF checkpoint directory?"
+                )
         if not p.is_file():
             raise MliteError(f"no checkpoint at {p}; pass an HF checkpoint directory or a .safetensors file")
         if p.name.endswith(".json"):
             try:
                 weight_map = json.loads(p.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise MliteError(f"{p} is not a valid safetensors index ({type(err).__name__}: {err}); re-export it") from None
+                raise MliteError(
+                    f"{p} is not a valid safetensors index ({type(err).__name__}: {err}); re-export it"
+                ) from None
             files = {name: p.parent / file for name, file in weight_map.items()}
             for file in sorted(set(files.values())):
                 if not file.is_file():
-                    raise MliteError(f"{p} lists shard {file.name}, which is missing; copy the complete checkpoint")
+                    raise MliteError(
+                        f"{p} lists shard {file.name}, which is missing; copy the complete checkpoint"
+                    )
             return files
         return {name: p for name in self._handle(p).keys()}
 
@@ -68,8 +74,10 @@ class _SafetensorsCheckpoint:
         if file not in self._open:
             try:
                 self._open[file] = safe_open(str(file), framework="pt")
-            except Exception as err:  # safetensors raises its own error types for bad headers / truncation
-                raise MliteError(f"{file} is not a readable safetensors file ({err}); re-download or re-export it") from None
+            except Exception as err:  # noqa: BLE001 - safetensors raises several types for bad headers or truncation
+                raise MliteError(
+                    f"{file} is not a readable safetensors file ({err}); re-download or re-export it"
+                ) from None
         return self._open[file]
 
     def shape(self, name: str) -> list[int]:
@@ -80,8 +88,10 @@ class _SafetensorsCheckpoint:
             return self._handle(self.file_of[name]).get_tensor(name)
         except MliteError:
             raise
-        except Exception as err:
-            raise MliteError(f"cannot read tensor '{name}' from {self.file_of[name]} ({err}); the file is corrupt") from None
+        except Exception as err:  # noqa: BLE001 - any read failure is a corrupt file to the user
+            raise MliteError(
+                f"cannot read tensor '{name}' from {self.file_of[name]} ({err}); the file is corrupt"
+            ) from None
 
 
 def _expected_names(model: nn.Module) -> set[str]:
@@ -100,7 +110,7 @@ def _describe(arch: ModelArch) -> str:
     return f"{arch.model_type} with {arch.num_layers} layers, hidden {arch.hidden}{experts}"
 
 
-def load_hf_weights(model: nn.Module, path: Union[str, Path], dtype: Optional[torch.dtype] = None) -> None:
+def load_hf_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None = None) -> None:
     """Fill `model`'s parameters from an HF safetensors checkpoint, one parameter at a time.
 
     Tensors are converted to the parameter dtype (`dtype`, when given, converts the model first). A pipeline
@@ -139,7 +149,7 @@ def load_hf_weights(model: nn.Module, path: Union[str, Path], dtype: Optional[to
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def iter_hf_weights(model: nn.Module, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (HF name, tensor) for every parameter, one parameter's tensors at a time (views, no copies
     unless `dtype` converts). FSDP-sharded parameters are gathered one at a time."""
     from torch.distributed.tensor import DTensor
@@ -165,7 +175,9 @@ ARCHITECTURES = {
 def hf_config_from_arch(arch: ModelArch, dtype: torch.dtype = torch.float32) -> dict:
     """An HF config.json for `arch` (the inverse of mlite.config.arch.arch_from_hf_config)."""
     if arch.model_type not in ARCHITECTURES:
-        raise MliteError(f"cannot write an HF config for model_type '{arch.model_type}'; pass the source config.json")
+        raise MliteError(
+            f"cannot write an HF config for model_type '{arch.model_type}'; pass the source config.json"
+        )
     rope = {"rope_type": "default", "rope_theta": arch.rope_theta}
     rope.update(arch.rope_scaling or {})
     cfg = {
@@ -200,12 +212,12 @@ def hf_config_from_arch(arch: ModelArch, dtype: torch.dtype = torch.float32) -> 
 
 
 def save_hf_checkpoint(
-    source: Union[nn.Module, WeightStream],
+    source: nn.Module | WeightStream,
     arch: ModelArch,
-    out_dir: Union[str, Path],
+    out_dir: str | Path,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-    config: Union[dict, str, Path, None] = None,
-    dtype: Optional[torch.dtype] = None,
+    config: dict | str | Path | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write an HF checkpoint from a model or a (name, tensor) stream: shards of at most `max_shard_bytes`
     (a single `model.safetensors` when it fits, else numbered shards and an index) and a config.json
@@ -245,7 +257,9 @@ def _write_shards(stream: WeightStream, tmp: Path, max_shard_bytes: int, dtype) 
 
     for name, tensor in stream:
         if name in seen:
-            raise MliteError(f"tensor '{name}' appears twice in the weight stream; each HF name must be written once")
+            raise MliteError(
+                f"tensor '{name}' appears twice in the weight stream; each HF name must be written once"
+            )
         seen.add(name)
         tensor = tensor.detach().to("cpu", dtype=dtype or tensor.dtype)
         stored_dtype = stored_dtype or tensor.dtype

@@ -19,7 +19,7 @@ import functools
 import importlib.util
 import inspect
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +88,7 @@ def flash_attention(q, k, v, cu_seqlens, max_seqlen, scale):
     return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _te_module(heads: int, kv_heads: int, head_dim: int, scale: float):
     from transformer_engine.pytorch import DotProductAttention
 
@@ -135,7 +135,9 @@ def _missing_reason(name: str, device_type: str) -> str | None:
     if device_type != "cuda":
         return f"it runs on CUDA GPUs only (this model is on {device_type})"
     if name == "varlen" and not _has_varlen_attn():
-        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (torch >= 2.10 has it)"
+        return (
+            f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (torch >= 2.10 has it)"
+        )
     if name == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
         return "the flash-attn package is not installed"
     if name == "te" and importlib.util.find_spec("transformer_engine") is None:
@@ -150,13 +152,19 @@ def available_attention_backends(device_type: str = "cpu") -> list[str]:
 def resolve_attention_backend(name: str, device_type: str = "cpu") -> str:
     """The concrete backend for `name` ("auto" or a backend) on `device_type`; a clear error if it can't run."""
     if name == "auto":
-        return next(n for n in _AUTO_ORDER.get(device_type, ("sdpa",)) if _missing_reason(n, device_type) is None)
+        return next(
+            n for n in _AUTO_ORDER.get(device_type, ("sdpa",)) if _missing_reason(n, device_type) is None
+        )
     if name not in ATTENTION_BACKENDS:
-        raise MliteError(f"unknown attention backend '{name}'; choose auto or one of {', '.join(ATTENTION_BACKENDS)}")
+        raise MliteError(
+            f"unknown attention backend '{name}'; choose auto or one of {', '.join(ATTENTION_BACKENDS)}"
+        )
     reason = _missing_reason(name, device_type)
     if reason:
         choices = ", ".join(available_attention_backends(device_type))
-        raise MliteError(f"attention backend '{name}' cannot run here: {reason}; use auto or one of {choices}")
+        raise MliteError(
+            f"attention backend '{name}' cannot run here: {reason}; use auto or one of {choices}"
+        )
     return name
 
 
@@ -184,7 +192,9 @@ def cached_attention(
     """Each query attends to its row's cache slots at or before its own position -> [B, t, hq, d]."""
     slots = torch.arange(k.shape[1], device=q.device)
     allowed = slots[None, None, :] <= positions[:, :, None]  # [B, t, S]
-    allowed[..., 0] |= positions < 0  # padding queries see slot 0 (their output is unused), never an empty row
+    allowed[..., 0] |= (
+        positions < 0
+    )  # padding queries see slot 0 (their output is unused), never an empty row
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),

@@ -1,15 +1,15 @@
 """Native model code: one module per model family, all built from `mlite.config.arch.ModelArch`.
 
-    build_model(arch, attention_backend="auto", dtype=torch.float32, device="cpu") -> Transformer
-    model(batch: PackedBatch) -> ModelOutput(hidden [T, H], aux_loss)
-    model.compute_logits(hidden) -> [T, vocab]
-    model.decode(input_ids [B, t], positions [B, t], cache) -> logits [B, t, vocab]   (rollout)
-    model.hf_layout() -> native <-> HF names (mlite.runtime.ckpt.hf loads and exports with it)
+build_model(arch, attention_backend="auto", dtype=torch.float32, device="cpu") -> Transformer
+model(batch: PackedBatch) -> ModelOutput(hidden [T, H], aux_loss)
+model.compute_logits(hidden) -> [T, vocab]
+model.decode(input_ids [B, t], positions [B, t], cache) -> logits [B, t, vocab]   (rollout)
+model.hf_layout() -> native <-> HF names (mlite.runtime.ckpt.hf loads and exports with it)
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 
@@ -27,7 +27,7 @@ def build_model(
     attention_backend: str = "auto",
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    layers: Optional[Iterable[int]] = None,
+    layers: Iterable[int] | None = None,
     init: bool = True,
 ) -> Transformer:
     """A model for `arch` with freshly initialised weights (load real ones with mlite.runtime.ckpt.hf).

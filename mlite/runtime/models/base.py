@@ -4,11 +4,11 @@ description of how one native parameter is stored in an HF checkpoint."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from mlite.errors import MliteError
 
@@ -60,9 +60,11 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict], device=None) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, device=None) -> torch.Tensor:
     """[head_dim/2] rotary frequencies, with the default, linear or llama3 scaling."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    )
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq
@@ -77,7 +79,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict], device=N
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
         return torch.where(medium, smoothed, scaled)
-    raise MliteError(f"rope scaling '{kind}' is not supported by the native models; supported: default, linear, llama3")
+    raise MliteError(
+        f"rope scaling '{kind}' is not supported by the native models; supported: default, linear, llama3"
+    )
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):

@@ -12,12 +12,11 @@ therefore records its sums (`router_stats`) and the model combines them after th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from mlite.runtime.kernels import grouped_gemm
 from mlite.runtime.parallel.expert import moe_dispatch_combine
@@ -53,18 +52,22 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden, expert_ffn, act)
-        self.ep_group: Optional[dist.ProcessGroup] = None  # expert parallel sets these
-        self.token_group: Optional[dist.ProcessGroup] = None  # ranks sharing one micro-batch's tokens (cp x tp)
-        self.router_stats: Optional[RouterStats] = None  # of the last forward
+        self.ep_group: dist.ProcessGroup | None = None  # expert parallel sets these
+        self.token_group: dist.ProcessGroup | None = None  # ranks sharing one micro-batch's tokens (cp x tp)
+        self.router_stats: RouterStats | None = None  # of the last forward
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]. `batch` is unused here; hash-routed families read token ids from it."""
-        logits = F.linear(x.float(), self.router.weight.float())  # [N, E] in fp32: routing is precision-sensitive
+        logits = F.linear(
+            x.float(), self.router.weight.float()
+        )  # [N, E] in fp32: routing is precision-sensitive
         probs = logits.softmax(dim=-1)
         weights, expert_ids = probs.topk(self.top_k, dim=-1)  # [N, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = moe_dispatch_combine(x, expert_ids, weights.to(x.dtype), self.experts, self.num_experts, self.ep_group)
+        out = moe_dispatch_combine(
+            x, expert_ids, weights.to(x.dtype), self.experts, self.num_experts, self.ep_group
+        )
         self.router_stats = router_stats(probs, expert_ids, self.num_experts, self.token_group)
         return out
 

@@ -13,12 +13,11 @@ tensor-parallel shards need no model change; `attn.core` is swappable (context p
 from __future__ import annotations
 
 import functools
-import math
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from mlite.config.arch import ModelArch
 from mlite.errors import MliteError
@@ -41,7 +40,9 @@ ACTIVATIONS = {"silu": F.silu, "gelu": functools.partial(F.gelu, approximate="ta
 
 def activation(name: str):
     if name not in ACTIVATIONS:
-        raise MliteError(f"hidden_act '{name}' is not supported by the native models; supported: {', '.join(ACTIVATIONS)}")
+        raise MliteError(
+            f"hidden_act '{name}' is not supported by the native models; supported: {', '.join(ACTIVATIONS)}"
+        )
     return ACTIVATIONS[name]
 
 
@@ -54,7 +55,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.attention_bias)
         self.v_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.attention_bias)
         # Qwen2 puts a bias on q/k/v only; Llama and Qwen3 with attention_bias on all four projections
-        self.o_proj = nn.Linear(arch.num_heads * d, h, bias=arch.attention_bias and arch.model_type != "qwen2")
+        self.o_proj = nn.Linear(
+            arch.num_heads * d, h, bias=arch.attention_bias and arch.model_type != "qwen2"
+        )
         self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.core = functools.partial(packed_attention, backend=backend)  # context parallel swaps this
@@ -69,7 +72,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, batch: PackedBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: PackedBatch, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         q, k, v = self.qkv(x, cos, sin)
         out = self.core(q, k, v, batch)  # [T, heads, d]
         return self.o_proj(out.reshape(x.shape[0], -1))
@@ -84,7 +89,10 @@ class Attention(nn.Module):
         cache_v[rows, positions[valid]] = v.view(b, t, *v.shape[1:])[valid].to(cache_v.dtype)
         used = int(positions.max()) + 1
         out = cached_attention(
-            q.view(b, t, *q.shape[1:]), cache_k[:, :used].to(q.dtype), cache_v[:, :used].to(q.dtype), positions
+            q.view(b, t, *q.shape[1:]),
+            cache_k[:, :used].to(q.dtype),
+            cache_v[:, :used].to(q.dtype),
+            positions,
         )
         return self.o_proj(out.reshape(b, t, -1))
 
@@ -135,7 +143,7 @@ class Transformer(nn.Module):
         self,
         arch: ModelArch,
         attention_backend: str = "torch",
-        layers: Optional[Iterable[int]] = None,
+        layers: Iterable[int] | None = None,
     ):
         """`layers`: the global layer indices this model holds (all by default). The stage holding layer 0
         has the embedding; the one holding the last layer has the final norm and the LM head."""
@@ -159,7 +167,7 @@ class Transformer(nn.Module):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(positions, rope_inv_freq(*self.inv_freq_args, device=positions.device), dtype)
 
-    def forward(self, batch: PackedBatch, hidden: Optional[torch.Tensor] = None) -> ModelOutput:
+    def forward(self, batch: PackedBatch, hidden: torch.Tensor | None = None) -> ModelOutput:
         """Packed batch -> hidden [T, H]. Without an embedding (a later pipeline stage) `hidden` is the input."""
         x = self.embed(batch.input_ids) if self.embed is not None else hidden  # [T, H]
         if x is None:
@@ -182,10 +190,10 @@ class Transformer(nn.Module):
         return self.output(hidden)
 
     # ------------------------------------------------------------------ inference with a KV cache
-    def new_kv_cache(self, batch_size: int, max_len: int, dtype: Optional[torch.dtype] = None) -> KVCache:
+    def new_kv_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
         ref = next(self.parameters())
         shape = (batch_size, max_len, self.arch.num_kv_heads, self.arch.head_dim)
-        make = lambda: torch.zeros(shape, dtype=dtype or ref.dtype, device=ref.device)  # noqa: E731
+        make = lambda: torch.zeros(shape, dtype=dtype or ref.dtype, device=ref.device)
         return KVCache(k={n: make() for n in self.layers}, v={n: make() for n in self.layers})
 
     @torch.no_grad()
@@ -197,7 +205,9 @@ class Transformer(nn.Module):
         if self.embed is None or self.output is None:
             raise ValueError("decode needs the whole model (embedding and LM head) on one stage")
         if int(positions.max()) >= cache.max_len:
-            raise ValueError(f"position {int(positions.max())} is beyond the KV cache ({cache.max_len} slots)")
+            raise ValueError(
+                f"position {int(positions.max())} is beyond the KV cache ({cache.max_len} slots)"
+            )
         x = self.embed(input_ids)  # [B, t, H]
         cos, sin = self.rope(positions.clamp(min=0), x.dtype)  # [B, t, head_dim]
         for name, layer in self.layers.items():
@@ -226,12 +236,24 @@ class Transformer(nn.Module):
             layout.append(_hf_tensors(name, self))
         if self.arch.tie_embeddings and self.embed is None and self.output is not None:
             # a last pipeline stage without the embedding keeps its own copy of the tied matrix
-            layout = [same_tensor("model.embed_tokens.weight", "output.weight") if t.param == "output.weight" else t for t in layout]
+            layout = [
+                same_tensor("model.embed_tokens.weight", "output.weight") if t.param == "output.weight" else t
+                for t in layout
+            ]
         return layout
 
 
-_TOP_LEVEL = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-_IN_LAYER = {"attn_norm.": "input_layernorm.", "mlp_norm.": "post_attention_layernorm.", "attn.": "self_attn.", "mlp.router.": "mlp.gate."}
+_TOP_LEVEL = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_IN_LAYER = {
+    "attn_norm.": "input_layernorm.",
+    "mlp_norm.": "post_attention_layernorm.",
+    "attn.": "self_attn.",
+    "mlp.router.": "mlp.gate.",
+}
 
 
 def _hf_tensors(name: str, model: Transformer) -> HFTensors:

@@ -81,30 +81,3 @@ def _block_permutation(counts: torch.Tensor) -> torch.Tensor:
     ]
     return torch.cat(pieces) if pieces else counts.new_zeros(0)
 
-
-def load_balance_loss(
-    probs: torch.Tensor,  # [N, E] router probabilities of this rank's tokens
-    expert_ids: torch.Tensor,  # [N, k] chosen experts
-    num_experts: int,
-    token_group: Optional[dist.ProcessGroup] = None,
-) -> torch.Tensor:
-    """Switch-style balance loss E * sum_e f_e * P_e over the tokens of the whole micro-batch.
-
-    Under context or sequence parallel one micro-batch is spread over `token_group` (cp x tp ranks); the
-    expert counts and probability sums are summed over it first, so the loss is the one a single process
-    computes on the whole micro-batch. Each rank returns that same value; with the loss averaged over the
-    group (`/ group size`) gradients add up to the single-process gradient.
-    """
-    from torch.distributed.nn.functional import all_reduce
-
-    counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(probs.dtype)
-    prob_sum = probs.sum(0)
-    tokens = torch.tensor(float(probs.shape[0]), dtype=probs.dtype)
-    shards = 1
-    if token_group is not None and dist.get_world_size(token_group) > 1:
-        dist.all_reduce(counts, group=token_group)
-        dist.all_reduce(tokens, group=token_group)
-        prob_sum = all_reduce(prob_sum, group=token_group)
-        shards = dist.get_world_size(token_group)
-    fraction = counts / (tokens * expert_ids.shape[1])
-    return num_experts * (fraction * prob_sum / tokens).sum() / shards

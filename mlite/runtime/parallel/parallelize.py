@@ -105,6 +105,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
                 raise MliteError(f"{param.shape[0]} experts do not split over ep={size}; choose ep dividing them")
             local = param.shape[0] // size
             setattr(experts, name, nn.Parameter(param.detach()[rank * local : (rank + 1) * local].clone()))
+            experts.first_expert = rank * local
         layer.mlp.ep_group = ep.get_group()
 
 
@@ -124,7 +125,7 @@ def apply_fsdp(
     for layer in model.layers.values():
         if is_moe(layer):
             groups.append(shard(layer.mlp.experts, mesh=mesh["edp"]))
-            groups.append(shard(layer.mlp.router, mesh=mesh["dp_cp_tp"]))
+            groups.append(shard(layer.mlp, mesh=mesh["dp_cp_tp"]))  # the router
         groups.append(shard(layer, mesh=mesh["dp_cp"]))
     if model.output is not None:  # the LM head runs in the loss, outside the decoder's forward
         groups.append(shard(model.output, mesh=mesh["dp_cp"]))

@@ -111,17 +111,22 @@ def forward_only(pp: int, vpp: int, rank: int, micro_batches: int) -> list[Actio
 
 
 class PipelineRunner:
-    """Runs a schedule over this rank's chunks.
+    """Runs a schedule over this rank's chunks of a decoder (mlite.runtime.models contract).
 
-    `chunks`: {global chunk index: module}; a chunk is called `chunk(batch, hidden=...)` and returns
-    (hidden, aux_loss). `loss_fn(last_chunk, hidden, batch) -> loss` runs on the last chunk only.
+    `chunks`: {global chunk index: model chunk}; a chunk is called `chunk(batch, hidden=...)` and returns a
+    ModelOutput. `loss_fn(last_chunk, hidden, batch) -> loss` runs on the last chunk only.
+
+    MoE balance loss: it pools the router statistics of *all* layers before its product (as transformers
+    does), so no stage can compute it alone. It is linear in the router probabilities once the expert counts
+    are fixed, so the counts (no gradient) travel forward with the activations, the totals travel back with
+    the gradients, and each chunk backpropagates its own exact term; the terms add up to the whole loss.
     """
 
-    def __init__(self, chunks: dict[int, nn.Module], num_chunks: int, pp_ranks: list[int], hidden_size: int):
+    def __init__(self, chunks: dict[int, nn.Module], num_chunks: int, pp_ranks: list[int]):
         self.chunks, self.num_chunks, self.pp_ranks = chunks, num_chunks, pp_ranks
         self.pp = len(pp_ranks)
-        self.hidden_size = hidden_size
-        self.rank_in_pp = pp_ranks.index(dist.get_rank())
+        self.moe = next(iter(chunks.values())).arch.moe
+        self.num_stats = (self.moe.num_experts if self.moe else 0) + 1  # expert counts, then rows
         self._sends: list = []
 
     def _owner(self, chunk: int) -> int:
@@ -129,74 +134,95 @@ class PipelineRunner:
 
     def _tag(self, chunk_from: int, micro_batch: int, grad: bool) -> int:
         # one tag per transfer: a pair of ranks carries forwards and backwards both ways, in any order
-        return ((micro_batch * self.num_chunks + chunk_from) * 2 + grad) * 2
+        return ((micro_batch * self.num_chunks + chunk_from) * 2 + grad) * 4
 
-    def _send(self, tensor: torch.Tensor, chunk_to: int, tag: int) -> None:
+    def _send(self, tensor: torch.Tensor, stats: torch.Tensor, chunk_to: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
         header = torch.tensor(tensor.shape, dtype=torch.long)  # the shape travels first: any length
         dst = self._owner(chunk_to)
-        self._sends += [(dist.isend(header, dst, tag=tag), header), (dist.isend(tensor, dst, tag=tag + 1), tensor)]
+        for offset, t in enumerate((header, tensor, stats.detach().double().contiguous())):
+            self._sends.append((dist.isend(t, dst, tag=tag + offset), t))
 
-    def _recv(self, chunk_from: int, tag: int, dtype: torch.dtype) -> torch.Tensor:
+    def _recv(self, chunk_from: int, tag: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         src = self._owner(chunk_from)
         header = torch.empty(2, dtype=torch.long)
         dist.recv(header, src, tag=tag)
         tensor = torch.empty(*header.tolist(), dtype=dtype)
         dist.recv(tensor, src, tag=tag + 1)
-        return tensor
+        stats = torch.empty(self.num_stats, dtype=torch.float64)
+        dist.recv(stats, src, tag=tag + 2)
+        return tensor, stats
+
+    def _router_stats(self, chunk: nn.Module):
+        """(counts and rows [E+1] without gradient, probability sums [E] with it, shards) of this chunk."""
+        stats = [layer.mlp.router_stats for layer in chunk.layers.values() if hasattr(layer.mlp, "router_stats")]
+        if not stats:
+            return torch.zeros(self.num_stats, dtype=torch.float64), None, 1
+        counts = torch.stack([s.counts for s in stats]).sum(0).double()
+        rows = torch.stack([s.rows for s in stats]).sum().double()
+        prob_sum = torch.stack([s.prob_sum for s in stats]).sum(0)
+        return torch.cat([counts, rows[None]]), prob_sum, stats[0].shards
+
+    def _balance_term(self, totals: torch.Tensor, prob_sum, shards: int) -> Optional[torch.Tensor]:
+        if prob_sum is None:
+            return None
+        from mlite.runtime.models.moe import RouterStats, load_balancing_loss
+
+        counts, rows = totals[:-1].to(prob_sum.dtype), totals[-1].to(prob_sum.dtype)
+        pooled = RouterStats(counts=counts, prob_sum=prob_sum, rows=rows, shards=shards)
+        return load_balancing_loss([pooled], self.moe.num_experts, self.moe.router_aux_loss_coef)
 
     def run(
         self,
         actions: list[Action],
         batches: Sequence,
         loss_fn: Optional[Callable] = None,
-        aux_coef: float = 0.0,
         before_backward: Optional[Callable[[int, bool], None]] = None,
         dtype: torch.dtype = torch.float32,
     ) -> dict:
-        """Execute; returns summed loss and aux of this rank's chunks, and the last chunk's outputs."""
-        inputs, outputs, pending_backwards = {}, {}, {}
-        for action in actions:
-            pending_backwards[action.chunk] = pending_backwards.get(action.chunk, 0) + (action.kind == "B")
+        """Execute. Returns this rank's summed loss (last chunk) and balance-loss terms, and with no loss_fn
+        the last chunk's hidden states per micro-batch (a forward-only pass)."""
+        training = loss_fn is not None
+        saved = {}  # (chunk, micro-batch) -> what its backward needs
+        pending_backwards = {c: sum(a.kind == "B" and a.chunk == c for a in actions) for c in self.chunks}
         loss_sum, aux_sum, results = torch.zeros(()), torch.zeros(()), {}
         last = self.num_chunks - 1
         for action in actions:
             c, m = action.chunk, action.micro_batch
             if action.kind == "F":
-                hidden = None
+                hidden, upstream = None, torch.zeros(self.num_stats, dtype=torch.float64)
                 if c > 0:
-                    hidden = self._recv(c - 1, self._tag(c - 1, m, False), dtype).requires_grad_(loss_fn is not None)
-                with torch.set_grad_enabled(loss_fn is not None):
-                    out, aux = self.chunks[c](batches[m], hidden=hidden)
-                    aux_sum += aux.detach()
-                    if c == last:
-                        if loss_fn is None:
-                            results[m] = out.detach()
-                        else:
-                            loss = loss_fn(self.chunks[c], out, batches[m])
-                            loss_sum += loss.detach()
-                            out = loss + aux_coef * aux
+                    hidden, upstream = self._recv(c - 1, self._tag(c - 1, m, False), dtype)
+                    hidden.requires_grad_(training)
+                with torch.set_grad_enabled(training):
+                    out = self.chunks[c](batches[m], hidden=hidden).hidden
+                    mine, prob_sum, shards = self._router_stats(self.chunks[c])
+                    running = upstream + mine
+                    if c != last:
+                        self._send(out, running, c + 1, self._tag(c, m, False))
+                    elif training:
+                        out = loss_fn(self.chunks[c], out, batches[m])
+                        loss_sum += out.detach()
                     else:
-                        self._send(out, c + 1, self._tag(c, m, False))
-                        out = (out, aux)
-                if loss_fn is not None:
-                    inputs[(c, m)], outputs[(c, m)] = hidden, out
+                        results[m] = out.detach()
+                if training:
+                    saved[(c, m)] = (hidden, out, running, prob_sum, shards)
             else:
                 pending_backwards[c] -= 1
                 if before_backward is not None:
                     before_backward(c, pending_backwards[c] == 0)
-                hidden, out = inputs.pop((c, m)), outputs.pop((c, m))
-                if c == last:
-                    out.backward()
-                else:
-                    grad = self._recv(c + 1, self._tag(c + 1, m, True), dtype)
-                    hidden_out, aux = out
-                    if aux.requires_grad:  # MoE chunks: the router's balance loss flows back from here
-                        torch.autograd.backward([hidden_out, aux], [grad, torch.full_like(aux, aux_coef)])
-                    else:
-                        hidden_out.backward(grad)
+                hidden, out, totals, prob_sum, shards = saved.pop((c, m))
+                grad = None
+                if c != last:
+                    grad, totals = self._recv(c + 1, self._tag(c + 1, m, True), dtype)
+                term = self._balance_term(totals, prob_sum, shards)
+                tensors, grads = [out], [grad]
+                if term is not None:
+                    aux_sum += term.detach()
+                    tensors, grads = [out, term], [grad, None]
+                torch.autograd.backward(tensors, [g if g is not None else torch.ones_like(t) for t, g in zip(tensors, grads)])
                 if hidden is not None:
-                    self._send(hidden.grad, c - 1, self._tag(c, m, True))
+                    self._send(hidden.grad, totals, c - 1, self._tag(c, m, True))
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
