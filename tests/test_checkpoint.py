@@ -168,3 +168,32 @@ def test_auto_resume_skips_a_corrupt_newest_checkpoint_with_a_warning(tmp_path, 
 def test_resolve_checkpoint_explains_a_wrong_path(tmp_path):
     with pytest.raises(MliteError, match="not a checkpoint nor a run directory"):
         resolve_checkpoint(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, model):
+    from transformers import AutoModelForCausalLM
+
+    from mlite.cli import main
+
+    rt = Runtime(make_job(model))
+    train_steps(rt, range(2))  # trained weights, not the initialisation
+    manager = CheckpointManager(tmp_path / "run", keep_last=1)
+    manager.save(2, save_runtime(rt, {"step": 2}))
+
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    tokens = torch.randint(0, 256, (1, 17), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        theirs = hf(tokens).logits[0]
+        batch = PackedBatch.from_sequences([tokens[0].tolist()])
+        ours = rt.model.compute_logits(rt.model(batch).hidden)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_export_of_a_missing_checkpoint_is_one_line_exit_2(tmp_path, capsys):
+    from mlite.cli import main
+
+    assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a checkpoint nor a run directory" in err

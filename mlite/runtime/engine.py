@@ -31,7 +31,12 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from mlite.config.arch import ModelArch, arch_from_hf_config
 from mlite.config.schema import JobConfig
@@ -269,8 +274,14 @@ class Runtime:
         }
         return ckpt.save_checkpoint(path, self._state_tensors(), {"rng": rng_state()}, meta)
 
-    def load_checkpoint(self, path: str | Path) -> dict:
-        """Restore everything `save_checkpoint` wrote (refusing a corrupt checkpoint); returns extra_state."""
+    def load_checkpoint(self, path: str | Path, weights_only: bool = False) -> dict:
+        """Restore everything `save_checkpoint` wrote (refusing a corrupt checkpoint); returns extra_state.
+        `weights_only`: the model alone (export), leaving optimizer, schedule and RNG as they are."""
+        if weights_only:
+            tensors = {"model": get_model_state_dict(self.model)}
+            meta, _ = ckpt.load_checkpoint(path, tensors)
+            set_model_state_dict(self.model, tensors["model"])
+            return meta["extra"]
         tensors = self._state_tensors()
         meta, rank_state = ckpt.load_checkpoint(path, tensors)
         set_state_dict(self.model, self.optim.optimizer, model_state_dict=tensors["model"],
@@ -288,3 +299,22 @@ class Runtime:
 
         for name, tensor in iter_hf_weights(self.model):
             yield name, (tensor.to(dtype) if dtype is not None else tensor)
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: Optional[torch.dtype] = None) -> Path:
+    """A training checkpoint (or a run dir: its newest good one) -> an HF checkpoint transformers loads.
+
+    The model is rebuilt on the CPU from the job and config.json stored in the checkpoint, so neither the
+    original weights nor a GPU are needed; tensors stream to the shards one at a time."""
+    from mlite.config import job_from_dict
+    from mlite.runtime.ckpt.hf import save_hf_checkpoint
+
+    path = ckpt.resolve_checkpoint(checkpoint)
+    ckpt.verify_checkpoint(path)
+    meta = ckpt.read_meta(path)
+    job_dict = meta["job"]
+    job_dict["trainer"]["device"] = "cpu"
+    runtime = Runtime(job_from_dict(job_dict), hf_config=meta["hf_config"])
+    runtime.load_checkpoint(path, weights_only=True)
+    config = None if runtime.job.model.name is not None else meta["hf_config"]  # presets: written from the arch
+    return save_hf_checkpoint(runtime.export_weights(dtype), runtime.arch, out_dir, config=config, dtype=dtype)
