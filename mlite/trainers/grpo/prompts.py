@@ -1,0 +1,74 @@
+"""GRPO prompt data: rows with a prompt and its ground-truth answer, rendered with the chat template.
+
+Accepted row shapes (JSONL or parquet):
+  {"prompt": "What is 3 + 4?", "answer": "7"}                              plain text: one user turn
+  {"prompt": [{"role": "user", "content": "..."}], "answer": "7"}           messages
+  {"prompt": [...], "reward_model": {"ground_truth": "7"}}                  verl's RL parquet layout
+The whole row travels to the reward function as `sample` (with `prompt` as text and `answer`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from mlite.errors import MliteError
+
+
+@dataclass
+class Prompt:
+    ids: list[int]  # the rendered prompt, ending where the assistant's answer starts
+    sample: dict[str, Any]  # for the reward function: prompt (text), answer, and the row's other fields
+
+
+def read_rows(files: Sequence[str]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            raise MliteError(f"GRPO prompt file not found: {name}; fix data.train_files / data.val_files")
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            rows.extend(pq.read_table(path).to_pylist())
+        elif path.suffix in (".jsonl", ".json"):
+            for line_no, line in enumerate(path.read_text().splitlines(), 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as err:
+                        raise MliteError(f"{path}:{line_no} is not a JSON object ({err.msg})") from None
+        else:
+            raise MliteError(f"{path}: GRPO prompts must be .jsonl or .parquet")
+    return rows
+
+
+def _answer(row: dict[str, Any], where: str) -> str:
+    if "answer" in row:
+        return str(row["answer"])
+    ground_truth = (row.get("reward_model") or {}).get("ground_truth")
+    if ground_truth is None:
+        raise MliteError(f"{where}: no 'answer' (or reward_model.ground_truth) in the row; every GRPO prompt needs one")
+    return str(ground_truth)
+
+
+def render_prompts(rows: Sequence[dict[str, Any]], tokenizer, max_prompt_length: int) -> tuple[list[Prompt], int]:
+    """Rows -> tokenised prompts; rows longer than max_prompt_length are skipped and counted."""
+    prompts, too_long = [], 0
+    for i, row in enumerate(rows):
+        if "prompt" not in row:
+            raise MliteError(f"prompt row {i}: no 'prompt' key (keys: {', '.join(row)}); see docs/GRPO.md")
+        messages = row["prompt"]
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        if len(ids) > max_prompt_length:
+            too_long += 1
+            continue
+        text = "\n".join(str(m.get("content", "")) for m in messages)
+        prompts.append(Prompt(list(ids), {**row, "prompt": text, "answer": _answer(row, f"prompt row {i}")}))
+    return prompts, too_long

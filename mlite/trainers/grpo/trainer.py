@@ -1,0 +1,291 @@
+"""The standalone GRPO loop on the mlite runtime.
+
+One step: sample `prompts_per_step` prompts x `rollout.n` responses with the built-in rollout -> score
+them -> group-normalised advantages -> old log-probs with the runtime's forward-only path (and the
+reference policy's when KL is on) -> `grpo.ppo_epochs` passes over `grpo.mini_batches` mini-batches, one
+optimizer update each. Rollouts draw on a generator seeded by (seed, step), so a resumed run samples
+exactly what the uninterrupted run sampled.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from mlite.config.schema import JobConfig
+from mlite.runtime.data.packed import IGNORE, PackedBatch
+from mlite.runtime.loss import token_logprobs
+from mlite.trainers.grpo.algorithm import GRPOLossConfig, LossNorm, group_advantages, grpo_loss, kl_penalised_rewards
+from mlite.trainers.grpo.prompts import Prompt
+from mlite.trainers.grpo.rewards import RewardFailure, load_reward, score_responses
+from mlite.trainers.grpo.rollout import Completion, SamplingParams, generate
+
+
+@dataclass
+class RolloutBatch:
+    prompts: list[Prompt]  # one per response (a prompt repeated n times)
+    completions: list[Completion]
+    texts: list[str]
+    rewards: torch.Tensor  # [N]
+    groups: torch.Tensor  # [N] prompt index: responses of one prompt form a group
+    failures: list[RewardFailure] = field(default_factory=list)
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        return [c.prompt_ids + c.response_ids for c in self.completions]
+
+    @property
+    def loss_masks(self) -> list[list[int]]:
+        return [[0] * len(c.prompt_ids) + [1] * len(c.response_ids) for c in self.completions]
+
+
+def pack_micro_batches(
+    sequences: Sequence[list[int]],
+    loss_masks: Sequence[list[int]],
+    extras: dict[str, Sequence[torch.Tensor]],
+    max_tokens: int,
+) -> list[tuple[list[int], PackedBatch]]:
+    """Consecutive sequences into micro-batches of at most `max_tokens` tokens (a longer sequence alone).
+    Returns (indices of the sequences, batch) pairs; `extras` are per-sequence per-token tensors."""
+    groups: list[list[int]] = [[]]
+    used = 0
+    for i, seq in enumerate(sequences):
+        if groups[-1] and used + len(seq) > max_tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += len(seq)
+    out = []
+    for idx in groups:
+        batch = PackedBatch.from_sequences([sequences[i] for i in idx], [loss_masks[i] for i in idx])
+        batch.extras = {name: torch.cat([values[i] for i in idx]) for name, values in extras.items()}
+        out.append((idx, batch))
+    return out
+
+
+class GRPOTrainer:
+    def __init__(self, job: JobConfig, runtime, tokenizer, prompts: Sequence[Prompt]):
+        if job.grpo is None or job.rollout is None:
+            raise ValueError("GRPOTrainer needs a job: grpo config")
+        self.job, self.runtime, self.tokenizer = job, runtime, tokenizer
+        self.prompts = list(prompts)
+        self.cfg, self.rollout_cfg = job.grpo, job.rollout
+        self.reward_fn = load_reward(job.grpo.reward)
+        self.loss_cfg = GRPOLossConfig(
+            clip_low=job.grpo.clip_low,
+            clip_high=job.grpo.clip_high,
+            loss_agg=job.grpo.loss_agg,
+            kl_coef=0.0 if job.grpo.kl_in_reward else job.grpo.kl_coef,
+            kl_estimator=job.grpo.kl_estimator,
+            entropy_coef=job.grpo.entropy_coef,
+        )
+        # the reference policy is the initial one: copied before any update or checkpoint load
+        self.reference = None
+        if job.grpo.kl_coef > 0:
+            self.reference = copy.deepcopy(runtime.model).eval().requires_grad_(False)
+        self.stop_ids = stop_token_ids(tokenizer)
+        # log-probs are those of the sampling distribution (logits / temperature), as verl computes them
+        self.temperature = job.rollout.temperature if job.rollout.temperature > 0 else 1.0
+        self.max_tokens = job.data.max_tokens_per_micro_batch or (
+            job.data.micro_batch_size * (job.rollout.max_prompt_length + job.rollout.max_response_length)
+        )
+
+    # ------------------------------------------------------------------------------------ rollout
+    def step_prompts(self, step: int) -> list[Prompt]:
+        """The prompts of step `step` (0-based): consecutive slices of a per-epoch shuffle."""
+        per_step = self.rollout_cfg.prompts_per_step
+        start = step * per_step
+        chosen = []
+        for k in range(start, start + per_step):
+            epoch, pos = divmod(k, len(self.prompts))
+            order = list(range(len(self.prompts)))
+            if self.job.data.shuffle:
+                random.Random(self.job.trainer.seed * 7919 + epoch).shuffle(order)
+            chosen.append(self.prompts[order[pos]])
+        return chosen
+
+    def sampling_params(self, greedy: bool = False) -> SamplingParams:
+        r = self.rollout_cfg
+        return SamplingParams(
+            max_new_tokens=r.max_response_length,
+            temperature=0.0 if greedy else r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop_token_ids=self.stop_ids,
+        )
+
+    def rollout(self, step: int) -> RolloutBatch:
+        prompts = [p for p in self.step_prompts(step) for _ in range(self.rollout_cfg.n)]
+        groups = torch.arange(len(prompts)) // self.rollout_cfg.n
+        device = self.runtime.device
+        generator = torch.Generator(device=device).manual_seed(self.job.trainer.seed * 1_000_003 + step)
+        self.runtime.eval()
+        completions = generate(self.runtime.model, [p.ids for p in prompts], self.sampling_params(), generator)
+        texts = [self.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
+        scores, failures = score_responses(self.reward_fn, texts, [p.sample for p in prompts])
+        return RolloutBatch(prompts, completions, texts, torch.tensor(scores), groups, failures)
+
+    # ---------------------------------------------------------------------------------- log-probs
+    def _per_sequence_logprobs(self, model_fn: Callable[[list[PackedBatch]], list[torch.Tensor]], ro: RolloutBatch):
+        packed = pack_micro_batches(ro.sequences, ro.loss_masks, {}, self.max_tokens)
+        per_seq: list[Optional[torch.Tensor]] = [None] * len(ro.sequences)
+        for (idx, batch), logprobs in zip(packed, model_fn([b for _, b in packed])):
+            for i, values in zip(idx, batch.split(logprobs.cpu())):
+                per_seq[i] = values
+        return per_seq
+
+    def old_logprobs(self, ro: RolloutBatch) -> list[torch.Tensor]:
+        def run(batches):
+            outs = self.runtime.forward_backward(batches, None, forward_only=True, temperature=self.temperature)
+            return [o["logprobs"] for o in outs]
+
+        self.runtime.eval()
+        return self._per_sequence_logprobs(run, ro)
+
+    @torch.no_grad()
+    def reference_logprobs(self, ro: RolloutBatch) -> list[torch.Tensor]:
+        def run(batches):
+            outs = []
+            for batch in batches:
+                batch = batch.to(self.runtime.device)
+                hidden = self.reference(batch).hidden
+                logp, _ = token_logprobs(hidden, batch.labels, self.reference.compute_logits, self.temperature)
+                outs.append(logp)
+            return outs
+
+        return self._per_sequence_logprobs(run, ro)
+
+    # ------------------------------------------------------------------------------------- update
+    def advantages(self, ro: RolloutBatch, old: list[torch.Tensor], ref: Optional[list[torch.Tensor]]):
+        rewards = ro.rewards
+        if self.cfg.kl_in_reward and ref is not None:
+            masks = [torch.tensor(m[1:] + [0], dtype=torch.float32) for m in ro.loss_masks]  # label-aligned
+            seq_ids = torch.cat([torch.full((len(m),), i) for i, m in enumerate(masks)])
+            rewards = kl_penalised_rewards(
+                rewards, torch.cat(old), torch.cat(ref), torch.cat(masks), seq_ids, self.cfg.kl_coef,
+                self.cfg.kl_estimator,
+            )
+        return group_advantages(rewards, ro.groups, std_norm=self.cfg.adv_std_norm)
+
+    def update(self, step: int, ro: RolloutBatch, old, ref, adv: torch.Tensor) -> dict[str, float]:
+        """`ppo_epochs` x `mini_batches` optimizer updates over this step's responses."""
+        n = len(ro.sequences)
+        extras = {
+            "old_logprobs": old,
+            "advantages": [torch.full((len(s),), float(a)) for s, a in zip(ro.sequences, adv)],
+        }
+        if ref is not None and self.loss_cfg.kl_coef > 0:
+            extras["ref_logprobs"] = ref
+        totals: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        grad_norms = []
+        self.runtime.train()
+        for epoch in range(self.cfg.ppo_epochs):
+            order = list(range(n))
+            random.Random(self.job.trainer.seed * 31 + step * 1009 + epoch).shuffle(order)
+            for mini in range(self.cfg.mini_batches):
+                idx = order[mini::self.cfg.mini_batches]
+                seqs = [ro.sequences[i] for i in idx]
+                masks = [ro.loss_masks[i] for i in idx]
+                mini_extras = {k: [v[i] for i in idx] for k, v in extras.items()}
+                micro = [b for _, b in pack_micro_batches(seqs, masks, mini_extras, self.max_tokens)]
+                norm = LossNorm(
+                    num_tokens=int(self.runtime.global_sum(sum(sum(m) for m in masks))),
+                    num_sequences=int(self.runtime.global_sum(sum(1 for m in masks if any(m)))),
+                    horizon=self.rollout_cfg.max_response_length,
+                )
+                aux_weight = 1.0 / (len(micro) * self.runtime.dp_size)
+
+                def loss_fn(batch: PackedBatch, logprobs, entropy, aux_loss):
+                    mask = batch.labels != IGNORE
+                    loss, metrics = grpo_loss(
+                        self.loss_cfg, logprobs, batch.extras["old_logprobs"], batch.extras["advantages"], mask,
+                        batch.sequence_ids(), batch.num_sequences, norm, entropy, batch.extras.get("ref_logprobs"),
+                    )
+                    metrics["tokens"] = float(mask.sum())
+                    return loss + aux_loss * aux_weight, metrics
+
+                self.runtime.zero_grad()
+                outs = self.runtime.forward_backward(micro, loss_fn, with_entropy=True, temperature=self.temperature)
+                grad_norm, _skipped = self.runtime.optimizer_step()
+                grad_norms.append(float(grad_norm))
+                for out in outs:
+                    tokens = out["metrics"].pop("tokens")
+                    for key, value in out["metrics"].items():
+                        if key == "actor/pg_loss":  # micro-batch shares add up to the mini-batch loss
+                            totals[key] = totals.get(key, 0.0) + value / (self.cfg.ppo_epochs * self.cfg.mini_batches)
+                            weights[key] = 1.0
+                        else:
+                            totals[key] = totals.get(key, 0.0) + value * tokens
+                            weights[key] = weights.get(key, 0.0) + tokens
+        metrics = {k: totals[k] / weights[k] for k in totals if weights[k]}
+        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["actor/lr"] = self.runtime.lr
+        self.runtime.lr_scheduler_step()
+        return metrics
+
+    def train_step(self, step: int) -> tuple[dict[str, float], RolloutBatch]:
+        started = time.perf_counter()
+        ro = self.rollout(step)
+        rollout_s = time.perf_counter() - started
+        old = self.old_logprobs(ro)
+        ref = self.reference_logprobs(ro) if self.reference is not None else None
+        adv = self.advantages(ro, old, ref)
+        metrics = self.update(step, ro, old, ref, adv)
+        lengths = torch.tensor([len(c.response_ids) for c in ro.completions], dtype=torch.float32)
+        if ref is not None:
+            label_masks = [torch.tensor(m[1:] + [0], dtype=torch.float32) for m in ro.loss_masks]
+            from mlite.trainers.grpo.algorithm import kl_estimate
+
+            kl = torch.cat([kl_estimate(o, r, self.cfg.kl_estimator) * m for o, r, m in zip(old, ref, label_masks)])
+            metrics["actor/kl_ref"] = float(kl.sum() / torch.cat(label_masks).sum().clamp(min=1))
+        metrics.update({
+            "reward/mean": float(ro.rewards.mean()),
+            "reward/std": float(ro.rewards.std()) if len(ro.rewards) > 1 else 0.0,
+            "reward/failures": float(len(ro.failures)),
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "response/clip_ratio": float(sum(not c.stopped for c in ro.completions) / len(ro.completions)),
+            "time/rollout_s": rollout_s,
+            "time/step_s": time.perf_counter() - started,
+            "tokens": float(sum(len(s) for s in ro.sequences)),
+        })
+        return metrics, ro
+
+    # ---------------------------------------------------------------------------------- evaluate
+    def evaluate(self, prompts: Sequence[Prompt], batch_size: int = 64) -> dict[str, float]:
+        """Greedy answers to held-out prompts: mean reward (accuracy for 0/1 rewards)."""
+        self.runtime.eval()
+        scores: list[float] = []
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            completions = generate(self.runtime.model, [p.ids for p in chunk], self.sampling_params(greedy=True))
+            texts = [self.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
+            chunk_scores, _ = score_responses(self.reward_fn, texts, [p.sample for p in chunk])
+            scores.extend(chunk_scores)
+        return {"eval/reward_mean": sum(scores) / max(len(scores), 1), "eval/prompts": float(len(scores))}
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """EOS and the chat template's end-of-turn token, when the vocabulary has them."""
+    ids = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    for token in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid >= 0 and tid != getattr(tokenizer, "unk_token_id", None):
+            ids.add(tid)
+    return tuple(sorted(ids))
+
+
+def describe_failures(failures: Sequence[RewardFailure], limit: int = 1) -> list[str]:
+    return [f.describe() for f in failures[:limit]]
+
+
+def summarize(values: Sequence[dict[str, Any]], key: str) -> list[float]:
+    return [v[key] for v in values if key in v]

@@ -1,0 +1,61 @@
+"""Shared by the GRPO tests: a real (tiny, character-level) HF tokenizer with a chat template, and jobs."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+from mlite.config import job_from_dict
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def char_tokenizer(folder: Path):
+    """One token per character (+ chat specials), saved and reloaded like any HF tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    chars = sorted(set(string.ascii_letters + string.digits + string.punctuation + " \n"))
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=SPECIALS)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def grpo_job(tmp_path: Path, **sections):
+    base = {
+        "job": "grpo",
+        "model": {"name": "tiny-qwen3", "attention_backend": "torch"},
+        "cluster": {"gpus_per_node": 1, "gpu": "cpu", "host_memory_gb": 8},
+        "precision": {"compute": "fp32"},
+        "optimizer": {"lr": 1e-3, "schedule": "constant"},
+        "data": {"seq_len": 64, "max_tokens_per_micro_batch": 64},
+        "trainer": {"steps": 4, "device": "cpu", "output_dir": str(tmp_path / "run"), "seed": 3},
+        "rollout": {"n": 4, "prompts_per_step": 2, "max_prompt_length": 48, "max_response_length": 6,
+                    "temperature": 1.0},
+        "grpo": {"reward": "grpo_helpers:text_reward"},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return job_from_dict(base)
+
+
+def text_reward(response: str, sample) -> float:
+    """A dense reward for untrained tiny models: the visible length of the response, plus 1 when it contains
+    the answer (random weights emit many ids outside the 99-token vocabulary, which decode to nothing)."""
+    return len(response) / 10 + (1.0 if sample["answer"] in response else 0.0)
+
+
+def explodes_on_x(response: str, sample) -> float:
+    if "x" in response:
+        raise KeyError("no score for x")
+    return text_reward(response, sample)

@@ -1,0 +1,105 @@
+"""The GRPO step on the real runtime with a tiny model: exact normalisation over micro-batches, on-policy
+first update, KL to the reference, reward failures reported, deterministic rollouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlite.runtime.engine import Runtime
+from mlite.trainers.grpo.prompts import render_prompts
+from mlite.trainers.grpo.trainer import GRPOTrainer, pack_micro_batches
+from grpo_helpers import char_tokenizer, grpo_job
+
+ROWS = [{"prompt": f"say {d}", "answer": str(d)} for d in range(10)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return char_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def make_trainer(tmp_path, tokenizer, **sections):
+    job = grpo_job(tmp_path, **sections)
+    prompts, too_long = render_prompts(ROWS, tokenizer, job.rollout.max_prompt_length)
+    assert too_long == 0
+    return GRPOTrainer(job, Runtime(job), tokenizer, prompts)
+
+
+def record_grads(trainer) -> list[torch.Tensor]:
+    """Keep the gradient each optimizer step sees (then step as usual)."""
+    seen: list[torch.Tensor] = []
+    step = trainer.runtime.optimizer_step
+
+    def recording_step():
+        seen.append(torch.cat([p.grad.flatten() for p in trainer.runtime.model.parameters() if p.grad is not None]))
+        return step()
+
+    trainer.runtime.optimizer_step = recording_step
+    return seen
+
+
+def params(trainer):
+    return torch.cat([p.detach().flatten() for p in trainer.runtime.model.parameters()])
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_update_is_the_same_however_the_step_is_cut_into_micro_batches(tmp_path, tokenizer, loss_agg):
+    one = make_trainer(tmp_path, tokenizer, data={"max_tokens_per_micro_batch": 4096, "seq_len": 64},
+                       grpo={"loss_agg": loss_agg})
+    many = make_trainer(tmp_path, tokenizer, data={"max_tokens_per_micro_batch": 64, "seq_len": 64},
+                        grpo={"loss_agg": loss_agg})
+    grads1, grads2 = record_grads(one), record_grads(many)
+    m1, ro1 = one.train_step(0)
+    m2, ro2 = many.train_step(0)
+    assert ro1.sequences == ro2.sequences  # same seed, same rollout
+    assert len(pack_micro_batches(ro1.sequences, ro1.loss_masks, {}, 64)) >= 4  # really cut into pieces
+    assert m1["reward/std"] > 0 and grads1[0].norm() > 0  # the advantages are not all zero
+    relative = float((grads1[0] - grads2[0]).norm() / grads1[0].norm())
+    assert relative < 1e-5, relative  # fp32 summation-order noise only
+    torch.testing.assert_close(params(one), params(many), rtol=1e-4, atol=1e-5)  # Adam amplifies 1e-9 noise
+    assert m1["actor/pg_loss"] == pytest.approx(m2["actor/pg_loss"], rel=1e-5, abs=1e-7)
+
+
+def test_first_update_is_on_policy_and_later_epochs_clip(tmp_path, tokenizer):
+    trainer = make_trainer(tmp_path, tokenizer, grpo={"ppo_epochs": 1, "mini_batches": 1})
+    metrics, _ = trainer.train_step(0)
+    assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)  # old log-probs = current policy
+    assert metrics["actor/clip_frac"] == 0.0
+    several = make_trainer(tmp_path, tokenizer, optimizer={"lr": 5e-2}, grpo={"ppo_epochs": 4, "mini_batches": 2})
+    metrics, _ = several.train_step(0)
+    assert metrics["actor/clip_frac"] > 0  # later passes see a moved policy and the clip acts
+    assert metrics["actor/ppo_kl"] != 0
+
+
+def test_kl_to_the_reference_policy(tmp_path, tokenizer):
+    trainer = make_trainer(tmp_path, tokenizer, optimizer={"lr": 1e-2},
+                           grpo={"kl_coef": 0.1, "kl_estimator": "k3", "mini_batches": 2})
+    first, _ = trainer.train_step(0)
+    assert first["actor/kl_ref"] == pytest.approx(0.0, abs=1e-7)  # nothing has moved yet
+    second, _ = trainer.train_step(1)
+    assert second["actor/kl_ref"] > 0 and second["actor/kl"] > 0
+    in_reward = make_trainer(tmp_path, tokenizer, grpo={"kl_coef": 0.1, "kl_in_reward": True})
+    metrics, _ = in_reward.train_step(0)
+    assert "actor/kl" not in metrics and metrics["actor/kl_ref"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_a_failing_reward_is_counted_not_fatal(tmp_path, tokenizer):
+    trainer = make_trainer(tmp_path, tokenizer, rollout={"max_response_length": 12},
+                           grpo={"reward": "grpo_helpers:explodes_on_x"})
+    failures = 0
+    for step in range(3):
+        metrics, ro = trainer.train_step(step)
+        failures += len(ro.failures)
+        assert metrics["reward/failures"] == len(ro.failures)
+        for f in ro.failures:
+            assert "x" in f.response and "KeyError" in f.error and f.sample["answer"] in "0123456789"
+    assert failures > 0
+
+
+def test_rollouts_depend_only_on_seed_and_step(tmp_path, tokenizer):
+    a = make_trainer(tmp_path, tokenizer)
+    b = make_trainer(tmp_path, tokenizer)
+    assert a.rollout(5).sequences == b.rollout(5).sequences
+    assert a.rollout(5).sequences != a.rollout(6).sequences
+    assert len(a.rollout(0).sequences) == 2 * 4
