@@ -99,14 +99,26 @@ container_setup() {
   esac
 }
 
-# srun ... in the container: step_srun [srun options] -- command...
+# srun ... in the container: step_srun [srun options] -- command...   (DRY_RUN=1: print it)
 step_srun() {
+  srun_command "$@"
+  if [[ $DRY_RUN == 1 ]]; then printf '%q ' "${SRUN_CMD[@]}"; echo; return 0; fi
+  "${SRUN_CMD[@]}"
+}
+
+# The same in the background; BG_PID is srun's own pid, so a signal sent there reaches srun, which passes
+# it to every process of the step on every node.
+step_srun_bg() {
+  srun_command "$@"
+  "${SRUN_CMD[@]}" &
+  BG_PID=$!
+}
+
+srun_command() {
   local opts=()
   while [[ $1 != -- ]]; do opts+=("$1"); shift; done
   shift
-  local cmd=(srun "${opts[@]}" "${SRUN_CONTAINER[@]}" "${RUN_PREFIX[@]}" "$@")
-  if [[ $DRY_RUN == 1 ]]; then printf '%q ' "${cmd[@]}"; echo; return 0; fi
-  "${cmd[@]}"
+  SRUN_CMD=(srun "${opts[@]}" "${SRUN_CONTAINER[@]}" "${RUN_PREFIX[@]}" "$@")
 }
 
 # ------------------------------------------------------------------------------------------ planner check
@@ -166,12 +178,17 @@ node_report() {
   done
 }
 
-# The node to blame: one that left no exit status, else the earliest non-zero exit.
+# The node to blame once the step is over: one that left no exit status, else the earliest non-zero exit.
+# With --exited: among the nodes that have exited so far (while the others may still be stopping).
 first_failed_node() {
   local node file rc when best="" best_when=""
   for node in "${NODES[@]}"; do
     file=$LOG_DIR/node-$node.exit
-    [[ -s $file ]] || { echo "$node (died without an exit status)"; return; }
+    if [[ ! -s $file ]]; then
+      [[ ${1:-} == --exited ]] && continue
+      echo "$node (died without an exit status)"
+      return
+    fi
     read -r rc when < "$file"
     if ((rc != 0)) && { [[ -z $best_when ]] || ((when < best_when)); }; then best=$node; best_when=$when; fi
   done
@@ -197,7 +214,7 @@ watch_step() {
   while kill -0 "$step_pid" 2>/dev/null; do
     if [[ -z $failed_at ]] && any_node_failed; then
       failed_at=$SECONDS
-      log "node $(first_failed_node) failed; stopping the job (the others get ${FAIL_GRACE_S}s)"
+      log "node $(first_failed_node --exited) failed; stopping the job (the others get ${FAIL_GRACE_S}s)"
     fi
     for pid in "${guards[@]}"; do
       if [[ -z $failed_at ]] && ! kill -0 "$pid" 2>/dev/null; then
@@ -238,12 +255,12 @@ run_on_all_nodes() {
   local role=$1 step_pid rc=0
   log "starting launchers/$role.sh on $NNODES nodes (torchrun rendezvous $MASTER_ADDR:$MASTER_PORT)"
   if [[ $DRY_RUN == 1 ]]; then
-    VALIDATE=0 step_srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 -- "$MLITE_ROOT/slurm/lib/node.sh" "$role"
+    step_srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 -- "$MLITE_ROOT/slurm/lib/node.sh" "$role"
     return 0
   fi
-  VALIDATE=0 step_srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 -- \
-    "$MLITE_ROOT/slurm/lib/node.sh" "$role" &
-  step_pid=$!
+  step_srun_bg --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 -- \
+    "$MLITE_ROOT/slurm/lib/node.sh" "$role"
+  step_pid=$BG_PID
   STEP_PIDS=("$step_pid")
   watch_step "$step_pid" || rc=$?
   finish "$rc" "launchers/$role.sh"
@@ -284,18 +301,18 @@ start_ray() {
       --exclude="$HEAD_NODE" -- "$PYTHON" -m ray.scripts.scripts start --address="$MASTER_ADDR:$RAY_PORT" "${ray_common[@]}"
     return 0
   fi
-  step_srun --nodes=1 --ntasks=1 --overlap -w "$HEAD_NODE" --output="$LOG_DIR/ray-head-$HEAD_NODE.log" -- \
+  step_srun_bg --nodes=1 --ntasks=1 --overlap -w "$HEAD_NODE" --output="$LOG_DIR/ray-head-$HEAD_NODE.log" -- \
     "$PYTHON" -m ray.scripts.scripts start --head --node-ip-address="$MASTER_ADDR" --port="$RAY_PORT" \
-    "${ray_common[@]}" &
-  RAY_HEAD_PID=$!
+    "${ray_common[@]}"
+  RAY_HEAD_PID=$BG_PID
   GUARD_NAMES[$RAY_HEAD_PID]="Ray head on $HEAD_NODE, log $LOG_DIR/ray-head-$HEAD_NODE.log"
   RAY_PIDS=("$RAY_HEAD_PID")
   wait_for_ray 1 || true  # the head must answer before workers try to join it
   if ((workers > 0)); then
-    step_srun --nodes="$workers" --ntasks="$workers" --ntasks-per-node=1 --overlap --exclude="$HEAD_NODE" \
+    step_srun_bg --nodes="$workers" --ntasks="$workers" --ntasks-per-node=1 --overlap --exclude="$HEAD_NODE" \
       --output="$LOG_DIR/ray-worker-%N.log" -- \
-      "$PYTHON" -m ray.scripts.scripts start --address="$MASTER_ADDR:$RAY_PORT" "${ray_common[@]}" &
-    RAY_WORKERS_PID=$!
+      "$PYTHON" -m ray.scripts.scripts start --address="$MASTER_ADDR:$RAY_PORT" "${ray_common[@]}"
+    RAY_WORKERS_PID=$BG_PID
     GUARD_NAMES[$RAY_WORKERS_PID]="Ray workers srun, logs $LOG_DIR/ray-worker-*.log"
     RAY_PIDS+=("$RAY_WORKERS_PID")
   fi
@@ -338,9 +355,9 @@ run_on_ray() {
   trap stop_ray EXIT
   log "driver: launchers/$role.sh on $HEAD_NODE through Ray (LAUNCHER=${LAUNCHER:-ray})"
   # the driver runs on the head only; node.sh's node rank is 0 there
-  VALIDATE=0 step_srun --nodes=1 --ntasks=1 --overlap -w "$HEAD_NODE" --kill-on-bad-exit=1 -- \
-    "$MLITE_ROOT/slurm/lib/node.sh" "$role" &
-  step_pid=$!
+  step_srun_bg --nodes=1 --ntasks=1 --overlap -w "$HEAD_NODE" --kill-on-bad-exit=1 -- \
+    "$MLITE_ROOT/slurm/lib/node.sh" "$role"
+  step_pid=$BG_PID
   STEP_PIDS=("$step_pid")
   NODES_SAVED=("${NODES[@]}")
   NODES=("$HEAD_NODE")  # only the driver's node reports an exit status
@@ -363,5 +380,6 @@ run_job() {
   container_setup
   trap on_preempt USR1
   validate_launch "$role"
+  export VALIDATE=0  # checked once above; the nodes start straight away
   if [[ $RAY == 1 ]]; then run_on_ray "$role"; else run_on_all_nodes "$role"; fi
 }
