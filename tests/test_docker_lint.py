@@ -12,7 +12,7 @@ from pathlib import Path
 from mlite.images import REPO
 
 BIN = Path(sys.executable).parent
-DOCKERFILES = sorted(REPO.glob("docker/**/Dockerfile*"))
+DOCKERFILES = sorted(p for p in REPO.glob("docker/**/Dockerfile*") if p.suffix != ".dockerignore")
 WORKFLOWS = sorted((REPO / ".github" / "workflows").glob("*.y*ml"))
 SCRIPTS = sorted(REPO.glob("docker/**/*.sh"))
 

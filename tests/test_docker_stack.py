@@ -164,3 +164,14 @@ def test_unknown_stack_is_one_clear_line(monkeypatch, tmp_path):
     monkeypatch.setenv("MLITE_STACKS_DIR", str(tmp_path / "nowhere"))
     with pytest.raises(MliteError, match="MLITE_STACKS_DIR"):
         load_stack()
+
+
+def test_build_context_holds_exactly_what_the_dockerfile_copies():
+    text = (REPO / DOCKERFILE).read_text()
+    allowed = [line[1:].rstrip("/") for line in (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
+               if line.startswith("!")]
+    sources = [src for line in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M) for src in line.split()]
+    assert sources, "the Dockerfile copies nothing from the context?"
+    for source in sources:
+        assert (REPO / source).exists(), source
+        assert any(source == a or source.startswith(a + "/") for a in allowed), f"{source} is ignored by the context"
