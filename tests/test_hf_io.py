@@ -265,3 +265,25 @@ def test_weight_stream_gathers_fsdp_shards_on_every_rank(tmp_path):
     src = save_hf_model("qwen3_moe", tmp_path / "src")
     launch(2, _export_fsdp_sharded, src, tmp_path / "count.pt")
     assert torch.load(tmp_path / "count.pt") == len(all_tensors(src))
+
+
+def _stream_expert_slice(rank, world, src):
+    from mlite.runtime.parallel.mesh import ParallelDims
+    from mlite.runtime.parallel.parallelize import apply_expert_parallel
+
+    model = loaded(src)
+    apply_expert_parallel(model, ParallelDims(world, dp=world, ep=world).build("cpu"))
+    streamed = dict(iter_hf_weights(model))
+    on_disk = all_tensors(src)
+    mine = {f"model.layers.1.mlp.experts.{e}.up_proj.weight" for e in (2 * rank, 2 * rank + 1)}
+    theirs = {f"model.layers.1.mlp.experts.{e}.up_proj.weight" for e in (2 - 2 * rank, 3 - 2 * rank)}
+    assert mine <= streamed.keys() and not theirs & streamed.keys()
+    for name, tensor in streamed.items():
+        assert torch.equal(tensor, on_disk[name]), name
+
+
+def test_expert_parallel_rank_streams_its_experts_under_global_names(tmp_path):
+    """ep=2 over 4 experts: rank r holds experts 2r, 2r+1 and names them by their global index."""
+    from parallel_harness import launch
+
+    launch(2, _stream_expert_slice, save_hf_model("qwen3_moe", tmp_path / "src"))

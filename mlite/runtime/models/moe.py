@@ -38,7 +38,6 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, ffn))
         self.act = act
-        self.first_expert = 0  # global index of local expert 0 (expert parallel keeps a slice)
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """tokens [M, hidden] grouped by local expert, counts[e] rows each -> [M, hidden]."""
@@ -55,6 +54,12 @@ class MoE(nn.Module):
         self.ep_group: dist.ProcessGroup | None = None  # expert parallel sets these
         self.token_group: dist.ProcessGroup | None = None  # ranks sharing one micro-batch's tokens (cp x tp)
         self.router_stats: RouterStats | None = None  # of the last forward
+
+    @property
+    def first_expert(self) -> int:
+        """Global index of this rank's first expert (expert parallel keeps a contiguous slice)."""
+        local = self.experts.down.shape[0]
+        return dist.get_rank(self.ep_group) * local if self.ep_group is not None else 0
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]. `batch` is unused here; hash-routed families read token ids from it."""

@@ -262,8 +262,8 @@ def _hf_tensors(name: str, model: Transformer) -> HFTensors:
     _, index, rest = name.split(".", 2)  # layers.{i}.{rest}
     prefix = f"model.layers.{index}."
     if rest.startswith("mlp.experts."):
-        experts = model.layers[index].mlp.experts
-        ids = range(experts.first_expert, experts.first_expert + experts.down.shape[0])
+        moe = model.layers[index].mlp
+        ids = range(moe.first_expert, moe.first_expert + moe.experts.down.shape[0])  # this rank's experts
         if rest == "mlp.experts.gate_up":  # [E, 2F, H] <-> gate_proj [F, H] and up_proj [F, H] per expert
             names = [f"{prefix}mlp.experts.{e}.{p}.weight" for e in ids for p in ("gate_proj", "up_proj")]
             return HFTensors(
