@@ -80,6 +80,16 @@ def plan(c, config="", set_=None, recommend=False, json=False):
     _mlite(c, *args)
 
 
+@task(
+    help={"config": "GRPO job YAML file or packaged preset name", "set_": "override key.sub=value (repeatable)",
+          "no_progress": "plain log lines instead of a progress bar"},
+    iterable=["set_"],
+)
+def grpo(c, config, set_=None, no_progress=False):
+    """GRPO on the mlite runtime with the built-in rollout (the planner checks the job first)."""
+    _mlite(c, "grpo", config, *_overrides(set_), *(["--no-progress"] if no_progress else []))
+
+
 # ------------------------------------------------------------------------------------ container images
 # Logic and command construction live in mlite/images.py (tested there); these only pass arguments.
 _IMAGE_HELP = {
@@ -133,4 +143,19 @@ def doctor(c, stack="", arch="", strict=False, require_gpu=False):
     args = ["doctor"] + ([f"--stack={stack}"] if stack else []) + ([f"--arch={arch}"] if arch else [])
     args += ["--strict"] if strict else []
     args += ["--require-gpu"] if require_gpu else []
+    _mlite(c, *args)
+
+
+@task(
+    help={
+        "name": "template in slurm/ (grpo_dsv4_128gpu, sft, ...) or a path to an .sbatch file",
+        "dry_run": "print the script and its planner-checked launch; submit nothing",
+        "env": "a knob for the job, KEY=VALUE (repeatable)",
+    },
+    iterable=["env"],
+)
+def sbatch(c, name, dry_run=False, env=None):
+    """Submit a Slurm template (or --dry-run: print it and the resolved, planner-checked launch)."""
+    args = ["sbatch", name] + [f"--env={item}" for item in (env or [])]
+    args += ["--dry-run"] if dry_run else []
     _mlite(c, *args)

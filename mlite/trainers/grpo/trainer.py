@@ -10,20 +10,37 @@ exactly what the uninterrupted run sampled.
 from __future__ import annotations
 
 import copy
+import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from pathlib import Path
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from mlite.config.schema import JobConfig
+from mlite.errors import MliteError
+from mlite.runtime.ckpt.checkpoint import CheckpointManager
 from mlite.runtime.data.packed import IGNORE, PackedBatch
+from mlite.runtime.engine import Runtime
 from mlite.runtime.loss import token_logprobs
-from mlite.trainers.grpo.algorithm import GRPOLossConfig, LossNorm, group_advantages, grpo_loss, kl_penalised_rewards
-from mlite.trainers.grpo.prompts import Prompt
+from mlite.trainers.common import StopRequest, checkpoint_to_resume, first_rank
+from mlite.trainers.grpo.algorithm import (
+    GRPOLossConfig,
+    LossNorm,
+    group_advantages,
+    grpo_loss,
+    kl_estimate,
+    kl_penalised_rewards,
+)
+from mlite.trainers.grpo.prompts import Prompt, read_rows, render_prompts
 from mlite.trainers.grpo.rewards import RewardFailure, load_reward, score_responses
 from mlite.trainers.grpo.rollout import Completion, SamplingParams, generate
+from mlite.trainers.metrics import MetricsWriter, ProgressDisplay, plot_metrics, read_metrics
+
+log = logging.getLogger(__name__)
+PLOT_KEYS = ("reward/mean", "eval/reward_mean", "response/length_mean", "actor/pg_loss")
 
 
 @dataclass
@@ -240,8 +257,6 @@ class GRPOTrainer:
         lengths = torch.tensor([len(c.response_ids) for c in ro.completions], dtype=torch.float32)
         if ref is not None:
             label_masks = [torch.tensor(m[1:] + [0], dtype=torch.float32) for m in ro.loss_masks]
-            from mlite.trainers.grpo.algorithm import kl_estimate
-
             kl = torch.cat([kl_estimate(o, r, self.cfg.kl_estimator) * m for o, r, m in zip(old, ref, label_masks)])
             metrics["actor/kl_ref"] = float(kl.sum() / torch.cat(label_masks).sum().clamp(min=1))
         metrics.update({
@@ -283,9 +298,125 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def describe_failures(failures: Sequence[RewardFailure], limit: int = 1) -> list[str]:
-    return [f.describe() for f in failures[:limit]]
+# ------------------------------------------------------------------------------------------ the run
+@dataclass
+class GRPOResult:
+    output_dir: Path
+    start_step: int
+    last_step: int
+    total_steps: int
+    checkpoint: Optional[Path]
+    metrics_path: Path
+    plot_path: Optional[Path]
+    eval_before: Optional[float]  # held-out mean reward before the first update (None without val prompts)
+    eval_after: Optional[float]
+    stopped_by: Optional[str] = None
+    reward_failures: list[str] = field(default_factory=list)  # the first few, each with its sample
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r["reward/mean"] for r in read_metrics(self.metrics_path) if "reward/mean" in r]
 
 
-def summarize(values: Sequence[dict[str, Any]], key: str) -> list[float]:
-    return [v[key] for v in values if key in v]
+def load_tokenizer(job: JobConfig):
+    source = job.data.tokenizer or job.model.path
+    if source is None:
+        raise MliteError("GRPO needs a tokenizer: set data.tokenizer (a tokenizer dir) or use model.path")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise MliteError(f"cannot load the tokenizer from {source} ({type(err).__name__}); point data.tokenizer "
+                         "at a dir with tokenizer.json") from None
+
+
+def load_prompts(files: Sequence[str], tokenizer, job: JobConfig, what: str) -> list[Prompt]:
+    prompts, too_long = render_prompts(read_rows(files), tokenizer, job.rollout.max_prompt_length)
+    if too_long:
+        log.warning("%d %s prompts are longer than rollout.max_prompt_length=%d and were skipped", too_long, what,
+                    job.rollout.max_prompt_length)
+    if not prompts and what == "train":
+        raise MliteError(f"no usable GRPO prompts in {', '.join(files)} (skipped as too long: {too_long})")
+    return prompts
+
+
+def train_grpo(job: JobConfig, console=None, show_progress: bool = True, tokenizer=None) -> GRPOResult:
+    """Run (or continue) a GRPO job: rollouts, rewards, PPO updates, metrics, checkpoints, held-out eval."""
+    if job.job != "grpo":
+        raise MliteError(f"this job is '{job.job}'; run it with `mlite {job.job}`")
+    if job.rollout.engine != "builtin":
+        from mlite.trainers.grpo.vllm_rollout import require_vllm
+
+        require_vllm()
+    if not job.data.train_files:
+        raise MliteError("data.train_files is empty: GRPO needs prompt files (JSONL/parquet with prompt + answer)")
+    out = Path(job.trainer.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = tokenizer or load_tokenizer(job)
+    train_prompts = load_prompts(job.data.train_files, tokenizer, job, "train")
+    val_prompts = load_prompts(job.data.val_files, tokenizer, job, "held-out") if job.data.val_files else []
+
+    runtime = Runtime(job)
+    trainer = GRPOTrainer(job, runtime, tokenizer, train_prompts)  # copies the reference before any load
+    manager = CheckpointManager(out, job.trainer.keep_last)
+    start = 0
+    resume_from = checkpoint_to_resume(job.trainer.resume, manager)
+    if resume_from is not None:
+        start = int(runtime.load_checkpoint(resume_from)["step"])
+        log.info("resumed from %s at step %d", resume_from, start)
+
+    total = job.trainer.steps
+    writer = MetricsWriter(out, job.trainer.tensorboard, resume_step=start, enabled=first_rank())
+    progress = ProgressDisplay(total, start, "grpo", enabled=show_progress and first_rank(), console=console)
+    eval_before = eval_after = None
+    if val_prompts and start == 0:
+        eval_before = trainer.evaluate(val_prompts)["eval/reward_mean"]
+        writer.log(0, {"eval/reward_mean": eval_before})
+    step, stopped_by, last_saved, failures = start, None, None, []
+    with StopRequest() as stop:
+        while step < total:
+            metrics, rollout = trainer.train_step(step)
+            step += 1
+            failures.extend(f.describe() for f in rollout.failures[: max(0, 3 - len(failures))])
+            if job.trainer.eval_every and val_prompts and step % job.trainer.eval_every == 0 and step < total:
+                metrics.update(trainer.evaluate(val_prompts))
+            if val_prompts and step == total:
+                metrics.update(trainer.evaluate(val_prompts))
+                eval_after = metrics["eval/reward_mean"]
+            if step % job.trainer.log_every == 0 or step == total:
+                writer.log(step, metrics)
+                progress.update(step, metrics["actor/pg_loss"], metrics["tokens"] / metrics["time/step_s"],
+                                f"reward {metrics['reward/mean']:.3f}")
+            stopped = stop.should_stop()
+            if stopped or step == total or (job.trainer.save_every and step % job.trainer.save_every == 0):
+                last_saved = manager.save(step, lambda path, at=step: runtime.save_checkpoint(path, {"step": at}))
+            if stopped:
+                stopped_by = stop.received
+                break
+    progress.close()
+    writer.close()
+    plot = None
+    if first_rank() and stopped_by is None:
+        plot = plot_metrics(writer.path, out / "grpo.png", keys=PLOT_KEYS, title=f"GRPO ({out.name})")
+    return GRPOResult(out, start, step, total, last_saved, writer.path, plot, eval_before, eval_after, stopped_by,
+                      failures)
+
+
+def print_summary(result: GRPOResult, console) -> None:
+    rewards = result.rewards
+    if result.stopped_by:
+        console.print(f"[yellow]stopped by {result.stopped_by} after step {result.last_step}/{result.total_steps}; "
+                      "checkpoint saved, rerun the same command (trainer.resume=auto) to continue[/yellow]")
+    if rewards:
+        console.print(f"train reward {rewards[0]:.3f} (first step) -> {rewards[-1]:.3f} (step {result.last_step})",
+                      highlight=False)
+    if result.eval_before is not None or result.eval_after is not None:
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        console.print(f"held-out reward (greedy) {fmt(result.eval_before)} before -> {fmt(result.eval_after)} after",
+                      highlight=False)
+    for line in result.reward_failures:
+        console.print(f"[yellow]{line}[/yellow]", highlight=False)
+    console.print(f"checkpoint  {result.checkpoint}\nmetrics     {result.metrics_path}", highlight=False)
+    if result.plot_path:
+        console.print(f"plots       {result.plot_path}", highlight=False)

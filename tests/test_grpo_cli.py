@@ -1,0 +1,102 @@
+"""`mlite grpo` end to end in a subprocess: planner first, metrics/plots/checkpoints, held-out eval,
+resume equal to the uninterrupted run, one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from grpo_helpers import char_tokenizer
+
+from mlite.trainers.metrics import read_metrics
+
+TESTS = Path(__file__).parent
+VOLATILE = ("time/", "tokens_per_s")  # wall-clock figures differ between runs
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo_cli")
+    char_tokenizer(root / "tok")
+    rows = [{"prompt": f"say {d}", "answer": str(d)} for d in range(10)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
+    return root
+
+
+def write_job(workdir: Path, out: Path, **changes) -> Path:
+    job = {
+        "job": "grpo",
+        "model": {"name": "tiny-qwen3", "attention_backend": "torch"},
+        "cluster": {"gpus_per_node": 1, "gpu": "cpu", "host_memory_gb": 8},
+        "precision": {"compute": "fp32"},
+        "optimizer": {"lr": 1e-3, "schedule": "constant"},
+        "data": {"train_files": [str(workdir / "train.jsonl")], "val_files": [str(workdir / "val.jsonl")],
+                 "tokenizer": str(workdir / "tok"), "seq_len": 64, "max_tokens_per_micro_batch": 64},
+        "trainer": {"steps": 4, "save_every": 2, "keep_last": 3, "device": "cpu", "output_dir": str(out), "seed": 5},
+        "rollout": {"n": 4, "prompts_per_step": 2, "max_prompt_length": 48, "max_response_length": 6},
+        "grpo": {"reward": "grpo_helpers:text_reward", "mini_batches": 2},
+    }
+    for section, values in changes.items():
+        job[section] = {**job.get(section, {}), **values}
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def mlite_grpo(config: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "mlite", "grpo", str(config), "--no-progress", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def stable(records):
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+def test_run_writes_metrics_plots_checkpoints_and_resumes_exactly(workdir, tmp_path):
+    out = tmp_path / "full"
+    result = mlite_grpo(write_job(workdir, out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # 0: held-out eval before training
+    for key in ("reward/mean", "reward/std", "response/length_mean", "actor/clip_frac", "actor/entropy",
+                "actor/grad_norm", "actor/ppo_kl", "actor/pg_loss"):
+        assert all(key in r for r in records[1:]), key
+    assert "eval/reward_mean" in records[0] and "eval/reward_mean" in records[-1]
+    assert (out / "grpo.png").stat().st_size > 1000 and any((out / "tensorboard").iterdir())
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000004"]
+    assert "held-out reward (greedy)" in result.stderr
+
+    # the same run interrupted after step 2 (its later checkpoint and records never written) and resumed
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000004")
+    result = mlite_grpo(write_job(workdir, resumed))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert stable(read_metrics(resumed / "metrics.jsonl")) == stable(records)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"grpo": {"reward": "no_such_module_q:fn"}}, "cannot import module 'no_such_module_q'"),
+        ({"rollout": {"max_response_length": 60}}, "exceeds data.seq_len"),
+        ({"rollout": {"engine": "vllm"}}, "vLLM is not installed"),
+        ({"data": {"train_files": ["/nonexistent/prompts.jsonl"]}}, "prompt file not found"),
+    ],
+)
+def test_bad_jobs_fail_with_one_line_and_exit_2(workdir, tmp_path, changes, message):
+    if changes.get("rollout", {}).get("engine") == "vllm" and importlib.util.find_spec("vllm"):
+        pytest.fail("this machine has vLLM: the refusal case cannot be checked here")
+    result = mlite_grpo(write_job(workdir, tmp_path / "bad", **changes))
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, result.stderr[-2000:]
