@@ -26,19 +26,35 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlite.stack import (REQUIRED_CAPABILITIES, STACK_ENV, WRONG_PYPI, Stack, load_stack)
+from mlite.stack import REQUIRED_CAPABILITIES, STACK_ENV, WRONG_PYPI, Stack, load_stack
 
 ARCH_ENV = "MLITE_IMAGE_ARCH"
 OK, MISSING, WRONG, NOTE = "ok", "missing", "wrong", "note"
 # Wheels checked against their pins; `uv` is only the image's installer.
 CHECKED_WHEELS = (
-    "torch", "vllm", "verl", "megatron-core", "transformers", "ray", "transformer-engine", "flash-attn",
-    "nvidia-cudnn-frontend", "nvidia-cutlass-dsl", "nvidia-nccl-cu13", "nvidia-nvshmem-cu13",
+    "torch",
+    "vllm",
+    "verl",
+    "megatron-core",
+    "transformers",
+    "ray",
+    "transformer-engine",
+    "flash-attn",
+    "nvidia-cudnn-frontend",
+    "nvidia-cutlass-dsl",
+    "nvidia-nccl-cu13",
+    "nvidia-nvshmem-cu13",
 )
 # What must import in a healthy image (module -> the distribution that provides it).
 IMPORTS = {
-    "torch": "torch", "transformer_engine.pytorch": "transformer-engine", "flash_attn": "flash-attn",
-    "deep_ep": "deep-ep", "apex": "apex", "vllm": "vllm", "verl": "verl", "megatron.core": "megatron-core",
+    "torch": "torch",
+    "transformer_engine.pytorch": "transformer-engine",
+    "flash_attn": "flash-attn",
+    "deep_ep": "deep-ep",
+    "apex": "apex",
+    "vllm": "vllm",
+    "verl": "verl",
+    "megatron.core": "megatron-core",
     "mlite": "mlite",
 }
 NCCL_MINIMUM = (2, 29, 7)
@@ -74,7 +90,9 @@ def check_wheels(stack: Stack) -> list[Check]:
         pin, have = stack.wheels[name], installed_version(name)
         if have is None:
             checks.append(Check(MISSING, name, f"not installed (pin {pin})"))
-        elif have.split("+")[0] != pin:  # torch reports 2.11.0+cu130: the local part is the build, not the version
+        elif (
+            have.split("+")[0] != pin
+        ):  # torch reports 2.11.0+cu130: the local part is the build, not the version
             checks.append(Check(WRONG, name, f"{have} installed, pin {pin}"))
         else:
             checks.append(Check(OK, name, have))
@@ -89,21 +107,35 @@ def check_git_builds(stack: Stack) -> list[Check]:
     if deepep is None:
         checks.append(Check(MISSING, "deepep", f"not installed (build from git at {commit[:12]})"))
     elif "+" not in deepep or not commit.startswith(deepep.split("+")[1][:7]):
-        checks.append(Check(WRONG, "deepep", f"{deepep} installed; not a build of the pinned commit {commit[:12]} "
-                                              f"({WRONG_PYPI['deep-ep']})"))
+        checks.append(
+            Check(
+                WRONG,
+                "deepep",
+                f"{deepep} installed; not a build of the pinned commit {commit[:12]} "
+                f"({WRONG_PYPI['deep-ep']})",
+            )
+        )
     else:
         checks.append(Check(OK, "deepep", f"{deepep} (commit {commit[:12]})"))
     apex = installed_version("apex")
     if apex is None:
-        checks.append(Check(MISSING, "apex", f"not installed (build from git at {stack.git['apex'].commit[:12]})"))
+        checks.append(
+            Check(MISSING, "apex", f"not installed (build from git at {stack.git['apex'].commit[:12]})")
+        )
     elif apex.startswith("0.9"):  # the PyPI impostor's releases are 0.9.x
         checks.append(Check(WRONG, "apex", f"{apex} installed: {WRONG_PYPI['apex']}"))
     else:
         checks.append(Check(OK, "apex", f"{apex} (NVIDIA apex)"))
-    found = [p for p in ("/opt/gdrcopy/lib", "/usr/local/lib", "/usr/lib/x86_64-linux-gnu")
-             if any(Path(p).glob("libgdrapi.so*"))]
-    checks.append(Check(OK, "gdrcopy", f"libgdrapi in {found[0]}") if found
-                  else Check(MISSING, "gdrcopy", "libgdrapi.so not found (DeepEP inter-node needs it)"))
+    found = [
+        p
+        for p in ("/opt/gdrcopy/lib", "/usr/local/lib", "/usr/lib/x86_64-linux-gnu")
+        if any(Path(p).glob("libgdrapi.so*"))
+    ]
+    checks.append(
+        Check(OK, "gdrcopy", f"libgdrapi in {found[0]}")
+        if found
+        else Check(MISSING, "gdrcopy", "libgdrapi.so not found (DeepEP inter-node needs it)")
+    )
     return checks
 
 
@@ -144,8 +176,12 @@ def check_flash_attn_cute() -> Check | None:
         return None
     cute = Path(spec.submodule_search_locations[0]) / "cute"
     if cute.is_dir():
-        return Check(WRONG, "flash_attn/cute", f"{cute} is flash-attn 2's stale copy (imports "
-                                                "cutlass.utils.ampere_helpers); delete it or install flash-attn-4")
+        return Check(
+            WRONG,
+            "flash_attn/cute",
+            f"{cute} is flash-attn 2's stale copy (imports "
+            "cutlass.utils.ampere_helpers); delete it or install flash-attn-4",
+        )
     return Check(OK, "flash_attn/cute", "no stale flash-attn 2 copy")
 
 
@@ -160,9 +196,12 @@ def check_cudnn_dsa(gpu_visible: bool) -> Check:
         params = inspect.signature(cudnn.DSA.indexer_forward_wrapper).parameters
     except Exception as err:
         if gpu_visible:
-            return Check(WRONG, name, f"cudnn.DSA.indexer_forward_wrapper unavailable: {type(err).__name__}: {err}")
-        params = _source_parameters("cudnn", "deepseek_sparse_attention/indexer_forward/api.py",
-                                    "indexer_forward_wrapper")
+            return Check(
+                WRONG, name, f"cudnn.DSA.indexer_forward_wrapper unavailable: {type(err).__name__}: {err}"
+            )
+        params = _source_parameters(
+            "cudnn", "deepseek_sparse_attention/indexer_forward/api.py", "indexer_forward_wrapper"
+        )
         if params is None:
             return Check(WRONG, name, "this cuDNN frontend has no DSA indexer_forward_wrapper (need >= 1.27)")
     if "q_causal_offsets" not in params:
@@ -201,8 +240,14 @@ def gpu_capabilities() -> tuple[list[str], str]:
 
 
 def image_arch_for(capability: str) -> str | None:
-    return next((arch for arch, caps in REQUIRED_CAPABILITIES.items()
-                 if caps[0].split(".")[0] == capability.split(".")[0]), None)
+    return next(
+        (
+            arch
+            for arch, caps in REQUIRED_CAPABILITIES.items()
+            if caps[0].split(".")[0] == capability.split(".")[0]
+        ),
+        None,
+    )
 
 
 def check_gpus(stack: Stack, arch: str | None, require_gpu: bool) -> tuple[list[Check], bool]:
@@ -211,16 +256,34 @@ def check_gpus(stack: Stack, arch: str | None, require_gpu: bool) -> tuple[list[
         return [Check(MISSING if require_gpu else NOTE, "gpu", note)], False
     arch = arch or image_arch_for(caps[0])
     if arch is None or arch not in stack.arches:
-        return [Check(WRONG, "gpu arch", f"{note}: compute capability {caps[0]} has no mlite image arch "
-                                         f"(images: {', '.join(stack.arches)})")], True
+        return [
+            Check(
+                WRONG,
+                "gpu arch",
+                f"{note}: compute capability {caps[0]} has no mlite image arch "
+                f"(images: {', '.join(stack.arches)})",
+            )
+        ], True
     built = [c.rstrip("a") for c in stack.arch(arch).capabilities]
     unbuilt = sorted(set(c for c in caps if c not in built))
     if unbuilt:
-        return [Check(WRONG, "gpu arch", f"{note}: capability {', '.join(unbuilt)} is not in the {arch} image's "
-                                         f"arch list {stack.arch(arch).torch_cuda_arch_list}; use the image built "
-                                         f"for {image_arch_for(unbuilt[0]) or 'this GPU'}")], True
-    return [Check(OK, "gpu arch", f"{note}: capability {', '.join(sorted(set(caps)))} in the {arch} list "
-                                  f"{stack.arch(arch).torch_cuda_arch_list}")], True
+        return [
+            Check(
+                WRONG,
+                "gpu arch",
+                f"{note}: capability {', '.join(unbuilt)} is not in the {arch} image's "
+                f"arch list {stack.arch(arch).torch_cuda_arch_list}; use the image built "
+                f"for {image_arch_for(unbuilt[0]) or 'this GPU'}",
+            )
+        ], True
+    return [
+        Check(
+            OK,
+            "gpu arch",
+            f"{note}: capability {', '.join(sorted(set(caps)))} in the {arch} list "
+            f"{stack.arch(arch).torch_cuda_arch_list}",
+        )
+    ], True
 
 
 def check_nccl(gpu_visible: bool) -> Check:
@@ -228,7 +291,7 @@ def check_nccl(gpu_visible: bool) -> Check:
         import torch
     except ImportError:
         return Check(MISSING, "nccl", "torch is not installed")
-    if not torch.cuda.is_available() and not gpu_visible:
+    if not gpu_visible:
         wheel = installed_version("nvidia-nccl-cu13")
         return Check(NOTE, "nccl", f"not loaded without a GPU (wheel: {wheel or 'not installed'})")
     try:
@@ -237,12 +300,18 @@ def check_nccl(gpu_visible: bool) -> Check:
         return Check(WRONG, "nccl", f"torch cannot load NCCL: {type(err).__name__}: {err}")
     text = ".".join(map(str, loaded))
     if tuple(loaded) < NCCL_MINIMUM:
-        return Check(WRONG, "nccl", f"{text} loaded; >= {'.'.join(map(str, NCCL_MINIMUM))} is needed for "
-                                    "communicator suspend/resume (install the pinned nvidia-nccl-cu13)")
+        return Check(
+            WRONG,
+            "nccl",
+            f"{text} loaded; >= {'.'.join(map(str, NCCL_MINIMUM))} is needed for "
+            "communicator suspend/resume (install the pinned nvidia-nccl-cu13)",
+        )
     return Check(OK, "nccl", f"{text} loaded by torch")
 
 
-def diagnose(stack_version: str | None = None, arch: str | None = None, require_gpu: bool = False) -> tuple[Stack, list[Check]]:
+def diagnose(
+    stack_version: str | None = None, arch: str | None = None, require_gpu: bool = False
+) -> tuple[Stack, list[Check]]:
     stack = load_stack(stack_version or os.environ.get(STACK_ENV) or None)
     arch = arch or os.environ.get(ARCH_ENV) or None
     if arch is not None:
@@ -280,8 +349,9 @@ def report(stack: Stack, checks: list[Check], arch: str | None) -> str:
     return "\n".join(lines)
 
 
-def run(stack_version: str | None = None, arch: str | None = None, strict: bool = False,
-        require_gpu: bool = False) -> int:
+def run(
+    stack_version: str | None = None, arch: str | None = None, strict: bool = False, require_gpu: bool = False
+) -> int:
     """Print the report; 1 when something is missing or wrong and `strict`, else 0."""
     stack, checks = diagnose(stack_version, arch, require_gpu)
     print(report(stack, checks, arch or os.environ.get(ARCH_ENV)))

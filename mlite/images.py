@@ -34,13 +34,14 @@ STACK_LIMIT_BYTES = 64 * 1024 * 1024
 
 
 def image_tag(stack: Stack, arch: str, target: str = "runtime", image: str | None = None) -> str:
-    """mlite:0.1.0-stack2026.11-cu130-torch2.11-sm90 (+ -dev for the dev target): what is inside, in the name."""
+    """mlite:0.1.0-stack2026.11-cu130-torch2.11-sm90 (+ -dev for the dev target): what is inside."""
     stack.arch(arch)
     if target not in TARGETS:
         raise MliteError(f"unknown target '{target}'; choose one of: {', '.join(TARGETS)}")
     repository = image or os.environ.get(IMAGE_ENV) or DEFAULT_IMAGE
     suffix = "-dev" if target == "dev" else ""
-    return f"{repository}:{__version__}-stack{stack.version}-{stack.cuda_tag}-torch{stack.torch_short}-{arch}{suffix}"
+    inside = f"{__version__}-stack{stack.version}-{stack.cuda_tag}-torch{stack.torch_short}-{arch}{suffix}"
+    return f"{repository}:{inside}"
 
 
 def arg_name(component: str, field: str) -> str:
@@ -97,17 +98,39 @@ def labels(stack: Stack, arch: str) -> dict[str, str]:
     return out
 
 
-def build_command(stack: Stack, arch: str, target: str = "runtime", push: bool = False,
-                  image: str | None = None, cache_ref: str | None = None) -> list[str]:
-    """`docker buildx build` for one arch and target, with a build cache (a registry ref, else a local folder)."""
+def build_command(
+    stack: Stack,
+    arch: str,
+    target: str = "runtime",
+    push: bool = False,
+    image: str | None = None,
+    cache_ref: str | None = None,
+) -> list[str]:
+    """`docker buildx build` for one arch and target, with a build cache (registry ref, else local)."""
     tag = image_tag(stack, arch, target, image)
     if cache_ref:
-        cache = [f"--cache-from=type=registry,ref={cache_ref}",
-                 f"--cache-to=type=registry,ref={cache_ref},mode=max"]
+        cache = [
+            f"--cache-from=type=registry,ref={cache_ref}",
+            f"--cache-to=type=registry,ref={cache_ref},mode=max",
+        ]
     else:
-        folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlite-buildx" / f"{stack.version}-{arch}"
+        folder = (
+            Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+            / "mlite-buildx"
+            / f"{stack.version}-{arch}"
+        )
         cache = [f"--cache-from=type=local,src={folder}", f"--cache-to=type=local,dest={folder},mode=max"]
-    cmd = ["docker", "buildx", "build", "--file", str(DOCKERFILE), "--target", target, "--platform", "linux/amd64"]
+    cmd = [
+        "docker",
+        "buildx",
+        "build",
+        "--file",
+        str(DOCKERFILE),
+        "--target",
+        target,
+        "--platform",
+        "linux/amd64",
+    ]
     for key, value in build_args(stack, arch).items():
         cmd += ["--build-arg", f"{key}={value}"]
     for key, value in labels(stack, arch).items():
@@ -127,10 +150,24 @@ def pull_command(tag: str) -> list[str]:
 def shell_command(tag: str, repo: Path = REPO, command: str = "bash", tty: bool = True) -> list[str]:
     """A shell (or `command`) on all GPUs with the repository mounted at /workspace; tty=False for CI."""
     return [
-        "docker", "run", "--rm", *(["-it"] if tty else []), "--gpus", "all", "--ipc=host",
+        "docker",
+        "run",
+        "--rm",
+        *(["-it"] if tty else []),
+        "--gpus",
+        "all",
+        "--ipc=host",
         f"--shm-size={SHELL_SHM_SIZE}",
-        "--ulimit", "memlock=-1", "--ulimit", f"stack={STACK_LIMIT_BYTES}",
-        "-v", f"{repo.resolve()}:/workspace", "-w", "/workspace", tag, *shlex.split(command),
+        "--ulimit",
+        "memlock=-1",
+        "--ulimit",
+        f"stack={STACK_LIMIT_BYTES}",
+        "-v",
+        f"{repo.resolve()}:/workspace",
+        "-w",
+        "/workspace",
+        tag,
+        *shlex.split(command),
     ]
 
 
@@ -139,8 +176,9 @@ def engine_problem() -> str | None:
     if shutil.which("docker") is None:
         return "the docker client is not installed"
     try:
-        result = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True,
-                                text=True, timeout=20)
+        result = subprocess.run(
+            ["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True, timeout=20
+        )
     except subprocess.TimeoutExpired:
         return "`docker info` did not answer within 20 s"
     if result.returncode != 0 or not result.stdout.strip():
@@ -153,29 +191,55 @@ def execute(cmd: list[str], dry_run: bool = False) -> int:
     """Print the exact command and run it; dry_run only prints. Without an engine: MliteError (exit 2)."""
     problem = None if dry_run else engine_problem()
     if problem:
-        raise MliteError(f"no Docker engine: {problem}; start the Docker daemon (or run on a machine with one), "
-                         "or add --dry-run to print the command only")
+        raise MliteError(
+            f"no Docker engine: {problem}; start the Docker daemon (or run on a machine with one), "
+            "or add --dry-run to print the command only"
+        )
     print(shlex.join(cmd), flush=True)
     return 0 if dry_run else subprocess.run(cmd, cwd=REPO).returncode
 
 
-def build(arch: str, stack: str | None = None, target: str = "runtime", push: bool = False,
-          dry_run: bool = False, image: str | None = None, cache_ref: str | None = None) -> int:
+def build(
+    arch: str,
+    stack: str | None = None,
+    target: str = "runtime",
+    push: bool = False,
+    dry_run: bool = False,
+    image: str | None = None,
+    cache_ref: str | None = None,
+) -> int:
     return execute(build_command(load_stack(stack), arch, target, push, image, cache_ref), dry_run)
 
 
-def push(arch: str, stack: str | None = None, target: str = "runtime", dry_run: bool = False,
-         image: str | None = None) -> int:
+def push(
+    arch: str,
+    stack: str | None = None,
+    target: str = "runtime",
+    dry_run: bool = False,
+    image: str | None = None,
+) -> int:
     return execute(push_command(image_tag(load_stack(stack), arch, target, image)), dry_run)
 
 
-def pull(arch: str, stack: str | None = None, target: str = "runtime", dry_run: bool = False,
-         image: str | None = None) -> int:
+def pull(
+    arch: str,
+    stack: str | None = None,
+    target: str = "runtime",
+    dry_run: bool = False,
+    image: str | None = None,
+) -> int:
     return execute(pull_command(image_tag(load_stack(stack), arch, target, image)), dry_run)
 
 
-def shell(arch: str, stack: str | None = None, target: str = "dev", dry_run: bool = False,
-          image: str | None = None, command: str = "bash", tty: bool = True) -> int:
+def shell(
+    arch: str,
+    stack: str | None = None,
+    target: str = "dev",
+    dry_run: bool = False,
+    image: str | None = None,
+    command: str = "bash",
+    tty: bool = True,
+) -> int:
     tag = image_tag(load_stack(stack), arch, target, image)
     return execute(shell_command(tag, command=command, tty=tty), dry_run)
 
@@ -193,12 +257,31 @@ def main(action: str, **kwargs) -> int:
 PYPI = "https://pypi.org/simple"
 
 
-def resolve_command(stack: Stack, requirements: Path, overrides: Path, output: Path, uv: str = "uv") -> list[str]:
+def resolve_command(
+    stack: Stack, requirements: Path, overrides: Path, output: Path, uv: str = "uv"
+) -> list[str]:
     """`uv pip compile` of the image's Python layer for the image's Python and platform, wheels only, with
     the image's NCCL override and index date. Reads no local pip/uv config (a machine's constraints or
     find-links must not change what the image resolves to)."""
     return [
-        uv, "pip", "compile", "--no-config", "--index-url", PYPI, "--python-version", stack.python,
-        "--python-platform", stack.python_platform, "--no-build", "--exclude-newer", stack.exclude_newer,
-        "--override", str(overrides), "--no-header", "--no-annotate", str(requirements), "--output-file", str(output),
+        uv,
+        "pip",
+        "compile",
+        "--no-config",
+        "--index-url",
+        PYPI,
+        "--python-version",
+        stack.python,
+        "--python-platform",
+        stack.python_platform,
+        "--no-build",
+        "--exclude-newer",
+        stack.exclude_newer,
+        "--override",
+        str(overrides),
+        "--no-header",
+        "--no-annotate",
+        str(requirements),
+        "--output-file",
+        str(output),
     ]

@@ -64,8 +64,15 @@ REQUIRED_GIT = {
 # The wheels the image resolves together (its Python layer); the rest are compiled in the build stage
 # or are the resolver itself.
 RESOLVED_WHEELS = (
-    "torch", "vllm", "verl", "megatron-core", "transformers", "ray", "nvidia-cudnn-frontend",
-    "nvidia-cutlass-dsl", "nvidia-nvshmem-cu13",
+    "torch",
+    "vllm",
+    "verl",
+    "megatron-core",
+    "transformers",
+    "ray",
+    "nvidia-cudnn-frontend",
+    "nvidia-cutlass-dsl",
+    "nvidia-nvshmem-cu13",
 )
 # Forced over what the resolved packages ask for (torch pins an older NCCL).
 OVERRIDE_WHEELS = ("nvidia-nccl-cu13",)
@@ -74,18 +81,22 @@ WHEEL_EXTRAS = {"ray": "default"}  # verl needs ray[default]
 # Distributions on PyPI that share a name with something else: installing them is always a mistake.
 WRONG_PYPI = {
     "apex": "'apex' on PyPI is an unrelated old package; NVIDIA apex is built from git at a commit "
-            "([git.apex] in the stack)",
+    "([git.apex] in the stack)",
     "deep-ep": "'deep-ep' on PyPI is not DeepSeek's DeepEP; DeepEP is built from git at a commit "
-               "([git.deepep] in the stack)",
+    "([git.deepep] in the stack)",
 }
 # Both ship flash_attn/cute/; when flash-attn 2's older copy wins, `import megatron.core` fails with
 # "No module named 'cutlass.utils.ampere_helpers'".
 FLASH_ATTN_CLASH = ("flash-attn", "flash-attn-4")
 MIN_VERSIONS = {
-    "nvidia-nccl-cu13": ("2.29.7", "NCCL communicator suspend/resume (frees GBs per rank between rollout "
-                                    "and training)"),
-    "nvidia-cudnn-frontend": ("1.27.0", "the SM90 DSA indexer (DSA.indexer_forward_wrapper with "
-                                        "q_causal_offsets)"),
+    "nvidia-nccl-cu13": (
+        "2.29.7",
+        "NCCL communicator suspend/resume (frees GBs per rank between rollout and training)",
+    ),
+    "nvidia-cudnn-frontend": (
+        "1.27.0",
+        "the SM90 DSA indexer (DSA.indexer_forward_wrapper with q_causal_offsets)",
+    ),
 }
 EXACT_VERSIONS = {"nvidia-cutlass-dsl": ("4.5.2", "DeepSeek-V4's fused DSA path on Hopper")}
 EXACT_VERSION = re.compile(r"^\d+(\.\d+)*(\.post\d+)?$")
@@ -120,7 +131,9 @@ class Stack:
     base_image: str  # name:tag
     base_digest: str  # sha256:... or "" where none was recorded
     glibc: str  # the base image's, e.g. 2.39: wheels are resolved for manylinux_2_39
-    exclude_newer: str  # YYYY-MM-DD: the resolver sees the index as of that day, so dependencies of pins hold still
+    exclude_newer: (
+        str  # YYYY-MM-DD: the resolver sees the index as of that day, so dependencies of pins hold still
+    )
     max_jobs: int
     nvte_build_threads_per_job: int
     wheels: dict[str, str]
@@ -148,7 +161,9 @@ class Stack:
 
     def arch(self, name: str) -> ArchPins:
         if name not in self.arches:
-            raise MliteError(f"stack {self.version} has no arch '{name}'; choose one of: {', '.join(self.arches)}")
+            raise MliteError(
+                f"stack {self.version} has no arch '{name}'; choose one of: {', '.join(self.arches)}"
+            )
         return self.arches[name]
 
     def requirement(self, name: str) -> str:
@@ -166,8 +181,10 @@ class Stack:
 def stacks_dir() -> Path:
     folder = Path(os.environ.get(STACKS_ENV) or REPO_STACKS)
     if not folder.is_dir():
-        raise MliteError(f"no stacks folder at {folder}; run from the mlite repository or set {STACKS_ENV} "
-                         "to a folder of <version>.toml pins files")
+        raise MliteError(
+            f"no stacks folder at {folder}; run from the mlite repository or set {STACKS_ENV} "
+            "to a folder of <version>.toml pins files"
+        )
     return folder
 
 
@@ -205,19 +222,26 @@ def parse_stack(data: dict[str, Any], path: Path) -> Stack:
         return section[key]
 
     def table(key: str) -> dict:
-        value = need(data, key, "(top level)") if key != "stack" else data.get("stack")
+        value = need(data, key, "(top level)")
         if not isinstance(value, dict):
             raise MliteError(f"{path}: [{key}] must be a table")
         return value
 
     _only_keys(data, {"stack", "build", "wheels", "git", "arch"}, path, "(top level)")
     head, build, wheels, git, arch = (table(k) for k in ("stack", "build", "wheels", "git", "arch"))
-    _only_keys(head, {"version", "python", "cuda", "base_image", "base_digest", "glibc", "exclude_newer"}, path, "stack")
+    _only_keys(
+        head,
+        {"version", "python", "cuda", "base_image", "base_digest", "glibc", "exclude_newer"},
+        path,
+        "stack",
+    )
     _only_keys(build, {"max_jobs", "nvte_build_threads_per_job"}, path, "build")
     version = str(need(head, "version", "stack"))
     if version != path.stem:
-        raise MliteError(f"{path}: stack.version is '{version}' but the file is named {path.name}; "
-                         "make them equal (the file name is how a stack is chosen)")
+        raise MliteError(
+            f"{path}: stack.version is '{version}' but the file is named {path.name}; "
+            "make them equal (the file name is how a stack is chosen)"
+        )
     stack = Stack(
         version=version,
         path=path,
@@ -245,7 +269,7 @@ def _only_keys(section: dict, allowed: set[str], path: Path, where: str) -> None
 
 def _git_pin(name: str, pin: Any, path: Path) -> GitPin:
     if not isinstance(pin, dict) or set(pin) != {"url", "commit"}:
-        raise MliteError(f"{path}: git.{name} must be {{ url = \"...\", commit = \"<40 hex>\" }}")
+        raise MliteError(f'{path}: git.{name} must be {{ url = "...", commit = "<40 hex>" }}')
     return GitPin(url=str(pin["url"]), commit=str(pin["commit"]))
 
 
@@ -267,20 +291,27 @@ def validate(stack: Stack) -> None:
         if name in stack.wheels:
             raise MliteError(f"{where}: wheels.{name}: {message}; remove it from [wheels]")
     if all(name in stack.wheels for name in FLASH_ATTN_CLASH):
-        raise MliteError(f"{where}: wheels pins both flash-attn and flash-attn-4; both ship flash_attn/cute/ and "
-                         "if flash-attn 2's copy wins, megatron.core fails to import "
-                         "('No module named cutlass.utils.ampere_helpers'); keep one of them")
+        raise MliteError(
+            f"{where}: wheels pins both flash-attn and flash-attn-4; both ship flash_attn/cute/ and "
+            "if flash-attn 2's copy wins, megatron.core fails to import "
+            "('No module named cutlass.utils.ampere_helpers'); keep one of them"
+        )
     for name in REQUIRED_WHEELS:
         if name not in stack.wheels:
-            raise MliteError(f"{where}: wheels.{name} is missing ({REQUIRED_WHEELS[name]}); pin an exact version")
+            raise MliteError(
+                f"{where}: wheels.{name} is missing ({REQUIRED_WHEELS[name]}); pin an exact version"
+            )
     for name, version in stack.wheels.items():
         if not EXACT_VERSION.match(version):
-            raise MliteError(f"{where}: wheels.{name} = '{version}' is not an exact version; "
-                             "pin one release (e.g. 2.11.0), nothing floats")
+            raise MliteError(
+                f"{where}: wheels.{name} = '{version}' is not an exact version; "
+                "pin one release (e.g. 2.11.0), nothing floats"
+            )
     for name, (minimum, why) in MIN_VERSIONS.items():
         if _version_key(stack.wheels[name]) < _version_key(minimum):
-            raise MliteError(f"{where}: wheels.{name} = {stack.wheels[name]} is too old; >= {minimum} is needed "
-                             f"for {why}")
+            raise MliteError(
+                f"{where}: wheels.{name} = {stack.wheels[name]} is too old; >= {minimum} is needed for {why}"
+            )
     for name, (exact, why) in EXACT_VERSIONS.items():
         if stack.wheels[name] != exact:
             raise MliteError(f"{where}: wheels.{name} = {stack.wheels[name]}; {why} needs exactly {exact}")
@@ -289,19 +320,25 @@ def validate(stack: Stack) -> None:
             raise MliteError(f"{where}: git.{name} is missing ({REQUIRED_GIT[name]}); pin it at a commit")
     for name, pin in stack.git.items():
         if not COMMIT.match(pin.commit):
-            raise MliteError(f"{where}: git.{name}.commit = '{pin.commit}' is not a full 40-hex commit; "
-                             "pin the commit, not a branch or tag")
+            raise MliteError(
+                f"{where}: git.{name}.commit = '{pin.commit}' is not a full 40-hex commit; "
+                "pin the commit, not a branch or tag"
+            )
         if not pin.url.startswith("https://"):
             raise MliteError(f"{where}: git.{name}.url must be an https:// clone URL")
     if not stack.base_image.count(":") == 1 or stack.base_image.endswith(":latest"):
-        raise MliteError(f"{where}: stack.base_image = '{stack.base_image}' needs a fixed tag (name:tag, not latest)")
+        raise MliteError(
+            f"{where}: stack.base_image = '{stack.base_image}' needs a fixed tag (name:tag, not latest)"
+        )
     if stack.base_digest and not re.match(r"^sha256:[0-9a-f]{64}$", stack.base_digest):
         raise MliteError(f"{where}: stack.base_digest must be sha256:<64 hex> or left out")
     if not re.match(r"^\d{4}-\d{2}-\d{2}$", stack.exclude_newer):
         raise MliteError(f"{where}: stack.exclude_newer = '{stack.exclude_newer}' must be a date, YYYY-MM-DD")
     if stack.cuda not in stack.base_image:
-        raise MliteError(f"{where}: stack.cuda = {stack.cuda} but the base image is {stack.base_image}; "
-                         "they must name the same CUDA")
+        raise MliteError(
+            f"{where}: stack.cuda = {stack.cuda} but the base image is {stack.base_image}; "
+            "they must name the same CUDA"
+        )
     if stack.max_jobs < 1 or stack.nvte_build_threads_per_job < 1:
         raise MliteError(f"{where}: build.max_jobs and build.nvte_build_threads_per_job must be >= 1")
     for arch in ARCHES:
@@ -312,21 +349,26 @@ def validate(stack: Stack) -> None:
             raise MliteError(f"{where}: unknown arch '{name}'; known: {', '.join(ARCHES)}")
         bad = [cap for cap in arch.capabilities if not CAPABILITY.match(cap)]
         if bad:
-            raise MliteError(f"{where}: arch.{name}.torch_cuda_arch_list has '{bad[0]}'; write capabilities like 9.0 "
-                             "or 9.0a separated by ';'")
+            raise MliteError(
+                f"{where}: arch.{name}.torch_cuda_arch_list has '{bad[0]}'; write capabilities like 9.0 "
+                "or 9.0a separated by ';'"
+            )
         for cap in REQUIRED_CAPABILITIES[name]:
             if cap not in arch.capabilities:
-                raise MliteError(f"{where}: arch.{name}.torch_cuda_arch_list = '{arch.torch_cuda_arch_list}' lacks "
-                                 f"{cap}; {name} images need {', '.join(REQUIRED_CAPABILITIES[name])} (DeepEP "
-                                 "built without one fails at run time: 'named symbol not found')")
+                raise MliteError(
+                    f"{where}: arch.{name}.torch_cuda_arch_list = '{arch.torch_cuda_arch_list}' lacks "
+                    f"{cap}; {name} images need {', '.join(REQUIRED_CAPABILITIES[name])} (DeepEP "
+                    "built without one fails at run time: 'named symbol not found')"
+                )
         major = REQUIRED_CAPABILITIES[name][0].split(".")[0]
         for knob in ("nvte_cuda_archs", "flash_attn_cuda_archs"):
             archs = [a for a in getattr(arch, knob).split(";") if a]
             if not archs or any(not a.startswith(major) for a in archs):
-                raise MliteError(f"{where}: arch.{name}.{knob} = '{getattr(arch, knob)}' must list {name} "
-                                 f"architectures only (e.g. {major}0)")
+                raise MliteError(
+                    f"{where}: arch.{name}.{knob} = '{getattr(arch, knob)}' must list {name} "
+                    f"architectures only (e.g. {major}0)"
+                )
 
 
 def _version_key(version: str) -> tuple:
     return tuple(int(part) if part.isdigit() else 0 for part in re.split(r"[.\-]", version))
-

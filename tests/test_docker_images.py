@@ -30,7 +30,8 @@ def test_tags_say_what_is_inside():
     stack = load_stack("2026.11")
     assert image_tag(stack, "sm90") == f"mlite:{__version__}-stack2026.11-cu130-torch2.11-sm90"
     assert image_tag(stack, "sm100", "dev", image="ghcr.io/org/mlite") == (
-        f"ghcr.io/org/mlite:{__version__}-stack2026.11-cu130-torch2.11-sm100-dev")
+        f"ghcr.io/org/mlite:{__version__}-stack2026.11-cu130-torch2.11-sm100-dev"
+    )
     assert image_tag(load_stack("2026.08"), "sm90").startswith(f"mlite:{__version__}-stack2026.08-")
 
 
@@ -52,7 +53,10 @@ def test_build_command_carries_every_pin_as_arg_and_label():
 
 
 def test_dry_runs_for_both_arches_print_complete_different_commands():
-    sm90, sm100 = invoke("build", "--arch", "sm90", "--dry-run"), invoke("build", "--arch", "sm100", "--dry-run")
+    sm90, sm100 = (
+        invoke("build", "--arch", "sm90", "--dry-run"),
+        invoke("build", "--arch", "sm100", "--dry-run"),
+    )
     assert sm90.returncode == 0 and sm100.returncode == 0, sm90.stderr + sm100.stderr
     cmd90, cmd100 = shlex.split(sm90.stdout.strip()), shlex.split(sm100.stdout.strip())
     stack = load_stack()
@@ -60,17 +64,31 @@ def test_dry_runs_for_both_arches_print_complete_different_commands():
     assert flag_values(cmd100, "--build-arg") == build_args(stack, "sm100")
     assert flag_values(cmd90, "--build-arg")["TORCH_CUDA_ARCH_LIST"] == "9.0;9.0a"
     assert flag_values(cmd100, "--build-arg")["TORCH_CUDA_ARCH_LIST"] == "10.0;10.3"
-    assert cmd90[cmd90.index("--tag") + 1].endswith("-sm90") and cmd100[cmd100.index("--tag") + 1].endswith("-sm100")
+    assert cmd90[cmd90.index("--tag") + 1].endswith("-sm90") and cmd100[cmd100.index("--tag") + 1].endswith(
+        "-sm100"
+    )
     assert "--load" in cmd90 and any(w.startswith("--cache-to=type=local") for w in cmd90)
-    dev = shlex.split(invoke("build", "--arch", "sm90", "--target", "dev", "--stack", "2026.08", "--dry-run").stdout)
-    assert dev[dev.index("--target") + 1] == "dev" and dev[dev.index("--tag") + 1].endswith("stack2026.08-cu130-torch2.11-sm90-dev")
+    dev = shlex.split(
+        invoke("build", "--arch", "sm90", "--target", "dev", "--stack", "2026.08", "--dry-run").stdout
+    )
+    assert dev[dev.index("--target") + 1] == "dev" and dev[dev.index("--tag") + 1].endswith(
+        "stack2026.08-cu130-torch2.11-sm90-dev"
+    )
 
 
 def test_shell_command_has_the_training_settings():
     cmd = shell_command("mlite:x", REPO)
     text = shlex.join(cmd)
-    for part in ("--gpus all", "--ipc=host", "--shm-size=64g", "--ulimit memlock=-1", "--ulimit stack=67108864",
-                 f"-v {REPO}:/workspace", "-w /workspace", "-it"):
+    for part in (
+        "--gpus all",
+        "--ipc=host",
+        "--shm-size=64g",
+        "--ulimit memlock=-1",
+        "--ulimit stack=67108864",
+        f"-v {REPO}:/workspace",
+        "-w /workspace",
+        "-it",
+    ):
         assert part in text, part
     assert cmd[-2:] == ["mlite:x", "bash"]
     assert "-it" not in shell_command("mlite:x", REPO, command="invoke test --gpu", tty=False)
@@ -79,14 +97,27 @@ def test_shell_command_has_the_training_settings():
 
 def test_push_pull_shell_dry_runs_name_the_same_tag():
     tag = image_tag(load_stack(), "sm90", "dev")
-    assert invoke("push", "--arch", "sm90", "--target", "dev", "--dry-run").stdout.strip() == f"docker push {tag}"
-    assert invoke("pull", "--arch", "sm90", "--target", "dev", "--dry-run").stdout.strip() == f"docker pull {tag}"
+    assert (
+        invoke("push", "--arch", "sm90", "--target", "dev", "--dry-run").stdout.strip()
+        == f"docker push {tag}"
+    )
+    assert (
+        invoke("pull", "--arch", "sm90", "--target", "dev", "--dry-run").stdout.strip()
+        == f"docker pull {tag}"
+    )
     shell = invoke("shell", "--arch", "sm90", "--dry-run")
     assert shell.returncode == 0 and shlex.split(shell.stdout)[-2:] == [tag, "bash"]
 
 
-@pytest.mark.parametrize("task", [["build", "--arch", "sm90"], ["push", "--arch", "sm100"], ["pull", "--arch", "sm90"],
-                                  ["shell", "--arch", "sm90"]])
+@pytest.mark.parametrize(
+    "task",
+    [
+        ["build", "--arch", "sm90"],
+        ["push", "--arch", "sm100"],
+        ["pull", "--arch", "sm90"],
+        ["shell", "--arch", "sm90"],
+    ],
+)
 def test_without_an_engine_each_task_says_so_in_one_line_and_exits_2(task, tmp_path):
     # the real docker client, pointed at a socket no daemon listens on (the same as this machine's default)
     result = invoke(*task, env={**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-daemon.sock"})
@@ -97,9 +128,11 @@ def test_without_an_engine_each_task_says_so_in_one_line_and_exits_2(task, tmp_p
 
 
 def test_bad_arguments_are_one_line_exit_2():
-    for args, expected in [(["build", "--arch", "sm80", "--dry-run"], "has no arch 'sm80'; choose one of: sm90, sm100"),
-                           (["build", "--arch", "sm90", "--stack", "1999.01", "--dry-run"], "unknown stack '1999.01'"),
-                           (["build", "--arch", "sm90", "--target", "debug", "--dry-run"], "unknown target 'debug'")]:
+    for args, expected in [
+        (["build", "--arch", "sm80", "--dry-run"], "has no arch 'sm80'; choose one of: sm90, sm100"),
+        (["build", "--arch", "sm90", "--stack", "1999.01", "--dry-run"], "unknown stack '1999.01'"),
+        (["build", "--arch", "sm90", "--target", "debug", "--dry-run"], "unknown target 'debug'"),
+    ]:
         result = invoke(*args)
         assert result.returncode == 2 and expected in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr

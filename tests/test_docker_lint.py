@@ -32,8 +32,15 @@ def hadolint(path: Path) -> subprocess.CompletedProcess:
 
 
 def actionlint(*paths: Path) -> subprocess.CompletedProcess:
-    return run(tool("actionlint"), "-no-color", "-shellcheck", tool("shellcheck"),
-               "-config-file", str(REPO / ".github" / "actionlint.yaml"), *map(str, paths))
+    return run(
+        tool("actionlint"),
+        "-no-color",
+        "-shellcheck",
+        tool("shellcheck"),
+        "-config-file",
+        str(REPO / ".github" / "actionlint.yaml"),
+        *map(str, paths),
+    )
 
 
 def test_there_is_something_to_lint():
@@ -63,8 +70,10 @@ def test_the_linters_catch_planted_mistakes(tmp_path):
     assert "DL3007" in out and "DL3003" in out  # :latest base, cd instead of WORKDIR
 
     workflow = tmp_path / "bad.yml"
-    workflow.write_text("on: push\njobs:\n  x:\n    runs-on: [self-hosted, tpu]\n    steps:\n"
-                        "      - run: echo ${{ github.event.head_commit.message }} $undefined_var\n")
+    workflow.write_text(
+        "on: push\njobs:\n  x:\n    runs-on: [self-hosted, tpu]\n    steps:\n"
+        "      - run: echo ${{ github.event.head_commit.message }} $undefined_var\n"
+    )
     result = actionlint(workflow)
     assert result.returncode != 0
     assert "tpu" in result.stdout and "potentially untrusted" in result.stdout and "SC2086" in result.stdout

@@ -23,8 +23,18 @@ from mlite.images import resolve_command
 from mlite.stack import list_stacks, load_stack
 
 # What a resolver run must land on exactly (the rest of the layer follows from these).
-MUST_MATCH = ("torch", "vllm", "verl", "megatron-core", "transformers", "ray", "nvidia-cudnn-frontend",
-              "nvidia-cutlass-dsl", "nvidia-nccl-cu13", "nvidia-nvshmem-cu13")
+MUST_MATCH = (
+    "torch",
+    "vllm",
+    "verl",
+    "megatron-core",
+    "transformers",
+    "ray",
+    "nvidia-cudnn-frontend",
+    "nvidia-cutlass-dsl",
+    "nvidia-nccl-cu13",
+    "nvidia-nvshmem-cu13",
+)
 
 
 def uv_binary() -> str:
@@ -36,7 +46,9 @@ def uv_binary() -> str:
 def isolated_env(tmp_path: Path) -> dict[str, str]:
     """No pip or uv settings of this machine (it caps torch and adds local find-links) reach the resolver."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UV_", "PIP_"))}
-    env.update(PIP_CONFIG_FILE=os.devnull, UV_CACHE_DIR=str(tmp_path / "uv-cache"), UV_PYTHON_DOWNLOADS="never")
+    env.update(
+        PIP_CONFIG_FILE=os.devnull, UV_CACHE_DIR=str(tmp_path / "uv-cache"), UV_PYTHON_DOWNLOADS="never"
+    )
     return env
 
 
@@ -63,17 +75,29 @@ def test_resolve_command_is_isolated_and_wheel_only(tmp_path):
 @pytest.mark.parametrize("version", list_stacks())
 def test_python_layer_resolves_to_exactly_the_pins(version, tmp_path):
     stack = load_stack(version)
-    requirements, overrides, output = tmp_path / "requirements.txt", tmp_path / "overrides.txt", tmp_path / "lock.txt"
+    requirements, overrides, output = (
+        tmp_path / "requirements.txt",
+        tmp_path / "overrides.txt",
+        tmp_path / "lock.txt",
+    )
     requirements.write_text("\n".join(stack.python_requirements()) + "\n")
     overrides.write_text("\n".join(stack.python_overrides()) + "\n")
     started = time.monotonic()
-    result = subprocess.run(resolve_command(stack, requirements, overrides, output, uv=uv_binary()),
-                            capture_output=True, text=True, timeout=300, env=isolated_env(tmp_path))
+    result = subprocess.run(
+        resolve_command(stack, requirements, overrides, output, uv=uv_binary()),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=isolated_env(tmp_path),
+    )
     seconds = time.monotonic() - started
     assert result.returncode == 0, f"stack {version} does not resolve:\n{result.stderr[-4000:]}"
     resolved = resolved_versions(output.read_text())
-    wrong = {name: (resolved.get(name), stack.wheels[name]) for name in MUST_MATCH
-             if resolved.get(name) != stack.wheels[name]}
+    wrong = {
+        name: (resolved.get(name), stack.wheels[name])
+        for name in MUST_MATCH
+        if resolved.get(name) != stack.wheels[name]
+    }
     assert not wrong, f"stack {version}: resolved (got, pin): {wrong}"
     assert len(resolved) > 100  # the whole layer, not just the top
     assert "apex" not in resolved and "deep-ep" not in resolved  # no PyPI impostor pulled in by a dependency

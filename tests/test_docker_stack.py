@@ -1,4 +1,4 @@
-"""Container stacks: the pins files load, every Dockerfile value comes from them, and bad pin sets are refused.
+"""Container stacks: the pins files load, every Dockerfile value comes from them, bad pin sets are refused.
 
 Each refusal below is a trap users have hit (REFERENCE.md section 1): the test writes a real pins file with
 the mistake and checks that loading it fails with one line naming the key and the fix.
@@ -14,8 +14,15 @@ import pytest
 
 from mlite.errors import MliteError
 from mlite.images import DOCKERFILE, REPO, arg_name, build_args
-from mlite.stack import (ARCHES, RESOLVED_WHEELS, WHEEL_EXTRAS, list_stacks, load_stack, newest_stack,
-                         parse_stack)
+from mlite.stack import (
+    ARCHES,
+    RESOLVED_WHEELS,
+    WHEEL_EXTRAS,
+    list_stacks,
+    load_stack,
+    newest_stack,
+    parse_stack,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,12 +35,16 @@ BUILD_FILES = [REPO / DOCKERFILE, *sorted(DOCKER.glob("*.sh"))]
 
 def code_lines(path: Path) -> list[str]:
     """The file without comment lines and trailing comments (the parser directive is a comment too)."""
-    return [line.split(" #")[0] for line in path.read_text().splitlines() if not line.lstrip().startswith("#")]
+    return [
+        line.split(" #")[0] for line in path.read_text().splitlines() if not line.lstrip().startswith("#")
+    ]
 
 
 def test_every_stack_loads_and_is_buildable_by_name():
     versions = list_stacks()
-    assert versions == sorted(versions) and len(versions) >= 2, "keep an earlier stack buildable next to the newest"
+    assert versions == sorted(versions) and len(versions) >= 2, (
+        "keep an earlier stack buildable next to the newest"
+    )
     assert newest_stack() == versions[-1] == "2026.11"
     for version in versions:
         stack = load_stack(version)
@@ -50,7 +61,10 @@ def test_arch_lists_cover_hopper_and_every_blackwell():
         sm90, sm100 = stack.arch("sm90"), stack.arch("sm100")
         assert "9.0" in sm90.capabilities and not any(c.startswith("10") for c in sm90.capabilities)
         assert {"10.0", "10.3"} <= set(sm100.capabilities), "B300/GB300 (10.3) need their own code"
-        assert build_args(stack, "sm90")["TORCH_CUDA_ARCH_LIST"] != build_args(stack, "sm100")["TORCH_CUDA_ARCH_LIST"]
+        assert (
+            build_args(stack, "sm90")["TORCH_CUDA_ARCH_LIST"]
+            != build_args(stack, "sm100")["TORCH_CUDA_ARCH_LIST"]
+        )
         assert sm90.nvte_cuda_archs.startswith("9") and sm100.nvte_cuda_archs.startswith("10")
 
 
@@ -90,7 +104,7 @@ def test_dockerfile_installs_exactly_the_resolved_python_layer():
     for name in RESOLVED_WHEELS:
         extra = f"[{WHEEL_EXTRAS[name]}]" if name in WHEEL_EXTRAS else ""
         assert f'"{name}{extra}==${{{arg_name(name, "VERSION")}}}"' in text, name
-    assert 'nvidia-nccl-cu13==${NVIDIA_NCCL_CU13_VERSION}' in text and "--override" in text
+    assert "nvidia-nccl-cu13==${NVIDIA_NCCL_CU13_VERSION}" in text and "--override" in text
     assert re.search(r"^FROM \$\{BASE_IMAGE\} AS base$", text, re.M)
     stages = re.findall(r"^FROM \S+ AS (\S+)$", text, re.M)
     assert stages[0] == "base" and stages[-2:] == ["runtime", "dev"] and "build" in stages
@@ -139,7 +153,9 @@ def test_sm90_without_9_0_is_refused(tmp_path):
 
 def test_old_nccl_old_cudnn_frontend_and_other_cutlass_are_refused(tmp_path):
     assert ">= 2.29.7" in refused(tmp_path, lambda d: d["wheels"].update({"nvidia-nccl-cu13": "2.28.9"}))
-    assert "q_causal_offsets" in refused(tmp_path, lambda d: d["wheels"].update({"nvidia-cudnn-frontend": "1.26.0"}))
+    assert "q_causal_offsets" in refused(
+        tmp_path, lambda d: d["wheels"].update({"nvidia-cudnn-frontend": "1.26.0"})
+    )
     assert "exactly 4.5.2" in refused(tmp_path, lambda d: d["wheels"].update({"nvidia-cutlass-dsl": "4.8.1"}))
 
 
@@ -168,10 +184,15 @@ def test_unknown_stack_is_one_clear_line(monkeypatch, tmp_path):
 
 def test_build_context_holds_exactly_what_the_dockerfile_copies():
     text = (REPO / DOCKERFILE).read_text()
-    allowed = [line[1:].rstrip("/") for line in (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
-               if line.startswith("!")]
+    allowed = [
+        line[1:].rstrip("/")
+        for line in (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    ]
     sources = [src for line in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M) for src in line.split()]
     assert sources, "the Dockerfile copies nothing from the context?"
     for source in sources:
         assert (REPO / source).exists(), source
-        assert any(source == a or source.startswith(a + "/") for a in allowed), f"{source} is ignored by the context"
+        assert any(source == a or source.startswith(a + "/") for a in allowed), (
+            f"{source} is ignored by the context"
+        )

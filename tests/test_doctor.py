@@ -25,8 +25,14 @@ def mlite_doctor(*args: str, bare: bool = False, env: dict | None = None) -> sub
     full_env = {**os.environ, **(env or {})}
     if bare:
         full_env["PYTHONPATH"] = str(REPO)
-    return subprocess.run([*python, "-m", "mlite", "doctor", *args], capture_output=True, text=True,
-                          timeout=300, env=full_env, cwd=REPO)
+    return subprocess.run(
+        [*python, "-m", "mlite", "doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=full_env,
+        cwd=REPO,
+    )
 
 
 def line_for(report: str, name: str) -> str:
@@ -82,7 +88,10 @@ def test_stack_comes_from_the_flag_then_the_image_environment():
 
 
 def test_bad_input_is_one_line_exit_2():
-    for args, expected in [(["--stack", "1999.01"], "unknown stack '1999.01'"), (["--arch", "sm80"], "invalid choice")]:
+    for args, expected in [
+        (["--stack", "1999.01"], "unknown stack '1999.01'"),
+        (["--arch", "sm80"], "invalid choice"),
+    ]:
         result = mlite_doctor(*args, bare=True)
         assert result.returncode == 2 and expected in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
@@ -165,17 +174,26 @@ DSA_API = "cudnn/deepseek_sparse_attention/indexer_forward/api.py"
 
 
 def test_cudnn_frontend_with_the_sm90_indexer_is_ok(site):
-    install(site, "nvidia-cudnn-frontend", "1.27.0", {
-        "cudnn/__init__.py": "",
-        DSA_API: "def indexer_forward_wrapper(q, k, w, ratio=4, cu_seqlens_q=None, q_causal_offsets=None):\n    pass\n",
-    })
+    install(
+        site,
+        "nvidia-cudnn-frontend",
+        "1.27.0",
+        {
+            "cudnn/__init__.py": "",
+            DSA_API: "def indexer_forward_wrapper(q, k, w, ratio=4, q_causal_offsets=None):\n    pass\n",
+        },
+    )
     check = doctor.check_cudnn_dsa(gpu_visible=False)
     assert check.status == "ok", check.detail
 
 
 def test_cudnn_frontend_without_q_causal_offsets_is_wrong(site):
-    install(site, "nvidia-cudnn-frontend", "1.26.0", {
-        "cudnn/__init__.py": "", DSA_API: "def indexer_forward_wrapper(q, k, w, ratio=4):\n    pass\n"})
+    install(
+        site,
+        "nvidia-cudnn-frontend",
+        "1.26.0",
+        {"cudnn/__init__.py": "", DSA_API: "def indexer_forward_wrapper(q, k, w, ratio=4):\n    pass\n"},
+    )
     check = doctor.check_cudnn_dsa(gpu_visible=False)
     assert check.status == "wrong" and "q_causal_offsets" in check.detail
 
