@@ -15,7 +15,7 @@ from mlite import __version__
 from mlite.errors import EXIT_USAGE, MliteError
 
 # Order is the order shown by `mlite --help`.
-COMMANDS = ["plan", "sft", "grpo", "export", "doctor", "bench", "sbatch"]
+COMMANDS = ["plan", "demo", "sft", "grpo", "export", "doctor", "bench", "sbatch"]
 
 
 class _Parser(argparse.ArgumentParser):

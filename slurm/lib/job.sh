@@ -133,9 +133,10 @@ validate_launch() {
     step_srun --nodes=1 --ntasks=1 --overlap -w "$HEAD_NODE" -- \
       env DRY_RUN=1 VALIDATE=1 NODE_RANK=0 "$MLITE_ROOT/launchers/$role.sh" > "$LOG_DIR/launch.txt" 2>&1 || rc=$?
   fi
-  if ((rc != 0)); then
+  if ((rc != 0)); then  # keep the planner's status: 2 invalid, 3 does not fit
     cat "$LOG_DIR/launch.txt" >&2
-    fail "the launch was refused before starting (exit $rc): see the line above; the job stops here"
+    echo "[mlite $(date -u +%H:%M:%S)] error: the launch was refused before starting (exit $rc): see the line above" >&2
+    exit "$rc"
   fi
   cat "$LOG_DIR/launch.txt"
 }
