@@ -251,7 +251,7 @@ def mlite_step_fn(arch: ModelArch, sequences: list[list[int]], device: str, comp
 
     def step() -> None:
         out = model(batch)
-        logp, _ = token_logprobs(out.hidden, batch.labels, model.compute_logits)
+        logp, _ = token_logprobs(out.hidden, batch.labels, model.compute_logits, head_weight=model.output.weight)
         loss = -logp.sum() / targets + out.aux_loss
         loss.backward()
         opt.step()

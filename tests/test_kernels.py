@@ -131,7 +131,7 @@ def test_grouped_gemm_of_no_rows():
 
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["sdpa", "varlen", "flash_attn", "te"])
+@pytest.mark.parametrize("backend", ["sdpa", "varlen", "cudnn", "packed", "flash_attn", "te"])
 def test_cuda_backends_agree_with_the_torch_path_in_bf16(backend):
     if backend not in available_attention_backends("cuda"):
         # flash-attn and TE are optional installs; what is present is in the report of this test run
@@ -146,7 +146,16 @@ def test_cuda_backends_agree_with_the_torch_path_in_bf16(backend):
 
 @pytest.mark.gpu
 def test_auto_picks_a_fused_backend_on_cuda():
-    assert resolve_attention_backend("auto", "cuda") in ("flash_attn", "varlen")
+    assert resolve_attention_backend("auto", "cuda") == "packed"
+
+
+@pytest.mark.gpu
+def test_packed_backend_on_one_long_sequence_agrees_with_the_torch_path():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1024, h, 64, generator=gen, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
+    cu = torch.tensor([0, 1024], dtype=torch.int32, device="cuda")
+    ref = varlen_attention(q.float(), k.float(), v.float(), cu, 1024, backend="torch")
+    torch.testing.assert_close(varlen_attention(q, k, v, cu, 1024, backend="packed").float(), ref, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -28,7 +28,7 @@ class ModelConfig(Section):
     name: Optional[str] = None  # catalog preset, e.g. "qwen3-30b-a3b"
     path: Optional[str] = None  # local HF checkpoint dir or its config.json
     load_weights: Optional[bool] = None  # default: True for model.path, False for a preset (random init)
-    attention_backend: Literal["auto", "sdpa", "flash_attn", "te", "torch"] = "auto"
+    attention_backend: Literal["auto", "torch", "sdpa", "varlen", "cudnn", "packed", "flash_attn", "te"] = "auto"
 
     @model_validator(mode="after")
     def _one_source(self):

@@ -12,7 +12,10 @@ from typing import Callable, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from torch.distributed.tensor import DTensor
+
 from mlite.runtime.data.packed import IGNORE, PackedBatch
+from mlite.runtime.kernels.lm_head import linear_logprobs
 
 DEFAULT_CHUNK_TOKENS = 4096
 
@@ -36,10 +39,17 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    head_weight: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """hidden [T, H], labels [T] -> log p(label) [T] (0 where the label is IGNORE), entropy [T] or None.
 
-    Position t's label is the next token, so log-probs line up with the inputs (what verl's losses read)."""
+    Position t's label is the next token, so log-probs line up with the inputs (what verl's losses read).
+    `head_weight`: the LM head's plain (unsharded) weight when `compute_logits` is just `hidden @ W^T`; without
+    entropy it selects the fused kernel (mlite.runtime.kernels.lm_head), which never materialises fp32 logits."""
+    if head_weight is not None and not with_entropy and not isinstance(head_weight, DTensor):
+        valid = labels != IGNORE
+        scaled = hidden if temperature == 1.0 else hidden / temperature
+        return linear_logprobs(scaled, head_weight, labels.clamp(min=0), chunk_tokens) * valid, None
     recompute = torch.is_grad_enabled() and hidden.requires_grad
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):

@@ -6,6 +6,8 @@ softmax attention of its queries over its own keys, grouped-query heads repeated
     torch       per-sequence matmul + fp32 softmax; always present, the reference the others are tested against
     sdpa        per-sequence torch scaled_dot_product_attention (flash / cuDNN / math kernels, whichever torch picks)
     varlen      torch.nn.attention.varlen.varlen_attn: one call for the whole stream (CUDA, torch >= 2.10)
+    cudnn       cuDNN's fused attention per sequence (CUDA): the fastest kernel for long sequences on Hopper
+    packed      cudnn for a stream of one or two sequences, varlen for more (CUDA): auto's choice
     flash_attn  flash_attn_varlen_func from the flash-attn package (CUDA)
     te          Transformer Engine DotProductAttention in its packed `thd` format (CUDA)
     auto        the fastest one present for the device: flash_attn, varlen, sdpa
@@ -81,6 +83,31 @@ def varlen_torch_attention(q, k, v, cu_seqlens, max_seqlen, scale):
     return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **causal)
 
 
+def cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale):
+    """cuDNN's fused kernel, called directly so torch.compile keeps it (SDPA's own choice on H100 at 4k is
+    the slower flash kernel: 206 vs 270+ TFLOP/s measured, see docs/PERFORMANCE.md)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # the cuDNN op wants equal head counts; the copy is small next to the attention
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    outs = []
+    for start, end in _sequence_bounds(cu_seqlens):
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q[start:end].transpose(0, 1).unsqueeze(0),  # [1, h, n, d]
+            k[start:end].transpose(0, 1).unsqueeze(0),
+            v[start:end].transpose(0, 1).unsqueeze(0),
+            None, False, 0.0, True, False, scale=scale,  # bias, logsumexp, dropout, causal, debug mask
+        )[0]
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def packed_cuda_attention(q, k, v, cu_seqlens, max_seqlen, scale):
+    """One long sequence: cuDNN; many packed sequences: one varlen call instead of a loop of small kernels."""
+    if cu_seqlens.numel() <= 3:
+        return cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+    return varlen_torch_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
 def flash_attention(q, k, v, cu_seqlens, max_seqlen, scale):
     from flash_attn import flash_attn_varlen_func
 
@@ -114,10 +141,12 @@ ATTENTION_BACKENDS: dict[str, AttentionFn] = {
     "torch": torch_attention,
     "sdpa": sdpa_attention,
     "varlen": varlen_torch_attention,
+    "cudnn": cudnn_attention,
+    "packed": packed_cuda_attention,
     "flash_attn": flash_attention,
     "te": te_attention,
 }
-_AUTO_ORDER = {"cuda": ("flash_attn", "varlen", "sdpa"), "cpu": ("sdpa",)}
+_AUTO_ORDER = {"cuda": ("packed", "flash_attn", "varlen", "sdpa"), "cpu": ("sdpa",)}
 
 
 def _has_varlen_attn() -> bool:
@@ -134,6 +163,10 @@ def _missing_reason(name: str, device_type: str) -> str | None:
         return None
     if device_type != "cuda":
         return f"it runs on CUDA GPUs only (this model is on {device_type})"
+    if name == "cudnn" and not torch.backends.cudnn.is_available():
+        return "cuDNN is not available to torch"
+    if name == "packed" and (not _has_varlen_attn() or not torch.backends.cudnn.is_available()):
+        return "it needs both torch's varlen_attn (torch >= 2.10) and cuDNN"
     if name == "varlen" and not _has_varlen_attn():
         return (
             f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (torch >= 2.10 has it)"

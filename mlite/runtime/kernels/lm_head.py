@@ -1,0 +1,68 @@
+"""Log-probabilities of the label tokens through the LM head, without keeping [T, vocab] logits.
+
+With a 152k vocabulary the logits are the largest tensor of a step. `linear_logprobs` computes, chunk by
+chunk of tokens, logits = hidden @ W^T in the compute dtype, their log-sum-exp in fp32 and the label's logit,
+and keeps only [T] numbers. The backward pass recomputes each chunk's logits once and forms
+d logits = g * (onehot(label) - softmax) directly in the compute dtype, then two matmuls: no fp32 copy of the
+logits, no log_softmax tensor, no scatter into a zero [T, vocab] gradient. Entropy needs the full
+distribution and stays on the plain autograd path in `mlite.runtime.loss`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK_TOKENS = 4096
+
+
+def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor):
+    logits = h @ weight.t()  # [t, V] in the compute dtype
+    lse = torch.logsumexp(logits.float(), dim=-1)  # [t] fp32
+    target = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float()  # [t]
+    return logits, lse, target
+
+
+class LinearLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_tokens):
+        """hidden [T, H], weight [V, H], labels [T] (valid ids) -> log p(label) [T] fp32."""
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lses = torch.empty_like(out)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            end = start + chunk_tokens
+            _, lse, target = _chunk_stats(hidden[start:end], weight, labels[start:end])
+            out[start:end] = target - lse
+            lses[start:end] = lse
+        ctx.save_for_backward(hidden, weight, labels, lses)
+        ctx.chunk_tokens = chunk_tokens
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, labels, lses = ctx.saved_tensors
+        chunks = range(0, hidden.shape[0], ctx.chunk_tokens)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        for start in chunks:
+            end = start + ctx.chunk_tokens
+            h, y, g = hidden[start:end], labels[start:end], grad_out[start:end].float()
+            logits = h @ weight.t()  # recomputed, [t, V]
+            grad_logits = (-g[:, None] * torch.exp(logits.float() - lses[start:end, None])).to(h.dtype)
+            grad_logits.scatter_add_(-1, y[:, None], g[:, None].to(h.dtype))  # + g at the label: onehot
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad_logits @ weight
+            if ctx.needs_input_grad[1]:
+                part = grad_logits.t() @ h  # [V, H]
+                if len(chunks) == 1:
+                    grad_weight = part
+                else:  # several chunks: sum in fp32
+                    grad_weight = part.float() if grad_weight is None else grad_weight.add_(part.float())
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                    chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+    """log softmax(hidden @ weight^T)[label] per token, fp32 [T]. `labels` must be valid token ids."""
+    return LinearLogprob.apply(hidden, weight, labels, chunk_tokens)
