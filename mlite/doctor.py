@@ -7,7 +7,7 @@ impostor package from PyPI shadows apex or DeepEP, and no stale flash_attn/cute/
 
 The stack is the one named (`--stack`), else the one the image says it is (`MLITE_STACK`), else the newest.
 The image architecture is `--arch`, else the image's (`MLITE_IMAGE_ARCH`), else derived from the GPUs.
-It runs the image's build self-check (no GPU there: that is reported, not a failure, unless `require_gpu`).
+It is also the image's build self-check: no GPU there, which is a note, not a problem, unless `require_gpu`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,15 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlite.stack import REQUIRED_CAPABILITIES, STACK_ENV, WRONG_PYPI, Stack, load_stack
+from mlite.stack import (
+    MIN_VERSIONS,
+    REQUIRED_CAPABILITIES,
+    STACK_ENV,
+    WRONG_PYPI,
+    Stack,
+    load_stack,
+    version_key,
+)
 
 ARCH_ENV = "MLITE_IMAGE_ARCH"
 OK, MISSING, WRONG, NOTE = "ok", "missing", "wrong", "note"
@@ -57,7 +65,6 @@ IMPORTS = {
     "megatron.core": "megatron-core",
     "mlite": "mlite",
 }
-NCCL_MINIMUM = (2, 29, 7)
 
 
 @dataclass(frozen=True)
@@ -286,27 +293,26 @@ def check_gpus(stack: Stack, arch: str | None, require_gpu: bool) -> tuple[list[
     ], True
 
 
-def check_nccl(gpu_visible: bool) -> Check:
+def check_nccl(stack: Stack, gpu_visible: bool) -> Check:
+    """The NCCL torch actually loads: at least the suspend/resume release, and the stack's pin."""
+    pin = stack.wheels["nvidia-nccl-cu13"]
     try:
         import torch
     except ImportError:
         return Check(MISSING, "nccl", "torch is not installed")
     if not gpu_visible:
         wheel = installed_version("nvidia-nccl-cu13")
-        return Check(NOTE, "nccl", f"not loaded without a GPU (wheel: {wheel or 'not installed'})")
+        return Check(NOTE, "nccl", f"not loaded without a GPU (wheel: {wheel or 'not installed'}, pin {pin})")
     try:
-        loaded = torch.cuda.nccl.version()
+        loaded = ".".join(map(str, torch.cuda.nccl.version()))
     except Exception as err:
         return Check(WRONG, "nccl", f"torch cannot load NCCL: {type(err).__name__}: {err}")
-    text = ".".join(map(str, loaded))
-    if tuple(loaded) < NCCL_MINIMUM:
-        return Check(
-            WRONG,
-            "nccl",
-            f"{text} loaded; >= {'.'.join(map(str, NCCL_MINIMUM))} is needed for "
-            "communicator suspend/resume (install the pinned nvidia-nccl-cu13)",
-        )
-    return Check(OK, "nccl", f"{text} loaded by torch")
+    minimum, why = MIN_VERSIONS["nvidia-nccl-cu13"]
+    if version_key(loaded) < version_key(minimum):
+        return Check(WRONG, "nccl", f"{loaded} loaded; >= {minimum} is needed for {why} (pin {pin})")
+    if loaded != pin:
+        return Check(WRONG, "nccl", f"{loaded} loaded, pin {pin}")
+    return Check(OK, "nccl", f"{loaded} loaded by torch")
 
 
 def diagnose(
@@ -319,7 +325,7 @@ def diagnose(
     checks = [check_python(stack), *check_wheels(stack), *check_git_builds(stack)]
     gpu_checks, gpu_visible = check_gpus(stack, arch, require_gpu)
     checks += gpu_checks
-    checks.append(check_nccl(gpu_visible))
+    checks.append(check_nccl(stack, gpu_visible))
     checks.append(check_cudnn_dsa(gpu_visible))
     cute = check_flash_attn_cute()
     if cute is not None:

@@ -190,7 +190,7 @@ def stacks_dir() -> Path:
 
 def list_stacks() -> list[str]:
     """Stack versions, oldest first (versions are dates: 2026.08 < 2026.11)."""
-    return sorted((p.stem for p in stacks_dir().glob("*.toml")), key=_version_key)
+    return sorted((p.stem for p in stacks_dir().glob("*.toml")), key=version_key)
 
 
 def newest_stack() -> str:
@@ -308,7 +308,7 @@ def validate(stack: Stack) -> None:
                 "pin one release (e.g. 2.11.0), nothing floats"
             )
     for name, (minimum, why) in MIN_VERSIONS.items():
-        if _version_key(stack.wheels[name]) < _version_key(minimum):
+        if version_key(stack.wheels[name]) < version_key(minimum):
             raise MliteError(
                 f"{where}: wheels.{name} = {stack.wheels[name]} is too old; >= {minimum} is needed for {why}"
             )
@@ -370,5 +370,5 @@ def validate(stack: Stack) -> None:
                 )
 
 
-def _version_key(version: str) -> tuple:
+def version_key(version: str) -> tuple:
     return tuple(int(part) if part.isdigit() else 0 for part in re.split(r"[.\-]", version))
