@@ -25,7 +25,9 @@ def test_every_answer_is_right():
     rows = demo_rows(1000, seed=0)
     kinds = {(r["kind"], r["level"]) for r in rows}
     assert kinds == {(k, level) for k in ("arithmetic", "word") for level in (1, 2, 3)}
-    assert {m for r in rows for m in re.findall(r" ([-+*/]) ", r["prompt"]) if r["kind"] == "arithmetic"} == set(OPS)
+    assert {
+        m for r in rows for m in re.findall(r" ([-+*/]) ", r["prompt"]) if r["kind"] == "arithmetic"
+    } == set(OPS)
     for row in rows:
         user, assistant = (m["content"] for m in row["messages"])
         assert user == row["prompt"]
@@ -45,16 +47,21 @@ def test_checker_accepts_generated_answers_and_rejects_wrong_ones():
         assert extract_answer(solution) == int(answer)
         assert check_answer(solution, answer) and check_answer(solution, int(answer))
         assert not check_answer(solution, int(answer) + 1)
-        assert not check_answer(solution.replace(f"The answer is {answer}", f"The answer is {int(answer) + 1}"), answer)
+        assert not check_answer(
+            solution.replace(f"The answer is {answer}", f"The answer is {int(answer) + 1}"), answer
+        )
         assert not check_answer(solution.replace("The answer is", "Maybe"), answer)
 
 
-@pytest.mark.parametrize("text,want", [
-    ("The answer is -12.", -12),
-    ("The answer is 3. No wait, The answer is 4.", 4),  # the last statement counts
-    ("12 + 30 = 42", None),  # a bare number is no answer in the demo format
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("The answer is -12.", -12),
+        ("The answer is 3. No wait, The answer is 4.", 4),  # the last statement counts
+        ("12 + 30 = 42", None),  # a bare number is no answer in the demo format
+        ("", None),
+    ],
+)
 def test_extract_answer(text, want):
     assert extract_answer(text) == want
 
@@ -78,7 +85,9 @@ def test_files_hold_the_rows_in_messages_format(tmp_path):
     train, val = demo_split(40, 10, seed=5)
     for split, rows in (("train", train), ("val", val)):
         table = pq.read_table(paths[f"{split}.parquet"])
-        assert str(table.schema.field("messages").type) == "list<element: struct<role: string, content: string>>"
+        assert (
+            str(table.schema.field("messages").type) == "list<element: struct<role: string, content: string>>"
+        )
         from_parquet = table.to_pylist()
         from_jsonl = [json.loads(line) for line in paths[f"{split}.jsonl"].read_text().splitlines()]
         assert from_jsonl == rows

@@ -4,7 +4,6 @@ exact global target counts, deterministic and resumable (also across a change of
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 import pytest
 import torch
@@ -80,11 +79,13 @@ def test_fixed_micro_batches_hold_micro_batch_size_sequences():
 
 def test_labels_follow_the_loss_mask():
     samples = make_samples(8, seed=2)
-    (micro_batches, targets), = [StepBatcher(samples, 8, seed=0, max_tokens=1024).next_step()]
+    ((micro_batches, targets),) = [StepBatcher(samples, 8, seed=0, max_tokens=1024).next_step()]
     for batch in micro_batches:
         for seq, labels in zip(batch.split(batch.input_ids), batch.split(batch.labels)):
             sample = samples[int(seq[0])]
-            want = [sample.input_ids[t + 1] if sample.loss_mask[t + 1] else IGNORE for t in range(len(sample) - 1)]
+            want = [
+                sample.input_ids[t + 1] if sample.loss_mask[t + 1] else IGNORE for t in range(len(sample) - 1)
+            ]
             assert labels.tolist() == want + [IGNORE]
     assert targets == sum(s.num_targets for s in samples)
 
@@ -105,8 +106,10 @@ def test_epochs_are_seeded_permutations_and_steps_run_across_epoch_boundaries():
 
 def as_lists(step):
     micro_batches, targets = step
-    return [(b.input_ids.tolist(), b.labels.tolist(), b.cu_seqlens.tolist(), b.position_ids.tolist())
-            for b in micro_batches], targets
+    return [
+        (b.input_ids.tolist(), b.labels.tolist(), b.cu_seqlens.tolist(), b.position_ids.tolist())
+        for b in micro_batches
+    ], targets
 
 
 def test_resume_gives_identical_batches():

@@ -53,12 +53,19 @@ def test_only_assistant_content_and_its_end_token_are_trained(tokenizer):
         {"role": "assistant", "content": "7 * 6 = 42. The answer is 42."},
     ]
     sample = render(tokenizer, conversation)
-    assert masked_spans(tokenizer, sample) == [conversation[2]["content"] + IM_END, conversation[4]["content"] + IM_END]
+    assert masked_spans(tokenizer, sample) == [
+        conversation[2]["content"] + IM_END,
+        conversation[4]["content"] + IM_END,
+    ]
     unmasked = tokenizer.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if not m])
-    assert unmasked == ("<|im_start|>system\nYou add numbers.<|im_end|>\n<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n"
-                        "<|im_start|>assistant\n\n<|im_start|>user\nAnd 7 * 6?<|im_end|>\n<|im_start|>assistant\n\n")
+    assert unmasked == (
+        "<|im_start|>system\nYou add numbers.<|im_end|>\n<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n"
+        "<|im_start|>assistant\n\n<|im_start|>user\nAnd 7 * 6?<|im_end|>\n<|im_start|>assistant\n\n"
+    )
     for row in demo_rows(50, seed=3):  # and on every demo row
-        assert masked_spans(tokenizer, render(tokenizer, row["messages"])) == [row["messages"][-1]["content"] + IM_END]
+        assert masked_spans(tokenizer, render(tokenizer, row["messages"])) == [
+            row["messages"][-1]["content"] + IM_END
+        ]
     check_assistant_mask(tokenizer)
 
 
@@ -67,7 +74,9 @@ def test_templates_that_mask_the_wrong_tokens_are_refused(tokenizer_dir, tmp_pat
 
     no_marks = CHAT_TEMPLATE.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
     whole_turn = CHAT_TEMPLATE.replace(
-        "{{- '<|im_start|>assistant\\n' }}{%- generation %}", "{%- generation %}{{- '<|im_start|>assistant\\n' }}")
+        "{{- '<|im_start|>assistant\\n' }}{%- generation %}",
+        "{%- generation %}{{- '<|im_start|>assistant\\n' }}",
+    )
     assert whole_turn != CHAT_TEMPLATE
     for template in (no_marks, whole_turn):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -87,31 +96,62 @@ def test_parquet_and_jsonl_give_identical_samples(tokenizer, tmp_path):
 
 def test_left_out_rows_are_counted_and_reported(tokenizer, tmp_path):
     good = demo_rows(6, seed=5)
-    long_row = {"messages": [{"role": "user", "content": "Count: " + " ".join(map(str, range(60)))},
-                             {"role": "assistant", "content": "Done."}]}
-    lines = [json.dumps(good[0]), "{not json", json.dumps({"conversation": good[1]["messages"]}),
-             json.dumps({"messages": [{"role": "user", "content": "Hi"}]}),  # no assistant turn
-             json.dumps({"messages": [{"role": "robot", "content": "beep"}, good[1]["messages"][1]]}),
-             json.dumps(long_row), "", json.dumps(good[2])]
+    long_row = {
+        "messages": [
+            {"role": "user", "content": "Count: " + " ".join(map(str, range(60)))},
+            {"role": "assistant", "content": "Done."},
+        ]
+    }
+    lines = [
+        json.dumps(good[0]),
+        "{not json",
+        json.dumps({"conversation": good[1]["messages"]}),
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}]}),  # no assistant turn
+        json.dumps({"messages": [{"role": "robot", "content": "beep"}, good[1]["messages"][1]]}),
+        json.dumps(long_row),
+        "",
+        json.dumps(good[2]),
+    ]
     (tmp_path / "mixed.jsonl").write_text("\n".join(lines) + "\n")
     (tmp_path / "empty.jsonl").write_text("")
     write_rows(good[3:], tmp_path / "good.parquet")
     pq.write_table(pa.table({"text": ["a", "b"]}), tmp_path / "other_column.parquet")
-    files = [str(tmp_path / n) for n in ("mixed.jsonl", "empty.jsonl", "good.parquet", "other_column.parquet")]
+    files = [
+        str(tmp_path / n) for n in ("mixed.jsonl", "empty.jsonl", "good.parquet", "other_column.parquet")
+    ]
 
     samples, report = load_samples(files, tokenizer, seq_len=64)
     assert report.as_dict() == {
-        "files": 4, "rows": 12, "used": 5, "too_long": 1, "no_assistant": 1, "malformed": 5,
+        "files": 4,
+        "rows": 12,
+        "used": 5,
+        "too_long": 1,
+        "no_assistant": 1,
+        "malformed": 5,
         "first_malformed": f"{tmp_path}/mixed.jsonl:2: not JSON (Expecting property name enclosed in double quotes)",
-        "empty_files": [f"{tmp_path}/empty.jsonl"], "tokens": sum(len(s) for s in samples),
-        "target_tokens": sum(s.num_targets for s in samples), "longest": max(len(s) for s in samples)}
+        "empty_files": [f"{tmp_path}/empty.jsonl"],
+        "tokens": sum(len(s) for s in samples),
+        "target_tokens": sum(s.num_targets for s in samples),
+        "longest": max(len(s) for s in samples),
+    }
     assert samples == [render(tokenizer, r["messages"]) for r in (good[0], good[2], *good[3:])]
     summary = report.summary("train")
-    for part in ("12 rows in 4 files", "5 used", "1 longer than seq_len", "1 without an assistant turn",
-                 "5 malformed (first:", "mixed.jsonl:2", "1 empty files", "empty.jsonl"):
+    for part in (
+        "12 rows in 4 files",
+        "5 used",
+        "1 longer than seq_len",
+        "1 without an assistant turn",
+        "5 malformed (first:",
+        "mixed.jsonl:2",
+        "1 empty files",
+        "empty.jsonl",
+    ):
         assert part in summary, part
     _, later = load_samples(files[2:], tokenizer, seq_len=64)  # a missing column names the file and the fix
-    assert later.malformed == 2 and "other_column.parquet: no column 'messages' (columns: text)" in later.first_malformed
+    assert (
+        later.malformed == 2
+        and "other_column.parquet: no column 'messages' (columns: text)" in later.first_malformed
+    )
     _, roles = load_samples([str(tmp_path / "mixed.jsonl")], tokenizer, seq_len=1000)
     assert roles.too_long == 0 and roles.used == 3
 
@@ -119,8 +159,9 @@ def test_left_out_rows_are_counted_and_reported(tokenizer, tmp_path):
 def test_bad_role_example_names_the_row(tokenizer, tmp_path):
     write_rows([{"messages": [{"role": "robot", "content": "beep"}]}], tmp_path / "bad.parquet")
     _, report = load_samples([str(tmp_path / "bad.parquet")], tokenizer, seq_len=64)
-    assert report.first_malformed == (f"{tmp_path}/bad.parquet row 0: message 0 has role 'robot', not one of "
-                                      "system, user, assistant, tool")
+    assert report.first_malformed == (
+        f"{tmp_path}/bad.parquet row 0: message 0 has role 'robot', not one of system, user, assistant, tool"
+    )
 
 
 def test_a_missing_file_is_one_clear_error(tokenizer, tmp_path):
@@ -131,15 +172,25 @@ def test_a_missing_file_is_one_clear_error(tokenizer, tmp_path):
 def test_messages_key_is_configurable(tokenizer, tmp_path):
     rows = [{"conversation": r["messages"]} for r in demo_rows(5, seed=6)]
     write_rows(rows, tmp_path / "c.jsonl")
-    samples, report = load_samples([str(tmp_path / "c.jsonl")], tokenizer, seq_len=128, messages_key="conversation")
+    samples, report = load_samples(
+        [str(tmp_path / "c.jsonl")], tokenizer, seq_len=128, messages_key="conversation"
+    )
     assert report.used == 5 and samples == [render(tokenizer, r["conversation"]) for r in rows]
 
 
 def demo_job(tmp_path: Path, tokenizer_dir: Path, *overrides: str):
     paths = write_demo_data(tmp_path / "data", train=60, val=20, seed=7)
-    return load_job("demo_sft", [f"data.train_files=[{paths['train.parquet']}]",
-                                 f"data.val_files=[{paths['val.jsonl']}]", f"data.tokenizer={tokenizer_dir}",
-                                 "data.seq_len=64", "data.global_batch_size=8", *overrides])
+    return load_job(
+        "demo_sft",
+        [
+            f"data.train_files=[{paths['train.parquet']}]",
+            f"data.val_files=[{paths['val.jsonl']}]",
+            f"data.tokenizer={tokenizer_dir}",
+            "data.seq_len=64",
+            "data.global_batch_size=8",
+            *overrides,
+        ],
+    )
 
 
 def as_lists(step):

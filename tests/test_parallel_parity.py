@@ -29,7 +29,7 @@ from mlite.runtime.parallel.parallelize import (
 from mlite.runtime.parallel.pipeline import PipelineRunner, keep_chunk, one_f_one_b, split_layers
 from parallel_harness import LAYERS, launch, make_batches, make_model, total_targets
 
-STEPS, MICRO_BATCHES, LR, CLIP = 3, 4, 1e-2, 1.0
+STEPS, MICRO_BATCHES, LR, CLIP = 3, 4, 1e-3, 1.0
 
 
 def train(model, mesh=None) -> list[tuple[float, float]]:

@@ -225,6 +225,11 @@ class Runtime:
         """Clip and update. Returns (grad norm before clipping, skipped); a non-finite norm skips the update."""
         return self.optim.step()
 
+    def set_total_steps(self, total_steps: int) -> None:
+        """The schedule's length, when the trainer knows it only after reading the data (trainer.epochs)."""
+        self.schedule.total_steps = total_steps
+        self.schedule.step(0)
+
     def lr_scheduler_step(self) -> float:
         return self.schedule.step()
 

@@ -21,6 +21,7 @@ from typing import Optional
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
 from mlite.runtime.ckpt.checkpoint import CheckpointManager
+from mlite.runtime.data.sft import build_sft_data
 from mlite.runtime.engine import Runtime
 from mlite.runtime.loss import sft_loss
 from mlite.trainers.common import StopRequest, checkpoint_to_resume, first_rank
@@ -55,9 +56,12 @@ def train_sft(job: JobConfig, console=None, show_progress: bool = True) -> SFTRe
     out.mkdir(parents=True, exist_ok=True)
     trainer = job.trainer
 
-    data = build_sft_data(job)
+    runtime = Runtime(job)
+    data = build_sft_data(job, runtime.dp_rank, runtime.dp_size)
+    if first_rank() and console is not None:
+        console.print(data.summary(), highlight=False)
     total_steps = trainer.steps if trainer.epochs is None else min(trainer.steps, trainer.epochs * data.steps_per_epoch)
-    runtime = Runtime(job, total_steps=total_steps)
+    runtime.set_total_steps(total_steps)
     manager = CheckpointManager(out, trainer.keep_last)
 
     start = 0

@@ -41,3 +41,9 @@ def register() -> None:
 
 def is_registered() -> bool:
     return _registered
+
+
+# Importing this package registers (so `import mlite.integrations.verl.engine` before `import verl` works
+# too): verl's plug-in discovery may run while one of our modules is half-imported, and it only logs
+# a failure at debug level.
+register()

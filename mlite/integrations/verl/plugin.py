@@ -1,5 +1,4 @@
-"""Imported by verl through the `verl.plugins` entry point (verl imports it, calls nothing): registers."""
+"""Imported by verl through the `verl.plugins` entry point (verl imports it, calls nothing): importing the
+package registers the engine and the cpu platform."""
 
-from mlite.integrations.verl import register
-
-register()
+import mlite.integrations.verl  # noqa: F401

@@ -16,16 +16,24 @@ import operator
 import random
 import re
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 ANSWER_PATTERN = re.compile(r"The answer is (-?\d+)\.?")
 
 # (operator, level) -> operand ranges; level 1 is one digit, 2 two digits, 3 three digits (or 2x2 products)
 _OPERAND_RANGES = {
-    ("+", 1): ((0, 9), (0, 9)), ("+", 2): ((10, 99), (10, 99)), ("+", 3): ((100, 999), (100, 999)),
-    ("-", 1): ((0, 9), (0, 9)), ("-", 2): ((10, 99), (10, 99)), ("-", 3): ((100, 999), (100, 999)),
-    ("*", 1): ((0, 9), (0, 9)), ("*", 2): ((10, 99), (2, 9)), ("*", 3): ((10, 99), (10, 99)),
-    ("/", 1): ((1, 9), (1, 9)), ("/", 2): ((2, 9), (10, 99)), ("/", 3): ((10, 99), (10, 99)),
+    ("+", 1): ((0, 9), (0, 9)),
+    ("+", 2): ((10, 99), (10, 99)),
+    ("+", 3): ((100, 999), (100, 999)),
+    ("-", 1): ((0, 9), (0, 9)),
+    ("-", 2): ((10, 99), (10, 99)),
+    ("-", 3): ((100, 999), (100, 999)),
+    ("*", 1): ((0, 9), (0, 9)),
+    ("*", 2): ((10, 99), (2, 9)),
+    ("*", 3): ((10, 99), (10, 99)),
+    ("/", 1): ((1, 9), (1, 9)),
+    ("/", 2): ((2, 9), (10, 99)),
+    ("/", 3): ((10, 99), (10, 99)),
 }
 _NAMES = ["Tom", "Anna", "Ben", "Mia", "Sam", "Lily", "Max", "Eva", "Leo", "Zoe"]
 _ITEMS = ["apples", "pencils", "cookies", "marbles", "stickers", "books", "coins", "cards"]
@@ -77,19 +85,34 @@ def demo_task(rng: random.Random) -> dict[str, Any]:
     level = rng.randint(1, 3)
     kind = "word" if rng.random() < 1 / 3 else "arithmetic"
     question, solution, answer = (_word_problem if kind == "word" else _arithmetic)(rng, level)
-    return {"question": question, "solution": f"{solution} The answer is {answer}.", "answer": str(answer),
-            "kind": kind, "level": level}
+    return {
+        "question": question,
+        "solution": f"{solution} The answer is {answer}.",
+        "answer": str(answer),
+        "kind": kind,
+        "level": level,
+    }
 
 
-def to_row(task: dict[str, Any], system: Optional[str] = None) -> dict[str, Any]:
+def to_row(task: dict[str, Any], system: str | None = None) -> dict[str, Any]:
     """A task as a row: `messages` for SFT, `prompt` + `answer` for RL, and what the task was."""
     messages = [{"role": "system", "content": system}] if system else []
-    messages += [{"role": "user", "content": task["question"]}, {"role": "assistant", "content": task["solution"]}]
-    return {"messages": messages, "prompt": task["question"], "answer": task["answer"],
-            "kind": task["kind"], "level": task["level"]}
+    messages += [
+        {"role": "user", "content": task["question"]},
+        {"role": "assistant", "content": task["solution"]},
+    ]
+    return {
+        "messages": messages,
+        "prompt": task["question"],
+        "answer": task["answer"],
+        "kind": task["kind"],
+        "level": task["level"],
+    }
 
 
-def demo_rows(count: int, seed: int = 0, system: Optional[str] = None, exclude: frozenset[str] = frozenset()) -> list[dict]:
+def demo_rows(
+    count: int, seed: int = 0, system: str | None = None, exclude: frozenset[str] = frozenset()
+) -> list[dict]:
     """`count` rows with distinct questions (none of them in `exclude`), the same for the same seed."""
     rng = random.Random(seed)
     rows, seen = [], set(exclude)
@@ -103,13 +126,15 @@ def demo_rows(count: int, seed: int = 0, system: Optional[str] = None, exclude: 
     raise ValueError(f"could only draw {len(rows)} distinct demo questions of {count}")
 
 
-def demo_split(train: int, val: int, seed: int = 0, system: Optional[str] = None) -> tuple[list[dict], list[dict]]:
+def demo_split(
+    train: int, val: int, seed: int = 0, system: str | None = None
+) -> tuple[list[dict], list[dict]]:
     """Train and held-out rows; no held-out question appears in train."""
     rows = demo_rows(train + val, seed, system)
     return rows[:train], rows[train:]
 
 
-def write_rows(rows: list[dict], path: Union[str, Path]) -> Path:
+def write_rows(rows: list[dict], path: str | Path) -> Path:
     """Write rows as parquet (by suffix .parquet) or JSONL (.jsonl)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,23 +150,27 @@ def write_rows(rows: list[dict], path: Union[str, Path]) -> Path:
     return path
 
 
-def write_demo_data(out_dir: Union[str, Path], train: int = 2000, val: int = 200, seed: int = 0,
-                    system: Optional[str] = None) -> dict[str, Path]:
+def write_demo_data(
+    out_dir: str | Path, train: int = 2000, val: int = 200, seed: int = 0, system: str | None = None
+) -> dict[str, Path]:
     """train/val rows in parquet and JSONL under out_dir; returns {"train.parquet": path, ...}."""
     train_rows, val_rows = demo_split(train, val, seed, system)
     out = Path(out_dir)
-    return {f"{split}.{ext}": write_rows(rows, out / f"{split}.{ext}")
-            for split, rows in (("train", train_rows), ("val", val_rows)) for ext in ("parquet", "jsonl")}
+    return {
+        f"{split}.{ext}": write_rows(rows, out / f"{split}.{ext}")
+        for split, rows in (("train", train_rows), ("val", val_rows))
+        for ext in ("parquet", "jsonl")
+    }
 
 
 # ------------------------------------------------------------------------------------- answer checking
-def extract_answer(text: str) -> Optional[int]:
+def extract_answer(text: str) -> int | None:
     """The number in the last "The answer is N" of a response, or None when there is none."""
     found = ANSWER_PATTERN.findall(text)
     return int(found[-1]) if found else None
 
 
-def check_answer(response: str, answer: Union[str, int]) -> bool:
+def check_answer(response: str, answer: str | int) -> bool:
     """True when the response states the ground-truth answer in the demo format."""
     given = extract_answer(response)
     return given is not None and given == int(str(answer).strip())

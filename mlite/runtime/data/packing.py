@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from mlite.errors import MliteError
 from mlite.runtime.data.packed import PackedBatch
@@ -43,16 +43,24 @@ class Sample:
 
 
 # --------------------------------------------------------------------------------------------- planning
-def balanced_bins(lengths: Sequence[int], items: Sequence[int], n_bins: int, max_tokens: Optional[int] = None,
-                  max_count: Optional[int] = None) -> Optional[list[list[int]]]:
+def balanced_bins(
+    lengths: Sequence[int],
+    items: Sequence[int],
+    n_bins: int,
+    max_tokens: int | None = None,
+    max_count: int | None = None,
+) -> list[list[int]] | None:
     """Greedy longest-first: each item (longest first) goes to the bin with the fewest tokens that still has
     room. Returns bins of items in ascending order, or None when some item fits nowhere."""
     bins: list[list[int]] = [[] for _ in range(n_bins)]
     tokens = [0] * n_bins
     for item in sorted(items, key=lambda i: (-lengths[i], i)):
-        open_bins = [b for b in range(n_bins)
-                     if (max_count is None or len(bins[b]) < max_count)
-                     and (max_tokens is None or tokens[b] + lengths[item] <= max_tokens)]
+        open_bins = [
+            b
+            for b in range(n_bins)
+            if (max_count is None or len(bins[b]) < max_count)
+            and (max_tokens is None or tokens[b] + lengths[item] <= max_tokens)
+        ]
         if not open_bins:
             return None
         best = min(open_bins, key=lambda b: (tokens[b], b))
@@ -61,8 +69,9 @@ def balanced_bins(lengths: Sequence[int], items: Sequence[int], n_bins: int, max
     return [sorted(b) for b in bins]
 
 
-def _fewest_micro_batches(lengths: Sequence[int], items: list[int], max_tokens: Optional[int],
-                          micro_batch_size: Optional[int]) -> int:
+def _fewest_micro_batches(
+    lengths: Sequence[int], items: list[int], max_tokens: int | None, micro_batch_size: int | None
+) -> int:
     if max_tokens is None:
         return math.ceil(len(items) / micro_batch_size)
     n = max(1, math.ceil(sum(lengths[i] for i in items) / max_tokens))
@@ -71,8 +80,9 @@ def _fewest_micro_batches(lengths: Sequence[int], items: list[int], max_tokens: 
     return n
 
 
-def plan_step(lengths: Sequence[int], dp_size: int, max_tokens: Optional[int] = None,
-              micro_batch_size: Optional[int] = None) -> Plan:
+def plan_step(
+    lengths: Sequence[int], dp_size: int, max_tokens: int | None = None, micro_batch_size: int | None = None
+) -> Plan:
     """Split sequences of these lengths over dp ranks and micro-batches (see the module docstring).
 
     Give `max_tokens` (dynamic batching: ranks balanced by tokens, micro-batches packed to the budget) or
@@ -86,7 +96,11 @@ def plan_step(lengths: Sequence[int], dp_size: int, max_tokens: Optional[int] = 
     rank_cap = None if max_tokens is not None else math.ceil(len(items) / dp_size)
     ranks = balanced_bins(lengths, items, dp_size, max_count=rank_cap)
     assert ranks is not None  # no token budget at this level: everything fits
-    count = max(_fewest_micro_batches(lengths, r, max_tokens, micro_batch_size) for r in ranks if r) if items else 1
+    count = (
+        max(_fewest_micro_batches(lengths, r, max_tokens, micro_batch_size) for r in ranks if r)
+        if items
+        else 1
+    )
     while True:  # longest-first into more bins almost never fails where fewer fit; if it does, add one
         plan = [balanced_bins(lengths, r, count, max_tokens, micro_batch_size) for r in ranks]
         if all(p is not None for p in plan):
@@ -133,20 +147,26 @@ class GlobalBatchSampler:
         while len(out) < self.batch_size:
             epoch, at = divmod(self.consumed, self.num_samples)
             take = min(self.batch_size - len(out), self.num_samples - at)
-            out += self.order(epoch)[at:at + take]
+            out += self.order(epoch)[at : at + take]
             self.consumed += take
         return out
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "num_samples": self.num_samples, "seed": self.seed,
-                "batch_size": self.batch_size, "shuffle": self.shuffle}
+        return {
+            "consumed": self.consumed,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("num_samples", "seed", "shuffle", "batch_size"):
             if state[key] != getattr(self, key):
                 raise MliteError(
                     f"the checkpoint's data position was taken with {key}={state[key]}, this run has "
-                    f"{getattr(self, key)}; resume with the same data and data settings, or trainer.resume=never")
+                    f"{getattr(self, key)}; resume with the same data and data settings, or trainer.resume=never"
+                )
         self.consumed = int(state["consumed"])
 
 
@@ -154,13 +174,24 @@ class GlobalBatchSampler:
 class StepBatcher:
     """This rank's micro-batches for each optimizer step (see the module docstring)."""
 
-    def __init__(self, samples: Sequence[Sample], global_batch_size: int, *, seed: int, dp_rank: int = 0,
-                 dp_size: int = 1, max_tokens: Optional[int] = None, micro_batch_size: Optional[int] = None,
-                 shuffle: bool = True, pad_id: int = 0):
+    def __init__(
+        self,
+        samples: Sequence[Sample],
+        global_batch_size: int,
+        *,
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        max_tokens: int | None = None,
+        micro_batch_size: int | None = None,
+        shuffle: bool = True,
+        pad_id: int = 0,
+    ):
         if micro_batch_size is not None and global_batch_size % (dp_size * micro_batch_size):
             raise MliteError(
                 f"data.global_batch_size={global_batch_size} is not a multiple of data-parallel size {dp_size} x "
-                f"data.micro_batch_size={micro_batch_size}; change one of them, or set data.dynamic_batch: true")
+                f"data.micro_batch_size={micro_batch_size}; change one of them, or set data.dynamic_batch: true"
+            )
         self.samples, self.dp_rank, self.dp_size = samples, dp_rank, dp_size
         self.max_tokens, self.micro_batch_size, self.pad_id = max_tokens, micro_batch_size, pad_id
         self.sampler = GlobalBatchSampler(len(samples), global_batch_size, seed, shuffle)

@@ -15,9 +15,10 @@ without an assistant turn and rows longer than `data.seq_len` are counted in `Da
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 from mlite.config.schema import DataConfig, JobConfig
 from mlite.errors import MliteError
@@ -35,7 +36,7 @@ class DataReport:
     too_long: int = 0  # longer than data.seq_len: skipped
     no_assistant: int = 0  # nothing to train on: skipped
     malformed: int = 0  # missing key, bad role, not a list of {role, content}: skipped
-    first_malformed: Optional[str] = None
+    first_malformed: str | None = None
     empty_files: list[str] = field(default_factory=list)
     tokens: int = 0  # of the used rows
     target_tokens: int = 0
@@ -45,9 +46,11 @@ class DataReport:
         return asdict(self)
 
     def summary(self, name: str = "data") -> str:
-        text = (f"{name}: {self.rows} rows in {self.files} files; {self.used} used ({self.tokens} tokens, "
-                f"{self.target_tokens} trained, longest {self.longest}); skipped {self.too_long} longer than "
-                f"seq_len, {self.no_assistant} without an assistant turn, {self.malformed} malformed")
+        text = (
+            f"{name}: {self.rows} rows in {self.files} files; {self.used} used ({self.tokens} tokens, "
+            f"{self.target_tokens} trained, longest {self.longest}); skipped {self.too_long} longer than "
+            f"seq_len, {self.no_assistant} without an assistant turn, {self.malformed} malformed"
+        )
         if self.first_malformed:
             text += f" (first: {self.first_malformed})"
         if self.empty_files:
@@ -67,8 +70,12 @@ def read_rows(path: Path, messages_key: str, report: DataReport) -> Iterator[tup
         table = pq.read_table(path)
         report.rows += table.num_rows
         if table.num_rows and messages_key not in table.column_names:
-            _malformed(report, f"{path}: no column '{messages_key}' (columns: {', '.join(table.column_names)}); "
-                               "set data.messages_key", table.num_rows)
+            _malformed(
+                report,
+                f"{path}: no column '{messages_key}' (columns: {', '.join(table.column_names)}); "
+                "set data.messages_key",
+                table.num_rows,
+            )
         elif table.num_rows:
             for i, messages in enumerate(table.column(messages_key).to_pylist()):
                 yield f"{path} row {i}", messages
@@ -99,7 +106,7 @@ def _malformed(report: DataReport, example: str, count: int = 1) -> None:
     report.first_malformed = report.first_malformed or example
 
 
-def _problem(messages: Any) -> Optional[str]:
+def _problem(messages: Any) -> str | None:
     """Why these messages cannot be rendered, or None."""
     if not isinstance(messages, (list, tuple)) or not messages:
         return f"messages is {type(messages).__name__}, not a non-empty list"
@@ -113,16 +120,21 @@ def _problem(messages: Any) -> Optional[str]:
 
 # ------------------------------------------------------------------------------------------- rendering
 def render(tokenizer, messages: Sequence[dict]) -> Sample:
-    out = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True)
+    out = tokenizer.apply_chat_template(
+        list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     return Sample(list(out["input_ids"]), [int(m) for m in out["assistant_masks"]])
 
 
 def check_assistant_mask(tokenizer, name: str = "the tokenizer") -> None:
     """Refuse a chat template whose assistant mask is not exactly each assistant content + its end token."""
-    probe = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"},
-             {"role": "assistant", "content": "2 + 3 = 5. The answer is 5."},
-             {"role": "user", "content": "And 4 * 6?"}, {"role": "assistant", "content": "4 * 6 = 24."}]
+    probe = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "2 + 3 = 5. The answer is 5."},
+        {"role": "user", "content": "And 4 * 6?"},
+        {"role": "assistant", "content": "4 * 6 = 24."},
+    ]
     sample = render(tokenizer, probe)
     spans, current = [], []
     for token, masked in zip(sample.input_ids, sample.loss_mask):
@@ -134,14 +146,19 @@ def check_assistant_mask(tokenizer, name: str = "the tokenizer") -> None:
     wanted = [m["content"] for m in probe if m["role"] == "assistant"]
     got = [tokenizer.decode(span) for span in spans]
     ends = ("", tokenizer.eos_token or "")
-    if len(got) != len(wanted) or any(g[len(w):] not in ends or not g.startswith(w) for g, w in zip(got, wanted)):
+    if len(got) != len(wanted) or any(
+        g[len(w) :] not in ends or not g.startswith(w) for g, w in zip(got, wanted)
+    ):
         raise MliteError(
             f"the chat template of {name} does not mark exactly the assistant turns for the loss (masked: {got!r}, "
             f"wanted each of {wanted!r} + its end token); use a template with {{% generation %}} around the "
-            "assistant content, e.g. the demo tokenizer's (mlite/runtime/data/tokenizer.py)")
+            "assistant content, e.g. the demo tokenizer's (mlite/runtime/data/tokenizer.py)"
+        )
 
 
-def load_samples(files: Sequence[str], tokenizer, seq_len: int, messages_key: str = "messages") -> tuple[list[Sample], DataReport]:
+def load_samples(
+    files: Sequence[str], tokenizer, seq_len: int, messages_key: str = "messages"
+) -> tuple[list[Sample], DataReport]:
     """Tokenised samples of every usable row, in file order, and the report of what was left out."""
     report, samples = DataReport(), []
     for name in files:
@@ -169,7 +186,9 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     if not Path(path, "tokenizer.json").is_file() and not Path(path, "tokenizer_config.json").is_file():
-        raise MliteError(f"no tokenizer in {path} (tokenizer.json missing); set data.tokenizer to a tokenizer dir")
+        raise MliteError(
+            f"no tokenizer in {path} (tokenizer.json missing); set data.tokenizer to a tokenizer dir"
+        )
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -177,15 +196,48 @@ def load_tokenizer(path: str):
 class SFTData:
     """Training batches per step (resumable), validation batches, and the reports of both sets."""
 
-    def __init__(self, train: Sequence[Sample], val: Sequence[Sample], config: DataConfig, *, seed: int,
-                 dp_rank: int = 0, dp_size: int = 1, pad_id: int = 0,
-                 train_report: Optional[DataReport] = None, val_report: Optional[DataReport] = None):
-        budget = dict(max_tokens=config.max_tokens_per_micro_batch) if config.dynamic_batch else \
-            dict(micro_batch_size=config.micro_batch_size)
-        self.train = StepBatcher(train, config.global_batch_size, seed=seed, dp_rank=dp_rank, dp_size=dp_size,
-                                 shuffle=config.shuffle, pad_id=pad_id, **budget)
-        self.val = StepBatcher(val, config.global_batch_size, seed=seed, dp_rank=dp_rank, dp_size=dp_size,
-                               shuffle=False, pad_id=pad_id, **budget) if val else None
+    def __init__(
+        self,
+        train: Sequence[Sample],
+        val: Sequence[Sample],
+        config: DataConfig,
+        *,
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        pad_id: int = 0,
+        train_report: DataReport | None = None,
+        val_report: DataReport | None = None,
+    ):
+        budget = (
+            {"max_tokens": config.max_tokens_per_micro_batch}
+            if config.dynamic_batch
+            else {"micro_batch_size": config.micro_batch_size}
+        )
+        self.train = StepBatcher(
+            train,
+            config.global_batch_size,
+            seed=seed,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            shuffle=config.shuffle,
+            pad_id=pad_id,
+            **budget,
+        )
+        self.val = (
+            StepBatcher(
+                val,
+                config.global_batch_size,
+                seed=seed,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+                shuffle=False,
+                pad_id=pad_id,
+                **budget,
+            )
+            if val
+            else None
+        )
         self.train_report, self.val_report = train_report or DataReport(), val_report
 
     @property
@@ -209,10 +261,15 @@ class SFTData:
 
     @property
     def report(self) -> dict:
-        return {"train": self.train_report.as_dict(), **({"val": self.val_report.as_dict()} if self.val_report else {})}
+        return {
+            "train": self.train_report.as_dict(),
+            **({"val": self.val_report.as_dict()} if self.val_report else {}),
+        }
 
     def summary(self) -> str:
-        parts = [self.train_report.summary("train")] + ([self.val_report.summary("val")] if self.val_report else [])
+        parts = [self.train_report.summary("train")] + (
+            [self.val_report.summary("val")] if self.val_report else []
+        )
         return " ".join(parts)
 
     def state_dict(self) -> dict:
@@ -233,7 +290,20 @@ def build_sft_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> SFTDat
     tokenizer = load_tokenizer(tokenizer_path)
     check_assistant_mask(tokenizer, tokenizer_path)
     train, train_report = load_samples(data.train_files, tokenizer, data.seq_len, data.messages_key)
-    val, val_report = load_samples(data.val_files, tokenizer, data.seq_len, data.messages_key) if data.val_files else ([], None)
+    val, val_report = (
+        load_samples(data.val_files, tokenizer, data.seq_len, data.messages_key)
+        if data.val_files
+        else ([], None)
+    )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    return SFTData(train, val, data, seed=job.trainer.seed, dp_rank=dp_rank, dp_size=dp_size, pad_id=pad_id,
-                   train_report=train_report, val_report=val_report)
+    return SFTData(
+        train,
+        val,
+        data,
+        seed=job.trainer.seed,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        pad_id=pad_id,
+        train_report=train_report,
+        val_report=val_report,
+    )

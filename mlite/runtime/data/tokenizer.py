@@ -12,8 +12,8 @@ layout with the assistant's content and its `<|im_end|>` inside `{% generation %
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Union
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
@@ -37,34 +37,48 @@ def _ascii_alphabet() -> list[str]:
     from tokenizers import pre_tokenizers
 
     byte_chars = pre_tokenizers.ByteLevel.alphabet()  # the 256 stand-ins, unordered
-    spelled = {b: pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(chr(b))[0][0]
-               for b in [9, 10, *range(32, 127)]}
+    spelled = {
+        b: pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(chr(b))[0][0]
+        for b in [9, 10, *range(32, 127)]
+    }
     assert set(spelled.values()) <= set(byte_chars)
     return sorted(spelled.values())
 
 
-def train_tokenizer(texts: Iterable[str], out_dir: Union[str, Path], vocab_size: int = 256):
+def train_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 256):
     """Train byte-level BPE on `texts` and save an HF tokenizer dir; returns the loaded HF tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=_ascii_alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=_ascii_alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
 
-    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=IM_END, pad_token=ENDOFTEXT,
-                                 chat_template=CHAT_TEMPLATE, model_max_length=1 << 20, clean_up_tokenization_spaces=False)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1 << 20,
+        clean_up_tokenization_spaces=False,
+    )
     hf.save_pretrained(str(out_dir))
     return hf
 
 
-def train_demo_tokenizer(out_dir: Union[str, Path], seed: int = 0, vocab_size: int = 256, rows: int = 2000):
+def train_demo_tokenizer(out_dir: str | Path, seed: int = 0, vocab_size: int = 256, rows: int = 2000):
     """The demo's tokenizer: BPE over the chat-rendered text of `rows` demo rows drawn with `seed`."""
     from mlite.runtime.data.demo import demo_rows
 

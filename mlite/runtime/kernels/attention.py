@@ -83,6 +83,7 @@ def varlen_torch_attention(q, k, v, cu_seqlens, max_seqlen, scale):
     return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **causal)
 
 
+@torch.compiler.disable  # inductor cannot lower the cuDNN op's optional bias; run it eagerly between graphs
 def cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale):
     """cuDNN's fused kernel, called directly so torch.compile keeps it (SDPA's own choice on H100 at 4k is
     the slower flash kernel: 206 vs 270+ TFLOP/s measured, see docs/PERFORMANCE.md)."""

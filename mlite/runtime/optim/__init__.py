@@ -47,9 +47,9 @@ class LRSchedule:
     def lr(self) -> float:
         return lr_at(self.step_count, self.cfg, self.total_steps)
 
-    def step(self) -> float:
+    def step(self, steps: int = 1) -> float:
         """Advance to the next optimizer step; returns its lr."""
-        self.step_count += 1
+        self.step_count += steps
         self._apply()
         return self.lr
 

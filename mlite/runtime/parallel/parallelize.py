@@ -64,6 +64,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
             "attn.o_proj": RowwiseParallel(output_layouts=Shard(0)),
             "mlp_norm": SequenceParallel(sequence_dim=0),
         }
+        if layer.attn.q_norm is not None:  # per-head norms see this rank's heads: [T, heads, d] split on dim 1
+            plan["attn.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+            plan["attn.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
         if is_moe(layer):
             # the MoE block works on this rank's tokens as plain tensors; its parameters are reduced over
             # the token-sharing ranks by FSDP (see apply_fsdp)
