@@ -214,30 +214,21 @@ class SFTData:
             if config.dynamic_batch
             else {"micro_batch_size": config.micro_batch_size}
         )
-        self.train = StepBatcher(
-            train,
-            config.global_batch_size,
-            seed=seed,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            shuffle=config.shuffle,
-            pad_id=pad_id,
-            **budget,
-        )
-        self.val = (
-            StepBatcher(
-                val,
+
+        def batcher(samples: Sequence[Sample], shuffle: bool) -> StepBatcher:
+            return StepBatcher(
+                samples,
                 config.global_batch_size,
                 seed=seed,
                 dp_rank=dp_rank,
                 dp_size=dp_size,
-                shuffle=False,
+                shuffle=shuffle,
                 pad_id=pad_id,
                 **budget,
             )
-            if val
-            else None
-        )
+
+        self.train = batcher(train, config.shuffle)
+        self.val = batcher(val, shuffle=False) if val else None
         self.train_report, self.val_report = train_report or DataReport(), val_report
 
     @property
