@@ -45,7 +45,7 @@ class SFTResult:
 
     @property
     def losses(self) -> list[float]:
-        return [r["loss"] for r in read_metrics(self.metrics_path)]
+        return [r["loss"] for r in read_metrics(self.metrics_path) if "loss" in r]
 
 
 def train_sft(job: JobConfig, console=None, show_progress: bool = True) -> SFTResult:
@@ -133,13 +133,17 @@ def evaluate(runtime: Runtime, data) -> dict:
 
 def print_summary(result: SFTResult, console) -> None:
     """A few lines for the terminal: how the loss moved, speed, where the files are."""
-    losses = result.losses
+    records = [r for r in read_metrics(result.metrics_path) if "loss" in r]
     if result.stopped_by:
         console.print(f"[yellow]stopped by {result.stopped_by} after step {result.last_step}/{result.total_steps}; "
                       f"checkpoint saved, rerun the same command (trainer.resume=auto) to continue[/yellow]")
-    if losses:
-        console.print(f"loss {losses[0]:.4f} (step 1) -> {losses[-1]:.4f} (step {result.last_step}), "
+    if records:
+        first, last = records[0], records[-1]
+        console.print(f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']}), "
                       f"{result.tokens_per_s:,.0f} tokens/s", highlight=False)
+    evals = [r for r in read_metrics(result.metrics_path) if "val_loss" in r]
+    if evals:
+        console.print(f"held-out loss {evals[-1]['val_loss']:.4f} (step {evals[-1]['step']})", highlight=False)
     console.print(f"checkpoint  {result.checkpoint}\nmetrics     {result.metrics_path}", highlight=False)
     if result.plot_path:
         console.print(f"loss curve  {result.plot_path}", highlight=False)

@@ -1,0 +1,106 @@
+"""The demo: from nothing but the install to a trained model, in a few minutes on 2 CPU cores.
+
+    result = run_demo("runs/demo")          # `mlite demo` / `invoke demo`
+
+Stages, each writing under the output folder:
+1. data: arithmetic and word problems with checkable answers (train / held-out, parquet + JSONL), and a
+   byte-level BPE tokenizer trained on them (`data/`, `tokenizer/`);
+2. model: a tiny Qwen3-shaped config sized to that tokenizer (`model/config.json`, random init);
+3. sft: SFT on packed sequences with the `demo_sft` job preset (`sft/`: checkpoints, metrics.jsonl,
+   tensorboard/, loss.png);
+then a short summary. The RL issue adds a GRPO stage after SFT (see `STAGES_AFTER_SFT`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from mlite.config import load_job
+from mlite.config.schema import JobConfig
+from mlite.trainers.sft import SFTResult, train_sft
+
+# Big enough to learn the answer format and the easy sums within the demo's budget, small enough for
+# ~5k tokens/s on 2 CPU cores (about 1M parameters).
+DEMO_MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  intermediate_size=384, max_position_embeddings=512)
+DEMO_TRAIN_ROWS, DEMO_VAL_ROWS, DEMO_VOCAB = 4000, 200, 384
+
+
+@dataclass
+class DemoResult:
+    output_dir: Path
+    job: JobConfig
+    sft: SFTResult
+    seconds: float
+    stages: dict = field(default_factory=dict)  # stage name -> its result, in order
+
+
+def prepare_demo(out: Path, seed: int = 0, train_rows: int = DEMO_TRAIN_ROWS, val_rows: int = DEMO_VAL_ROWS) -> dict[str, Path]:
+    """Data, tokenizer and model config under `out`; returns their paths. Same files for the same seed."""
+    from mlite.runtime.ckpt.hf import ARCHITECTURES
+    from mlite.runtime.data.demo import write_demo_data
+    from mlite.runtime.data.tokenizer import train_demo_tokenizer
+
+    files = write_demo_data(out / "data", train=train_rows, val=val_rows, seed=seed)
+    tokenizer = train_demo_tokenizer(out / "tokenizer", seed=seed, vocab_size=DEMO_VOCAB)
+    config = {
+        "architectures": [ARCHITECTURES["qwen3"]], "model_type": "qwen3", "vocab_size": len(tokenizer),
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+        "attention_bias": False, "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id, **DEMO_MODEL,
+    }
+    (out / "model").mkdir(parents=True, exist_ok=True)
+    (out / "model" / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {"train": files["train.parquet"], "val": files["val.parquet"], "tokenizer": out / "tokenizer",
+            "model": out / "model"}
+
+
+def demo_overrides(out: Path, paths: dict[str, Path], device: str = "auto") -> list[str]:
+    """What turns the `demo_sft` preset into the demo's job: the generated files and the output folder."""
+    # the preset describes the CPU run; on a GPU: a GPU cluster type and bf16 compute (fp32 master weights)
+    gpu = ["cluster.gpu=h100", "precision.compute=bf16"] if device == "cuda" else []
+    return [
+        f"model.path={paths['model']}", "model.name=null", "model.load_weights=false",
+        f"data.train_files=[{paths['train']}]", f"data.val_files=[{paths['val']}]", f"data.tokenizer={paths['tokenizer']}",
+        f"trainer.output_dir={out / 'sft'}", f"trainer.device={device}", *gpu,
+    ]
+
+
+def demo_job(out: Path, paths: dict[str, Path], device: str = "auto", overrides: tuple[str, ...] = ()) -> JobConfig:
+    """The `demo_sft` preset pointed at the generated files; `overrides` (key=value) come last."""
+    return load_job("demo_sft", [*demo_overrides(out, paths, device), *overrides])
+
+
+# Stages that run after SFT on its result: (name, fn(demo_dir, sft_result, device, console) -> result).
+# The GRPO issue appends its stage here.
+STAGES_AFTER_SFT: list[tuple[str, Callable]] = []
+
+
+def run_demo(output_dir: str | Path = "runs/demo", device: str = "auto", overrides: tuple[str, ...] = (),
+             console=None, train_rows: int = DEMO_TRAIN_ROWS, show_progress: bool = True) -> DemoResult:
+    began = time.perf_counter()
+    out = Path(output_dir)
+    say = console.print if console is not None else (lambda *a, **k: None)
+    say(f"[bold]mlite demo[/bold] -> {out}")
+    say("1/3 data: generating arithmetic and word problems, training a tokenizer")
+    paths = prepare_demo(out, train_rows=train_rows)
+    job = demo_job(out, paths, device, overrides)
+    say(f"2/3 model: Qwen3-shaped, hidden {DEMO_MODEL['hidden_size']}, {DEMO_MODEL['num_hidden_layers']} layers "
+        f"({paths['model'] / 'config.json'})")
+    say(f"3/3 sft: {job.trainer.steps} steps of {job.data.global_batch_size} sequences")
+    sft = train_sft(job, console=console, show_progress=show_progress)
+    stages = {"sft": sft}
+    for name, stage in STAGES_AFTER_SFT:
+        stages[name] = stage(out, sft, device, console)
+    return DemoResult(out, job, sft, time.perf_counter() - began, stages)
+
+
+def print_demo_summary(result: DemoResult, console) -> None:
+    from mlite.trainers.sft import print_summary
+
+    console.print(f"\n[bold]demo finished in {result.seconds:.0f} s[/bold] ({result.output_dir})")
+    print_summary(result.sft, console)
