@@ -19,12 +19,16 @@ import time
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nodes", type=int, required=True, help="nodes to run on (one command each)")
     parser.add_argument("--cpus-per-node", type=float, default=1, help="CPUs reserved per node's bundle")
     parser.add_argument("--gpus-per-node", type=float, default=0, help="GPUs reserved per node's bundle")
     parser.add_argument("--log-dir", required=True)
-    parser.add_argument("--placement-timeout", type=float, default=120, help="seconds to wait for the bundles")
+    parser.add_argument(
+        "--placement-timeout", type=float, default=120, help="seconds to wait for the bundles"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command with {node_rank} {master_addr}")
     args = parser.parse_args()
     if args.command[:1] == ["--"]:
@@ -49,8 +53,11 @@ def main() -> int:
     group = placement_group([dict(bundle) for _ in range(args.nodes)], strategy="STRICT_SPREAD")
     ready, _ = ray.wait([group.ready()], timeout=args.placement_timeout)
     if not ready:
-        print(f"ray_nodes: error: Ray could not place one {bundle} bundle on each of {args.nodes} nodes within "
-              f"{args.placement_timeout:.0f}s; check `ray status`", file=sys.stderr)
+        print(
+            f"ray_nodes: error: Ray could not place one {bundle} bundle on each of {args.nodes} nodes within "
+            f"{args.placement_timeout:.0f}s; check `ray status`",
+            file=sys.stderr,
+        )
         return 2
 
     @ray.remote(num_cpus=0)
@@ -71,8 +78,9 @@ def main() -> int:
 
         def start(self, command: list[str], env: dict[str, str], log_path: str) -> int:
             with open(log_path, "ab") as log:
-                self.proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True)
+                self.proc = subprocess.Popen(
+                    command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
                 return self.proc.wait()
 
         def stop(self) -> None:
@@ -87,7 +95,9 @@ def main() -> int:
         command = [part.format(node_rank=rank, **fields) for part in args.command]
         env = dict(os.environ, NODE_RANK=str(rank), MASTER_ADDR=ips[0])
         log_path = os.path.join(args.log_dir, f"ray-node{rank}-{ip}.log")
-        actor = NodeProcess.options(max_concurrency=2, **on_bundle(rank, num_cpus=args.cpus_per_node)).remote()
+        actor = NodeProcess.options(
+            max_concurrency=2, **on_bundle(rank, num_cpus=args.cpus_per_node)
+        ).remote()
         actors.append(actor)
         runs[actor.start.remote(command, env, log_path)] = (rank, ip, log_path)
         print(f"ray_nodes: node rank {rank} on {ip}: log {log_path}", flush=True)
@@ -104,8 +114,12 @@ def main() -> int:
             why = f"exit status {rc}"
         if rc != 0 and status == 0:
             status = rc
-            print(f"ray_nodes: error: node rank {rank} ({ip}) failed with {why}; stopping the other nodes; "
-                  f"see {log_path}", file=sys.stderr, flush=True)
+            print(
+                f"ray_nodes: error: node rank {rank} ({ip}) failed with {why}; stopping the other nodes; "
+                f"see {log_path}",
+                file=sys.stderr,
+                flush=True,
+            )
             for actor in actors:
                 actor.stop.remote()
         elif rc == 0:

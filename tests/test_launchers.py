@@ -7,7 +7,6 @@ The end-to-end jobs on the real local Slurm cluster are in tests/test_slurm_clus
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,12 +31,21 @@ def run(cmd, env=None, timeout=60, **kwargs) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
     for name in ("SLURM_JOB_ID", "SLURM_NODEID", "SLURM_JOB_NODELIST"):  # tests may run inside a job
         full_env.pop(name, None)
-    return subprocess.run(cmd, env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs)
+    return subprocess.run(
+        cmd, env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs, check=False
+    )
 
 
 def test_every_template_the_issue_names_exists():
-    assert set(TEMPLATES) >= {"grpo_dsv4_128gpu", "sft_dsv4_128gpu", "grpo_qwen3_235b_32gpu",
-                              "grpo_qwen3_30b_8gpu", "sft_qwen3_30b_8gpu", "sft", "grpo"}
+    assert set(TEMPLATES) >= {
+        "grpo_dsv4_128gpu",
+        "sft_dsv4_128gpu",
+        "grpo_qwen3_235b_32gpu",
+        "grpo_qwen3_30b_8gpu",
+        "sft_qwen3_30b_8gpu",
+        "sft",
+        "grpo",
+    }
 
 
 @pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -57,24 +65,49 @@ def test_template_is_header_knobs_then_one_library_call(name):
     for needed in ("--requeue", "--signal=B:USR1@", "--nodes=", "--open-mode=append"):
         assert needed in directives, f"{name}: missing #SBATCH {needed}"
     code = [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    assert code[-2:] == ['source "$MLITE_ROOT/slurm/lib/job.sh"', f"run_job {'grpo' if 'grpo' in name else 'sft'}"]
+    assert code[-2:] == [
+        'source "$MLITE_ROOT/slurm/lib/job.sh"',
+        f"run_job {'grpo' if 'grpo' in name else 'sft'}",
+    ]
     knobs = [line for line in code if line.startswith("export ")]
-    assert all("${" in k and "#" in k for k in knobs if not k.startswith("export CONFIG=${CONFIG:?")), \
+    assert all("${" in k and "#" in k for k in knobs if not k.startswith("export CONFIG=${CONFIG:?")), (
         "every knob is VAR=${VAR:-default} with a comment"
+    )
 
 
 def test_sft_dry_run_prints_the_resolved_command_and_writes_it(tmp_path):
-    env = {"DRY_RUN": "1", "CONFIG": "demo_sft", "OUTPUT_ROOT": str(tmp_path), "RUN_NAME": "r",
-           "NNODES": "2", "NODE_RANK": "1", "GPUS_PER_NODE": "1", "MASTER_ADDR": "10.0.0.7",
-           "MASTER_PORT": "23456", "STEPS": "7", "LR": "0.002", "TRAIN_FILES": "a.jsonl,b.jsonl"}
+    env = {
+        "DRY_RUN": "1",
+        "CONFIG": "demo_sft",
+        "OUTPUT_ROOT": str(tmp_path),
+        "RUN_NAME": "r",
+        "NNODES": "2",
+        "NODE_RANK": "1",
+        "GPUS_PER_NODE": "1",
+        "MASTER_ADDR": "10.0.0.7",
+        "MASTER_PORT": "23456",
+        "STEPS": "7",
+        "LR": "0.002",
+        "TRAIN_FILES": "a.jsonl,b.jsonl",
+    }
     done = run(["launchers/sft.sh"], env)
     assert done.returncode == 0, done.stderr
     command = done.stdout.strip().splitlines()[-1]
-    for part in ("-m torch.distributed.run", "--nnodes 2", "--node-rank 1", "--nproc-per-node 1",
-                 "--master-addr 10.0.0.7", "--master-port 23456", "-m mlite sft demo_sft",
-                 "--set trainer.steps=7", "--set optimizer.lr=0.002", "--set cluster.nodes=2",
-                 "--set trainer.output_dir=" + str(tmp_path / "r"), "--set trainer.resume=auto",
-                 r"--set data.train_files=\[a.jsonl\,b.jsonl\]"):
+    for part in (
+        "-m torch.distributed.run",
+        "--nnodes 2",
+        "--node-rank 1",
+        "--nproc-per-node 1",
+        "--master-addr 10.0.0.7",
+        "--master-port 23456",
+        "-m mlite sft demo_sft",
+        "--set trainer.steps=7",
+        "--set optimizer.lr=0.002",
+        "--set cluster.nodes=2",
+        "--set trainer.output_dir=" + str(tmp_path / "r"),
+        "--set trainer.resume=auto",
+        r"--set data.train_files=\[a.jsonl\,b.jsonl\]",
+    ):
         assert part in command, f"{part!r} not in {command}"
     assert done.stdout.startswith("# planner: FITS")
     written = (tmp_path / "r" / "logs" / "command.node1.sh").read_text()
@@ -84,8 +117,16 @@ def test_sft_dry_run_prints_the_resolved_command_and_writes_it(tmp_path):
 
 def test_invalid_layout_fails_in_seconds_with_the_planners_line(tmp_path):
     start = time.monotonic()
-    done = run(["launchers/sft.sh"], {"DRY_RUN": "1", "CONFIG": "deepseek_v4_flash_sft",
-                                      "TP": "3", "OUTPUT_ROOT": str(tmp_path), "RUN_NAME": "bad"})
+    done = run(
+        ["launchers/sft.sh"],
+        {
+            "DRY_RUN": "1",
+            "CONFIG": "deepseek_v4_flash_sft",
+            "TP": "3",
+            "OUTPUT_ROOT": str(tmp_path),
+            "RUN_NAME": "bad",
+        },
+    )
     assert time.monotonic() - start < 15
     assert done.returncode == 2
     assert "not divisible by pp x cp x tp = 48" in done.stderr
@@ -95,7 +136,13 @@ def test_invalid_layout_fails_in_seconds_with_the_planners_line(tmp_path):
 
 
 def test_no_fit_is_refused_unless_allowed(tmp_path):
-    env = {"DRY_RUN": "1", "CONFIG": "qwen3_30b_a3b_sft", "EP": "1", "OUTPUT_ROOT": str(tmp_path), "RUN_NAME": "big"}
+    env = {
+        "DRY_RUN": "1",
+        "CONFIG": "qwen3_30b_a3b_sft",
+        "EP": "1",
+        "OUTPUT_ROOT": str(tmp_path),
+        "RUN_NAME": "big",
+    }
     refused = run(["launchers/sft.sh"], env)
     assert refused.returncode == 2 and "does not fit" in refused.stderr
     assert "DOES NOT FIT: 167.4 GB of 86.4 GB" in refused.stderr  # the planner's verdict, passed on
@@ -104,15 +151,30 @@ def test_no_fit_is_refused_unless_allowed(tmp_path):
 
 
 def test_model_path_replaces_the_preset(tmp_path):
-    done = run(["launchers/sft.sh"], {"DRY_RUN": "1", "VALIDATE": "0", "CONFIG": "demo_sft",
-                                      "MODEL_PATH": "/ckpt/qwen", "OUTPUT_ROOT": str(tmp_path), "RUN_NAME": "m"})
+    done = run(
+        ["launchers/sft.sh"],
+        {
+            "DRY_RUN": "1",
+            "VALIDATE": "0",
+            "CONFIG": "demo_sft",
+            "MODEL_PATH": "/ckpt/qwen",
+            "OUTPUT_ROOT": str(tmp_path),
+            "RUN_NAME": "m",
+        },
+    )
     assert done.returncode == 0, done.stderr
     assert "--set model.name=null --set model.path=/ckpt/qwen" in done.stdout
 
 
 def test_grpo_through_ray_is_driven_from_node_zero(tmp_path):
-    env = {"DRY_RUN": "1", "CONFIG": "deepseek_v4_flash_grpo", "LAUNCHER": "ray", "OUTPUT_ROOT": str(tmp_path),
-           "RUN_NAME": "g", "ROLLOUT_N": "4"}
+    env = {
+        "DRY_RUN": "1",
+        "CONFIG": "deepseek_v4_flash_grpo",
+        "LAUNCHER": "ray",
+        "OUTPUT_ROOT": str(tmp_path),
+        "RUN_NAME": "g",
+        "ROLLOUT_N": "4",
+    }
     done = run(["launchers/grpo.sh"], env)
     assert done.returncode == 0, done.stderr
     command = done.stdout.strip().splitlines()[-1]
@@ -126,39 +188,58 @@ def test_grpo_through_ray_is_driven_from_node_zero(tmp_path):
 
 
 def test_shared_env_defaults_and_overrides():
-    script = 'source launchers/env.sh; echo "$CUDA_DEVICE_MAX_CONNECTIONS $NCCL_NVLS_ENABLE $PYTHONUNBUFFERED ' \
-             '$PYTORCH_CUDA_ALLOC_CONF $TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"'
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "CUDA_", "TORCH_NCCL", "PYTORCH_"))}
-    defaults = subprocess.run(["bash", "-c", script], env=env, cwd=ROOT, capture_output=True, text=True)
+    script = (
+        'source launchers/env.sh; echo "$CUDA_DEVICE_MAX_CONNECTIONS $NCCL_NVLS_ENABLE $PYTHONUNBUFFERED '
+        '$PYTORCH_CUDA_ALLOC_CONF $TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"'
+    )
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "CUDA_", "TORCH_NCCL", "PYTORCH_"))
+    }
+    defaults = subprocess.run(
+        ["bash", "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, check=False
+    )
     assert defaults.stdout.split() == ["1", "0", "1", "expandable_segments:True", "1200"]
-    mine = subprocess.run(["bash", "-c", script], env={**env, "NCCL_NVLS_ENABLE": "1",
-                          "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "60"}, cwd=ROOT, capture_output=True, text=True)
+    mine = subprocess.run(
+        ["bash", "-c", script],
+        env={**env, "NCCL_NVLS_ENABLE": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "60"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert mine.stdout.split() == ["1", "1", "1", "expandable_segments:True", "60"]
 
 
 def test_sigusr1_reaches_the_ranks_and_spares_the_rank_parent(tmp_path):
     """torchrun dies of SIGUSR1; the launcher starts it with SIGUSR1 ignored and forwards to its children."""
     parent = tmp_path / "parent.py"  # stands in for torchrun: default SIGUSR1 handling, one child rank
-    parent.write_text(textwrap.dedent(f"""
+    parent.write_text(
+        textwrap.dedent(f"""
         import subprocess, sys
-        child = subprocess.Popen([sys.executable, {str(tmp_path / 'rank.py')!r}])
+        child = subprocess.Popen([sys.executable, {str(tmp_path / "rank.py")!r}])
         sys.exit(child.wait())
-    """))
-    (tmp_path / "rank.py").write_text(textwrap.dedent(f"""
+    """)
+    )
+    (tmp_path / "rank.py").write_text(
+        textwrap.dedent(f"""
         import signal, sys, time
         got = []
         signal.signal(signal.SIGUSR1, lambda *a: got.append(1))
-        open({str(tmp_path / 'ready')!r}, 'w').close()
+        open({str(tmp_path / "ready")!r}, 'w').close()
         for _ in range(200):
             if got:
                 print('rank: checkpoint and exit'); sys.exit(0)
             time.sleep(0.05)
         sys.exit(3)
-    """))
-    script = f'source launchers/lib.sh; DRY_RUN=0 LOG_DIR={tmp_path} NODE_RANK=0 NNODES=1; ' \
-             f'launch {sys.executable} {parent}'
-    proc = subprocess.Popen(["bash", "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    """)
+    )
+    script = (
+        f"source launchers/lib.sh; DRY_RUN=0 LOG_DIR={tmp_path} NODE_RANK=0 NNODES=1; "
+        f"launch {sys.executable} {parent}"
+    )
+    proc = subprocess.Popen(
+        ["bash", "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 20
     while not (tmp_path / "ready").exists():
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
@@ -180,14 +261,28 @@ def test_dsv4_grpo_dry_run_prints_a_complete_planner_checked_launch(tmp_path):
     out = done.stdout + done.stderr
     assert "#SBATCH --nodes=16" in out and "#SBATCH --gpus-per-node=8" in out  # the script itself
     assert "# planner: FITS" in out
-    for part in ("--nnodes 16", "--nproc-per-node 8", "-m mlite grpo deepseek_v4_flash_grpo",
-                 "--set parallel.pp=4", "--set parallel.cp=4", "--set parallel.ep=8", "--set parallel.tp=1",
-                 "--set recompute.granularity=full", "--set optimizer.backend=fsdp2",
-                 "export CUDA_DEVICE_MAX_CONNECTIONS=1", "export NCCL_NVLS_ENABLE=0"):
+    for part in (
+        "--nnodes 16",
+        "--nproc-per-node 8",
+        "-m mlite grpo deepseek_v4_flash_grpo",
+        "--set parallel.pp=4",
+        "--set parallel.cp=4",
+        "--set parallel.ep=8",
+        "--set parallel.tp=1",
+        "--set recompute.granularity=full",
+        "--set optimizer.backend=fsdp2",
+        "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+        "export NCCL_NVLS_ENABLE=0",
+    ):
         assert part in out, part
     srun = next(line for line in out.splitlines() if line.startswith("srun --nodes=16"))
-    for part in ("--kill-on-bad-exit=1", "--container-image=", "--no-container-mount-home",
-                 "--container-name=mlite-0-0", "slurm/lib/node.sh grpo"):
+    for part in (
+        "--kill-on-bad-exit=1",
+        "--container-image=",
+        "--no-container-mount-home",
+        "--container-name=mlite-0-0",
+        "slurm/lib/node.sh grpo",
+    ):
         assert part in srun, part
 
 
@@ -204,16 +299,32 @@ def test_every_template_dry_runs_through_the_planner(name, tmp_path):
     assert list(tmp_path.glob("*/logs/job-0-restart-0/plan.txt"))
 
 
-@pytest.mark.parametrize("mode,expect,absent", [
-    ("none", [], ["--container", "apptainer"]),
-    ("pyxis", ["--container-image=img.sqsh", "--container-mounts=/data:/data", "--no-container-mount-home",
-               "--container-name=mlite-0-0"], ["apptainer"]),
-    ("apptainer", ["apptainer exec --nv", "--bind /data:/data", "img.sqsh"],
-     ["--container-image"]),
-])
+@pytest.mark.parametrize(
+    "mode,expect,absent",
+    [
+        ("none", [], ["--container", "apptainer"]),
+        (
+            "pyxis",
+            [
+                "--container-image=img.sqsh",
+                "--container-mounts=/data:/data",
+                "--no-container-mount-home",
+                "--container-name=mlite-0-0",
+            ],
+            ["apptainer"],
+        ),
+        ("apptainer", ["apptainer exec --nv", "--bind /data:/data", "img.sqsh"], ["--container-image"]),
+    ],
+)
 def test_container_mode_is_one_knob(mode, expect, absent, tmp_path):
-    env = {**CPU_PROFILE, "CONTAINER": mode, "IMAGE": "img.sqsh", "MOUNTS": "/data:/data", "CONFIG": "demo_sft",
-           "OUTPUT_ROOT": str(tmp_path)}
+    env = {
+        **CPU_PROFILE,
+        "CONTAINER": mode,
+        "IMAGE": "img.sqsh",
+        "MOUNTS": "/data:/data",
+        "CONFIG": "demo_sft",
+        "OUTPUT_ROOT": str(tmp_path),
+    }
     done = mlite_sbatch("sft", "--dry-run", env=env)
     assert done.returncode == 0, done.stderr
     srun = next(line for line in done.stdout.splitlines() if line.startswith("srun --nodes=1"))
@@ -240,7 +351,9 @@ def test_mlite_sbatch_user_errors_are_one_line_exit_2(tmp_path):
     assert "no Slurm template 'nope'; available: grpo, grpo_dsv4_128gpu" in missing.stderr
     bad_env = mlite_sbatch("sft", "--dry-run", "--env", "CONFIG")
     assert bad_env.returncode == 2 and "is not KEY=VALUE" in bad_env.stderr
-    invalid = mlite_sbatch("sft_dsv4_128gpu", "--dry-run", "--env", "CP=3", env={"OUTPUT_ROOT": str(tmp_path)})
+    invalid = mlite_sbatch(
+        "sft_dsv4_128gpu", "--dry-run", "--env", "CP=3", env={"OUTPUT_ROOT": str(tmp_path)}
+    )
     assert invalid.returncode == 2 and "mlite plan: error:" in invalid.stderr
     listed = mlite_sbatch("--list")
     assert listed.returncode == 0 and listed.stdout.split() == TEMPLATES
@@ -251,4 +364,6 @@ def test_submit_without_sbatch_says_how_to_get_a_cluster(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "python").symlink_to(sys.executable)
     done = run([sys.executable, "-m", "mlite", "sbatch", "sft"], {"PATH": str(bin_dir)})
-    assert done.returncode == 2 and "sbatch is not on PATH" in done.stderr and "cluster.sh start" in done.stderr
+    assert (
+        done.returncode == 2 and "sbatch is not on PATH" in done.stderr and "cluster.sh start" in done.stderr
+    )

@@ -23,15 +23,30 @@ from mlite.errors import MliteError
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("sbatch", help="submit a Slurm template from slurm/ (or --dry-run it)",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = subparsers.add_parser(
+        "sbatch",
+        help="submit a Slurm template from slurm/ (or --dry-run it)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("name", nargs="?", help="template name in slurm/ (e.g. grpo_dsv4_128gpu) or a path")
-    parser.add_argument("--dry-run", action="store_true", help="print the script and its planner-checked launch")
-    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                        help="a knob for the job, e.g. --env CONFIG=jobs/my.yaml (repeatable)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the script and its planner-checked launch"
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a knob for the job, e.g. --env CONFIG=jobs/my.yaml (repeatable)",
+    )
     parser.add_argument("--list", action="store_true", help="list the templates and exit")
-    parser.add_argument("sbatch_args", nargs="*", metavar="-- SBATCH_ARG",
-                        help="extra arguments for sbatch after --, e.g. -- --nodes=4 --time=2:00:00")
+    parser.add_argument(
+        "sbatch_args",
+        nargs="*",
+        metavar="-- SBATCH_ARG",
+        help="extra arguments for sbatch after --, e.g. -- --nodes=4 --time=2:00:00",
+    )
     parser.set_defaults(run=run)
 
 
@@ -42,8 +57,10 @@ def repo_root() -> Path:
     for root in candidates:
         if (root / "slurm" / "lib" / "job.sh").is_file():
             return root
-    raise MliteError("the Slurm templates (slurm/) are not next to this mlite install; "
-                     "run from a checkout of the repository or set MLITE_ROOT to one")
+    raise MliteError(
+        "the Slurm templates (slurm/) are not next to this mlite install; "
+        "run from a checkout of the repository or set MLITE_ROOT to one"
+    )
 
 
 def list_templates(root: Path) -> list[str]:
@@ -57,8 +74,10 @@ def resolve_template(root: Path, name: str) -> Path:
     candidate = root / "slurm" / f"{path.stem if path.suffix == '.sbatch' else name}.sbatch"
     if candidate.is_file():
         return candidate
-    raise MliteError(f"no Slurm template '{name}'; available: {', '.join(list_templates(root))} "
-                     "(or give a path to an .sbatch file)")
+    raise MliteError(
+        f"no Slurm template '{name}'; available: {', '.join(list_templates(root))} "
+        "(or give a path to an .sbatch file)"
+    )
 
 
 def job_environment(pairs: list[str]) -> dict[str, str]:
@@ -86,15 +105,25 @@ def run(args) -> int:
         env["DRY_RUN"] = "1"
         env.setdefault("PYTHON_HERE", sys.executable)
         env.pop("SLURM_JOB_ID", None)  # a dry run inside an allocation still plans the template's own header
-        return subprocess.run(["bash", str(template)], env=env, cwd=root).returncode
+        return subprocess.run(["bash", str(template)], env=env, cwd=root, check=False).returncode
     if shutil.which("sbatch") is None:
-        raise MliteError("sbatch is not on PATH; submit from a Slurm login node, or start the local test cluster "
-                         "with `slurm/local/cluster.sh start`")
-    done = subprocess.run(["sbatch", "--parsable", *args.sbatch_args, str(template)], env=env, cwd=root,
-                          capture_output=True, text=True)
+        raise MliteError(
+            "sbatch is not on PATH; submit from a Slurm login node, or start the local test cluster "
+            "with `slurm/local/cluster.sh start`"
+        )
+    done = subprocess.run(
+        ["sbatch", "--parsable", *args.sbatch_args, str(template)],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         raise MliteError(f"sbatch refused {template.name}: {done.stderr.strip() or done.stdout.strip()}")
     job_id = done.stdout.strip().split(";")[0]
-    print(f"submitted {template.name} as job {job_id}; batch log {root}/<job-name>-{job_id}.out, "
-          f"node logs under $OUTPUT_ROOT/<job-name>-{job_id}/logs/")
+    print(
+        f"submitted {template.name} as job {job_id}; batch log {root}/<job-name>-{job_id}.out, "
+        f"node logs under $OUTPUT_ROOT/<job-name>-{job_id}/logs/"
+    )
     return 0

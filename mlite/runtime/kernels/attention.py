@@ -7,7 +7,7 @@ softmax attention of its queries over its own keys, grouped-query heads repeated
     sdpa        per-sequence torch scaled_dot_product_attention (flash / cuDNN / math kernels, whichever torch picks)
     varlen      torch.nn.attention.varlen.varlen_attn: one call for the whole stream (CUDA, torch >= 2.10)
     cudnn       cuDNN's fused attention per sequence (CUDA): the fastest kernel for long sequences on Hopper
-    packed      cudnn for a stream of one or two sequences, varlen for more (CUDA): auto's choice
+    packed      cudnn for a stream of one sequence, varlen for several (CUDA): auto's choice
     flash_attn  flash_attn_varlen_func from the flash-attn package (CUDA)
     te          Transformer Engine DotProductAttention in its packed `thd` format (CUDA)
     auto        the fastest one present for the device: flash_attn, varlen, sdpa
@@ -83,28 +83,33 @@ def varlen_torch_attention(q, k, v, cu_seqlens, max_seqlen, scale):
     return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **causal)
 
 
-@torch.compiler.disable  # inductor cannot lower the cuDNN op's optional bias; run it eagerly between graphs
-def cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale):
-    """cuDNN's fused kernel, called directly so torch.compile keeps it (SDPA's own choice on H100 at 4k is
-    the slower flash kernel: 206 vs 270+ TFLOP/s measured, see docs/PERFORMANCE.md)."""
+def _cudnn_one_sequence(q, k, v, scale):
+    """q [n, hq, d], k/v [n, hkv, d], one causal sequence -> [n, hq, d]."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # the cuDNN op wants equal head counts; the copy is small next to the attention
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    outs = []
-    for start, end in _sequence_bounds(cu_seqlens):
-        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q[start:end].transpose(0, 1).unsqueeze(0),  # [1, h, n, d]
-            k[start:end].transpose(0, 1).unsqueeze(0),
-            v[start:end].transpose(0, 1).unsqueeze(0),
-            None, False, 0.0, True, False, scale=scale,  # bias, logsumexp, dropout, causal, debug mask
-        )[0]
-        outs.append(out[0].transpose(0, 1))
-    return torch.cat(outs)
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, h, n, d]
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        None, False, 0.0, True, False, scale=scale,  # bias, logsumexp, dropout, causal, debug mask
+    )[0]
+    return out[0].transpose(0, 1)
+
+
+@torch.compiler.disable  # inductor cannot lower the cuDNN op's optional bias; run it eagerly between graphs
+def cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale):
+    """cuDNN's fused kernel, called directly (SDPA's own choice on H100 at 4k is the slower flash kernel:
+    206 vs 255-300 TFLOP/s measured, see docs/PERFORMANCE.md). A stream of one sequence needs no host read
+    of `cu_seqlens`, so the step stays free of host syncs."""
+    if cu_seqlens.numel() == 2:
+        return _cudnn_one_sequence(q, k, v, scale)
+    return torch.cat([_cudnn_one_sequence(q[a:b], k[a:b], v[a:b], scale) for a, b in _sequence_bounds(cu_seqlens)])
 
 
 def packed_cuda_attention(q, k, v, cu_seqlens, max_seqlen, scale):
-    """One long sequence: cuDNN; many packed sequences: one varlen call instead of a loop of small kernels."""
-    if cu_seqlens.numel() <= 3:
+    """One sequence: cuDNN; several packed sequences: one varlen call (no host sync, no loop of small kernels)."""
+    if cu_seqlens.numel() == 2:
         return cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale)
     return varlen_torch_attention(q, k, v, cu_seqlens, max_seqlen, scale)
 

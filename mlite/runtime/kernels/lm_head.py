@@ -15,9 +15,32 @@ import torch
 CHUNK_TOKENS = 4096
 
 
+def _lse_fp32(logits: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(logits.float(), dim=-1)  # [t] fp32
+
+
+def _softmax_grad(logits: torch.Tensor, lse: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return (-g[:, None] * torch.exp(logits.float() - lse[:, None])).to(logits.dtype)  # -g * softmax
+
+
+_FUSED: dict = {}
+
+
+def _fused(fn):
+    """On CUDA, one generated kernel per elementwise/reduction pass over the [t, V] logits (a single read of
+    the bf16 logits instead of fp32 copies); plain eager elsewhere (CPU tests, no compiler needed)."""
+    def call(*args):
+        if not args[0].is_cuda:
+            return fn(*args)
+        if fn not in _FUSED:
+            _FUSED[fn] = torch.compile(fn, dynamic=False)
+        return _FUSED[fn](*args)
+    return call
+
+
 def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor):
     logits = h @ weight.t()  # [t, V] in the compute dtype
-    lse = torch.logsumexp(logits.float(), dim=-1)  # [t] fp32
+    lse = _fused(_lse_fp32)(logits)
     target = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float()  # [t]
     return logits, lse, target
 
@@ -47,7 +70,7 @@ class LinearLogprob(torch.autograd.Function):
             end = start + ctx.chunk_tokens
             h, y, g = hidden[start:end], labels[start:end], grad_out[start:end].float()
             logits = h @ weight.t()  # recomputed, [t, V]
-            grad_logits = (-g[:, None] * torch.exp(logits.float() - lses[start:end, None])).to(h.dtype)
+            grad_logits = _fused(_softmax_grad)(logits, lses[start:end], g)
             grad_logits.scatter_add_(-1, y[:, None], g[:, None].to(h.dtype))  # + g at the label: onehot
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ weight
