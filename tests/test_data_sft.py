@@ -239,3 +239,15 @@ def test_job_without_tokenizer_is_refused(tmp_path):
     job = load_job("demo_sft", [f"data.train_files=[{tmp_path}/x.jsonl]", f"data.tokenizer={tmp_path}"])
     with pytest.raises(MliteError, match=f"no tokenizer in {tmp_path}"):
         build_sft_data(job)
+
+
+def test_shuffle_off_takes_rows_in_file_order(tokenizer, tokenizer_dir, tmp_path):
+    job = demo_job(tmp_path, tokenizer_dir, "data.shuffle=false", "data.max_tokens_per_micro_batch=1024")
+    shuffled = build_sft_data(demo_job(tmp_path, tokenizer_dir, "data.max_tokens_per_micro_batch=1024"))
+    data = build_sft_data(job)
+    rows = demo_rows(60, seed=7)  # write_demo_data's train split: the first 60 rows drawn with its seed
+    want = sorted(render(tokenizer, r["messages"]).input_ids for r in rows[:8])
+    (batch,), _ = data.next_step()
+    assert sorted(seq.tolist() for seq in batch.split(batch.input_ids)) == want
+    (other,), _ = shuffled.next_step()
+    assert sorted(seq.tolist() for seq in other.split(other.input_ids)) != want
