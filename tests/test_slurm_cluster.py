@@ -1,0 +1,264 @@
+"""The Slurm templates on a real two-node Slurm cluster (Debian's slurmctld + slurmd n1, n2 on this machine),
+submitted with the real sbatch, CPU profile: the demo's tiny model and data, one gloo rank per node, the
+current venv (CONTAINER=none).
+
+- a 2-node SFT job trains with both nodes, checkpoints, and matches the one-process run step by step;
+- a job signalled for preemption checkpoints, requeues itself and continues with the same losses;
+- a job whose second node dies mid-run fails within a minute, naming that node;
+- a 2-node Ray cluster comes up (both nodes seen) and runs mlite's GRPO through it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from slurm_fixtures import job_state, slurm_cluster, submit, wait_for  # noqa: F401  (slurm_cluster: fixture)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
+
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo's generated data, tokenizer and tiny model config (what `mlite demo` trains on)."""
+    out = tmp_path_factory.mktemp("slurm_demo")
+    done = subprocess.run(
+        [sys.executable, "-m", "mlite", "demo", "--out", str(out), "--prepare-only", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def sft_knobs(demo: Path, output_root: Path, steps: int = STEPS) -> dict[str, str]:
+    return {
+        "CONFIG": "demo_sft",
+        "MODEL_PATH": str(demo / "model"),
+        "TOKENIZER": str(demo / "tokenizer"),
+        "TRAIN_FILES": str(demo / "data" / "train.parquet"),
+        "VAL_FILES": str(demo / "data" / "val.parquet"),
+        "EXTRA_OVERRIDES": "model.load_weights=false",
+        "DEVICE": "cpu",
+        "GPUS_PER_NODE": "1",
+        "STEPS": str(steps),
+        "OUTPUT_ROOT": str(output_root),
+    }
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
+
+
+def batch_log(folder: Path, job_id: str) -> str:
+    path = folder / f"batch-{job_id}.out"
+    return path.read_text() if path.is_file() else "(no batch log yet)"
+
+
+def submit_to(folder: Path, template: str, knobs: dict[str, str], name: str) -> str:
+    """sbatch on both nodes; the batch log goes to folder/batch-JOBID.out."""
+    return submit(template, knobs, "--nodes=2", f"--job-name={name}", f"--output={folder}/batch-%j.out")
+
+
+@pytest.fixture(scope="module")
+def sft_run(slurm_cluster, demo, tmp_path_factory):
+    """One uninterrupted 2-node SFT job: the reference for the tests below."""
+    out = tmp_path_factory.mktemp("slurm_sft")
+    job = submit_to(out, "sft", sft_knobs(demo, out), "t-sft")
+    state = wait_for(job, timeout=300)
+    return job, state, out / f"t-sft-{job}", batch_log(out, job)
+
+
+def test_local_cluster_runs_one_task_on_each_node(slurm_cluster, tmp_path):
+    out = tmp_path / "hello.out"
+    done = subprocess.run(
+        [
+            "sbatch",
+            "--wait",
+            "--nodes=2",
+            f"--output={out}",
+            "--wrap",
+            "srun --ntasks-per-node=1 bash -c 'echo $SLURMD_NODENAME $SLURM_NODEID'",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(out.read_text().split("\n")[:2]) == ["n1 0", "n2 1"]
+
+
+def test_two_node_sft_trains_and_checkpoints_with_both_nodes(sft_run):
+    job, state, run_dir, log = sft_run
+    assert state["JobState"] == "COMPLETED", log[-3000:]
+    logs = run_dir / "logs" / f"job-{job}-restart-0"
+    for node, rank in (("n1", 0), ("n2", 1)):
+        assert (logs / f"node-{node}.exit").read_text().split()[0] == "0"
+        text = (logs / f"node-{node}.log").read_text()
+        assert f"{node} node rank {rank} of 2" in text
+        assert "4000 rows in 1 files" in text  # this node's rank loaded the data and took part
+        assert f"--nnodes 2 --node-rank {rank}" in (logs / f"command.node{rank}.sh").read_text()
+    assert (logs / "plan.txt").read_text().rstrip().splitlines()[-1].startswith("FITS")
+    assert (run_dir / "checkpoints" / f"step_{STEPS:08d}").is_dir()
+    loss = losses(run_dir)
+    assert sorted(loss) == list(range(1, STEPS + 1))
+    assert loss[STEPS] < loss[1] - 0.5, loss
+    assert "finished on all 2 nodes" in log
+
+
+def test_two_nodes_match_the_one_process_run(sft_run, demo, tmp_path):
+    """Data parallel over two nodes is the same training as one process with the whole batch."""
+    _, state, run_dir, _ = sft_run
+    assert state["JobState"] == "COMPLETED"
+    knobs = sft_knobs(demo, tmp_path)
+    sets = [
+        "model.name=null",
+        f"model.path={knobs['MODEL_PATH']}",
+        f"data.tokenizer={knobs['TOKENIZER']}",
+        f"data.train_files=[{knobs['TRAIN_FILES']}]",
+        f"data.val_files=[{knobs['VAL_FILES']}]",
+        "model.load_weights=false",
+        "trainer.device=cpu",
+        f"trainer.steps={STEPS}",
+        f"trainer.output_dir={tmp_path / 'one'}",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "mlite", "sft", "demo_sft", "--no-progress", *[f"--set={s}" for s in sets]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = losses(tmp_path / "one"), losses(run_dir)
+    assert sorted(one) == sorted(two)
+    for step in one:
+        assert math.isclose(one[step], two[step], rel_tol=1e-4), (step, one[step], two[step])
+
+
+def test_preempted_job_checkpoints_requeues_and_continues_with_the_same_losses(sft_run, demo, tmp_path):
+    _, state0, reference, _ = sft_run
+    assert state0["JobState"] == "COMPLETED"
+    job = submit_to(tmp_path, "sft", sft_knobs(demo, tmp_path), "t-preempt")
+    run_dir = tmp_path / f"t-preempt-{job}"
+    deadline = time.monotonic() + 180
+    while len(losses(run_dir)) < 3:  # training is under way
+        assert time.monotonic() < deadline and job_state(job).get("JobState") in ("PENDING", "RUNNING"), (
+            batch_log(tmp_path, job)[-3000:]
+        )
+        time.sleep(0.2)
+    # what Slurm does at --signal=B:USR1@T before the time limit: SIGUSR1 to the batch shell
+    signalled = subprocess.run(
+        ["scancel", "--signal=USR1", "--batch", job], capture_output=True, text=True, check=False
+    )
+    assert signalled.returncode == 0, signalled.stderr
+    state = wait_for(
+        job,
+        timeout=400,
+        until=lambda s: (
+            s.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED") and int(s.get("Restarts", 0)) >= 1
+        ),
+    )
+    log = batch_log(tmp_path, job)
+    assert state["JobState"] == "COMPLETED", log[-3000:]
+    assert "SIGUSR1: preemption notice" in log and f"requeueing job {job}" in log
+    first = run_dir / "logs" / f"job-{job}-restart-0"
+    second = run_dir / "logs" / f"job-{job}-restart-1"
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert saved[-1] == f"step_{STEPS:08d}" and len(saved) >= 2  # the preemption checkpoint, then the end
+    stopped_at = int(saved[-2].split("_")[1])
+    assert 3 <= stopped_at < STEPS
+    assert "SIGUSR1" in (first / "node-n1.log").read_text()
+    assert f"step_{stopped_at:08d}" in (second / "node-n1.log").read_text()  # resumed from it
+    resumed, full = losses(run_dir), losses(reference)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step in full:
+        assert math.isclose(resumed[step], full[step], rel_tol=1e-6), (step, resumed[step], full[step])
+
+
+def descendants(pid: int) -> list[int]:
+    children = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False
+    ).stdout
+    found = []
+    for child in map(int, children.split()):
+        found += [child, *descendants(child)]
+    return found
+
+
+def test_job_whose_second_node_dies_fails_within_a_minute_naming_it(slurm_cluster, demo, tmp_path):
+    job = submit_to(tmp_path, "sft", sft_knobs(demo, tmp_path, steps=100000), "t-nodedeath")
+    run_dir = tmp_path / f"t-nodedeath-{job}"
+    deadline = time.monotonic() + 180
+    while len(losses(run_dir)) < 2:
+        assert time.monotonic() < deadline and job_state(job).get("JobState") in ("PENDING", "RUNNING"), (
+            batch_log(tmp_path, job)[-3000:]
+        )
+        time.sleep(0.2)
+    # node n2 vanishes: its step daemon and every process under it are killed at once
+    node_sh = int(next(run_dir.glob("logs/*/node-n2.pid")).read_text())
+    stepd = int(
+        subprocess.run(
+            ["ps", "-o", "ppid=", "-p", str(node_sh)], capture_output=True, text=True, check=False
+        ).stdout
+    )
+    assert "slurmstepd" in Path(f"/proc/{stepd}/cmdline").read_text()
+    killed_at = time.monotonic()
+    for pid in [stepd, *descendants(stepd)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    state = wait_for(job, timeout=120)
+    took = time.monotonic() - killed_at
+    log = batch_log(tmp_path, job)
+    assert state["JobState"] == "FAILED", log[-3000:]
+    assert took < 60, f"the job took {took:.0f}s to fail"
+    assert "error: launchers/sft.sh failed first on node n2 (died without an exit status)" in log
+    assert "n1: exit status" in log  # the survivor stopped on its own
+
+
+def test_ray_cluster_over_two_nodes_runs_mlite_grpo(slurm_cluster, demo, tmp_path):
+    knobs = {
+        **sft_knobs(demo, tmp_path, steps=2),
+        "RAY": "1",
+        "LAUNCHER": "ray",
+        "TRAINER": "mlite",
+        "EXTRA_OVERRIDES": "model.load_weights=false job=grpo rollout.n=4 rollout.prompts_per_step=2 "
+        "rollout.max_prompt_length=48 rollout.max_response_length=8 grpo.reward=arithmetic",
+        "RAY_READY_TIMEOUT_S": "120",
+    }
+    job = submit_to(tmp_path, "grpo", knobs, "t-ray")
+    state = wait_for(job, timeout=400)
+    log = batch_log(tmp_path, job)
+    assert state["JobState"] == "COMPLETED", log[-4000:]
+    assert "Ray ready: 2/2 nodes" in log  # `ray status` listed both nodes before the driver started
+    run_dir = tmp_path / f"t-ray-{job}"
+    logs = run_dir / "logs" / f"job-{job}-restart-0"
+    node_logs = sorted(p.name for p in logs.glob("ray-node*.log"))
+    assert (
+        len(node_logs) == 2
+        and node_logs[0].startswith("ray-node0-")
+        and node_logs[1].startswith("ray-node1-")
+    )
+    assert (run_dir / "checkpoints" / "step_00000002").is_dir()
+    assert [r["step"] for r in metrics(run_dir) if "reward/mean" in r] == [1, 2]
