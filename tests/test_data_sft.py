@@ -181,8 +181,10 @@ def test_messages_key_is_configurable(tokenizer, tmp_path):
 def demo_job(tmp_path: Path, tokenizer_dir: Path, *overrides: str):
     paths = write_demo_data(tmp_path / "data", train=60, val=20, seed=7)
     return load_job(
-        "demo_sft",
+        None,
         [
+            "job=sft",
+            "model.name=tiny-qwen3",
             f"data.train_files=[{paths['train.parquet']}]",
             f"data.val_files=[{paths['val.jsonl']}]",
             f"data.tokenizer={tokenizer_dir}",
@@ -233,10 +235,18 @@ def test_job_data_split_over_dp_ranks(tokenizer_dir, tmp_path):
 
 
 def test_job_without_tokenizer_is_refused(tmp_path):
-    job = load_job("demo_sft", [f"data.train_files=[{tmp_path}/x.jsonl]"])
+    job = load_job(None, ["job=sft", "model.name=tiny-qwen3", f"data.train_files=[{tmp_path}/x.jsonl]"])
     with pytest.raises(MliteError, match="no tokenizer: set data.tokenizer"):
         build_sft_data(job)
-    job = load_job("demo_sft", [f"data.train_files=[{tmp_path}/x.jsonl]", f"data.tokenizer={tmp_path}"])
+    job = load_job(
+        None,
+        [
+            "job=sft",
+            "model.name=tiny-qwen3",
+            f"data.train_files=[{tmp_path}/x.jsonl]",
+            f"data.tokenizer={tmp_path}",
+        ],
+    )
     with pytest.raises(MliteError, match=f"no tokenizer in {tmp_path}"):
         build_sft_data(job)
 
