@@ -120,20 +120,22 @@ def parallelize(model, mesh):
     return model
 
 
-def _worker(rank, world, layout, moe, out):
-    mesh = ParallelDims(world, **layout).build("cpu")
+def build_layout(moe: bool, mesh) -> dict:
+    """This rank's model chunks for the layout: {chunk index: parallelized chunk}."""
     dims = mesh.dims
-    if dims.pp == 1:
-        history = train(parallelize(make_model(moe), mesh), mesh)
-    else:
-        split = split_layers(LAYERS, dims.pp, dims.vpp)
-        mine = range(mesh.rank_in("pp"), dims.pp * dims.vpp, dims.pp)
-        chunks = {
-            c: parallelize(keep_chunk(make_model(moe), split[c], c == 0, c == len(split) - 1), mesh) for c in mine
-        }
-        history = train_pipeline(chunks, mesh)
+    split = split_layers(LAYERS, dims.pp, dims.vpp)
+    mine = range(mesh.rank_in("pp"), dims.pp * dims.vpp, dims.pp)
+    return {c: parallelize(keep_chunk(make_model(moe), split[c], c == 0, c == len(split) - 1), mesh) for c in mine}
+
+
+def _worker(rank, world, layout, models, out):
+    mesh = ParallelDims(world, **layout).build("cpu")
+    results = {}
+    for moe in models:  # one process group start for both models
+        chunks = build_layout(moe, mesh)
+        results[moe] = train(chunks[0], mesh) if mesh.dims.pp == 1 else train_pipeline(chunks, mesh)
     if rank == 0:
-        torch.save(history, out)
+        torch.save(results, out)
 
 
 _REFERENCE: dict[bool, list] = {}
@@ -145,17 +147,18 @@ def reference(moe: bool):
     return _REFERENCE[moe]
 
 
-def check_parity(tmp_path, world, layout, moe):
-    out = tmp_path / f"{'moe' if moe else 'dense'}.pt"
-    launch(world, _worker, layout, moe, str(out))
-    got, want = torch.load(out), reference(moe)
-    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want)):
-        assert loss == pytest.approx(ref_loss, rel=1e-5), f"step {step} loss {loss} vs one process {ref_loss}"
-        assert norm == pytest.approx(ref_norm, rel=1e-5), f"step {step} grad norm {norm} vs {ref_norm}"
-    assert len(got) == STEPS
+def check_parity(tmp_path, world, layout, models=(False, True)):
+    out = tmp_path / "history.pt"
+    launch(world, _worker, layout, models, str(out))
+    results = torch.load(out)
+    for moe in models:
+        got, want, name = results[moe], reference(moe), "moe" if moe else "dense"
+        assert len(got) == STEPS
+        for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want)):
+            assert loss == pytest.approx(ref_loss, rel=1e-5), f"{name} step {step}: loss {loss}, one process {ref_loss}"
+            assert norm == pytest.approx(ref_norm, rel=1e-5), f"{name} step {step}: grad norm {norm}, one process {ref_norm}"
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize(
     "world,layout",
     [
@@ -170,12 +173,12 @@ def check_parity(tmp_path, world, layout, moe):
     ],
     ids=["dp2", "tp2", "cp2", "tp2xdp2", "cp2xtp2", "pp2", "pp2+vpp2", "pp2xtp2"],
 )
-def test_layout_matches_one_process(tmp_path, world, layout, moe):
-    check_parity(tmp_path, world, layout, moe)
+def test_dense_and_moe_match_one_process(tmp_path, world, layout):
+    check_parity(tmp_path, world, layout)
 
 
 @pytest.mark.parametrize(
     "world,layout", [(2, dict(dp=2, ep=2)), (4, dict(dp=4, ep=2)), (2, dict(tp=2, ep=2))], ids=["ep2", "ep2xdp2", "ep2xtp2"]
 )
 def test_expert_parallel_matches_one_process(tmp_path, world, layout):
-    check_parity(tmp_path, world, layout, moe=True)
+    check_parity(tmp_path, world, layout, models=(True,))

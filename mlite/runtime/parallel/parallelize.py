@@ -20,7 +20,7 @@ import functools
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -92,7 +92,11 @@ def apply_context_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
 
 
 def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
-    """Keep this ep rank's slice of the stacked experts; tokens reach them by all-to-all."""
+    """Keep this ep rank's slice of the stacked experts; tokens reach them by all-to-all.
+
+    The stacked parameters become DTensors split on dim 0 over `ep`: their global shape stays [E, ...], so
+    checkpoints name and shape them the same under any ep (resume ep2 -> ep1). The experts' own forward
+    sees plain local tensors (the grouped GEMM knows nothing of DTensor)."""
     ep, cp, tp = mesh["ep"], mesh["cp"], mesh["tp"]
     token_group = mesh["cp_tp"].get_group() if cp.size() * tp.size() > 1 else None
     for layer in model.layers.values():
@@ -102,14 +106,19 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
         if ep.size() == 1:
             continue
         experts = layer.mlp.experts
-        rank, size = ep.get_local_rank(), ep.size()
         for name, param in list(experts.named_parameters(recurse=False)):
-            if param.shape[0] % size:
-                raise MliteError(f"{param.shape[0]} experts do not split over ep={size}; choose ep dividing them")
-            local = param.shape[0] // size
-            setattr(experts, name, nn.Parameter(param.detach()[rank * local : (rank + 1) * local].clone()))
-            experts.first_expert = rank * local
+            if param.shape[0] % ep.size():
+                raise MliteError(f"{param.shape[0]} experts do not split over ep={ep.size()}; choose ep dividing them")
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), ep, [Shard(0)])))
+        experts.first_expert = ep.get_local_rank() * (layer.mlp.num_experts // ep.size())
+        experts.forward = functools.partial(_forward_on_local_shards, experts, type(experts).forward)
         layer.mlp.ep_group = ep.get_group()
+
+
+def _forward_on_local_shards(module: nn.Module, forward, *args):
+    local = {name: p.to_local() if isinstance(p, DTensor) else p for name, p in module.named_parameters(recurse=False)}
+    with torch.nn.utils.stateless._reparametrize_module(module, local):  # to_local keeps the autograd link
+        return forward(module, *args)
 
 
 def apply_fsdp(
