@@ -79,17 +79,31 @@ class MliteEngine(BaseEngine):
         return _ModeCtx(self, "eval", **kwargs)
 
     # ------------------------------------------------------------------------------ parallel layout
+    # verl asks for ranks before `initialize` builds the runtime: until then they come from the layout's
+    # rank order, (pp, dp, cp, tp) row-major as mlite.runtime.parallel.mesh builds it.
+    def _coords(self) -> dict[str, int]:
+        from mlite.runtime.parallel.mesh import ParallelDims
+
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        dims = ParallelDims.from_job(job_from_dict(self.job_dict()), world)
+        return {"pp": rank // (dims.dp * dims.cp * dims.tp), "dp": rank // (dims.cp * dims.tp) % dims.dp,
+                "cp": rank // dims.tp % dims.cp, "tp": rank % dims.tp, "dp_size": dims.dp, "pp_size": dims.pp}
+
     def get_data_parallel_rank(self):
-        return self.runtime.dp_rank
+        return self.runtime.dp_rank if self.runtime is not None else self._coords()["dp"]
 
     def get_data_parallel_size(self):
-        return self.runtime.dp_size
+        return self.runtime.dp_size if self.runtime is not None else self._coords()["dp_size"]
 
     def get_data_parallel_group(self):
-        return self.runtime.dp_group if self.runtime.dp_size > 1 else None
+        return self.runtime.dp_group if self.runtime is not None and self.runtime.dp_size > 1 else None
 
     def is_mp_src_rank_with_outputs(self):
-        return self.runtime.is_output_rank
+        if self.runtime is not None:
+            return self.runtime.is_output_rank
+        at = self._coords()
+        return at["pp"] == at["pp_size"] - 1 and at["tp"] == 0 and at["cp"] == 0
 
     # --------------------------------------------------------------------------------- train steps
     def optimizer_zero_grad(self):

@@ -21,6 +21,7 @@ def _cpu_device_module() -> SimpleNamespace:
     nothing = lambda *_, **__: None  # noqa: E731
     return SimpleNamespace(
         is_available=lambda: True,
+        get_device_name=lambda *_: "CPU",  # verl's FLOPs counter looks it up (no promised FLOPs: MFU is 0)
         device_count=lambda: 1,
         current_device=lambda: 0,
         set_device=nothing,
