@@ -72,6 +72,7 @@ class BenchCase:
     dp: int = 1
     ep: int = 1
     cp: int = 1
+    accum: int = 1  # micro-batches per optimizer step (gradient accumulation), on both sides
     baseline: bool = True  # also run HF transformers
     note: str = ""
 
@@ -83,6 +84,9 @@ CASES: dict[str, BenchCase] = {
         BenchCase("dense-1.7b-4k-mixed", "qwen3-1.7b", 4096, packing="mixed"),
         BenchCase("moe-30b-a3b-6l-4k", "qwen3-30b-a3b", 4096, num_layers=6),
         BenchCase("moe-30b-a3b-6l-4k-mixed", "qwen3-30b-a3b", 4096, packing="mixed", num_layers=6),
+        # the optimizer step amortised over 4 micro-batches, as real training does
+        BenchCase("dense-1.7b-4k-accum4", "qwen3-1.7b", 4096, accum=4),
+        BenchCase("moe-30b-a3b-6l-4k-accum4", "qwen3-30b-a3b", 4096, num_layers=6, accum=4),
         BenchCase("dense-1.7b-4k-dp4", "qwen3-1.7b", 4096, gpus=4, dp=4, baseline=False),
         BenchCase("moe-30b-a3b-8l-4k-ep4", "qwen3-30b-a3b", 4096, num_layers=8, gpus=4, ep=4, baseline=False),
         BenchCase("dense-1.7b-16k-cp4", "qwen3-1.7b", 16384, gpus=4, cp=4, baseline=False),
@@ -225,13 +229,16 @@ def _free(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _peak_gb(device: str) -> float:
+def _peak_gb(device: str) -> tuple[float, float]:
+    """(peak allocated, peak reserved by the caching allocator) in GiB."""
     import torch
 
-    return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else 0.0
+    if not device.startswith("cuda"):
+        return 0.0, 0.0
+    return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
 
 
-def mlite_step_fn(arch: ModelArch, sequences: list[list[int]], device: str, compile_blocks: bool):
+def mlite_step_fn(arch: ModelArch, sequences: list[list[int]], device: str, compile_blocks: bool, accum: int = 1):
     """One mlite training step: packed forward, chunked LM-head loss (no [T, V] logits kept), backward,
     fused AdamW. bf16 parameters and optimizer state, as the HF baseline (same precision on both sides)."""
     import torch
@@ -250,17 +257,18 @@ def mlite_step_fn(arch: ModelArch, sequences: list[list[int]], device: str, comp
     targets = batch.num_target_tokens
 
     def step() -> None:
-        out = model(batch)
-        logp, _ = token_logprobs(out.hidden, batch.labels, model.compute_logits, head_weight=model.output.weight)
-        loss = -logp.sum() / targets + out.aux_loss
-        loss.backward()
+        for _ in range(accum):
+            out = model(batch)
+            logp, _ = token_logprobs(out.hidden, batch.labels, model.compute_logits, head_weight=model.output.weight)
+            loss = (-logp.sum() / targets + out.aux_loss) / accum
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     return step, (model, opt)
 
 
-def hf_step_fn(arch: ModelArch, sequences: list[list[int]], device: str):
+def hf_step_fn(arch: ModelArch, sequences: list[list[int]], device: str, accum: int = 1):
     """The baseline: transformers' own model, SDPA attention, a right-padded batch (HF's usual way to train
     on sequences of mixed lengths), loss computed by the model, fused AdamW."""
     import torch
@@ -285,8 +293,9 @@ def hf_step_fn(arch: ModelArch, sequences: list[list[int]], device: str):
     ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
 
     def step() -> None:
-        out = model(input_ids=ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
+        for _ in range(accum):
+            out = model(input_ids=ids, attention_mask=mask, labels=labels)
+            (out.loss / accum).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -305,7 +314,7 @@ def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str) -> Optional[
         "cluster": {"nodes": 1, "gpus_per_node": case.gpus, "gpu": gpu},
         "parallel": {"ep": case.ep, "cp": case.cp},
         "precision": {"compute": "bf16", "master": "bf16"},
-        "data": {"seq_len": case.seq_len, "micro_batch_size": 1, "global_batch_size": case.dp,
+        "data": {"seq_len": case.seq_len, "micro_batch_size": 1, "global_batch_size": case.dp * case.accum,
                  "dynamic_batch": False},
     })
     return plan_job(job, arch).memory.train_gb
@@ -316,21 +325,23 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
     arch = case_arch(case)
     seq_lens = case_seq_lens(case)
     sequences = random_sequences(seq_lens, arch.vocab, seed=0)
-    tokens = sum(seq_lens)
+    tokens = sum(seq_lens) * case.accum
     results = []
     for side in sides:
         if side == "hf" and not case.baseline:
             continue
         _free(device)
-        step, keep = (mlite_step_fn(arch, sequences, device, compile_blocks and device.startswith("cuda"))
-                      if side == "mlite" else hf_step_fn(arch, sequences, device))
+        step, keep = (mlite_step_fn(arch, sequences, device, compile_blocks and device.startswith("cuda"), case.accum)
+                      if side == "mlite" else hf_step_fn(arch, sequences, device, case.accum))
         timing = time_steps(step, warmup, steps, device)
         tps = tokens / (timing.median_ms / 1e3)
+        allocated, reserved = _peak_gb(device)
         results.append(BenchResult(
             case=case.name, side=side, tokens_per_step=tokens, step_ms=timing.median_ms, tokens_per_s=tps,
-            mfu=mfu(arch, seq_lens, tps, peak_tflops), peak_gb=_peak_gb(device),
+            mfu=mfu(arch, seq_lens, tps, peak_tflops), peak_gb=allocated,
             estimate_gb=planner_estimate_gb(case, arch, gpu) if side == "mlite" else None, device=device,
-            extra={"seq_lens": seq_lens if len(seq_lens) < 64 else len(seq_lens), "step_ms_all": timing.step_ms},
+            extra={"seq_lens": seq_lens if len(seq_lens) < 64 else len(seq_lens), "step_ms_all": timing.step_ms,
+                   "peak_reserved_gb": reserved, "accum": case.accum},
         ))
         del step, keep
     _free(device)

@@ -5,7 +5,9 @@ chunk of tokens, logits = hidden @ W^T in the compute dtype, their log-sum-exp i
 and keeps only [T] numbers. The backward pass recomputes each chunk's logits once and forms
 d logits = g * (onehot(label) - softmax) directly in the compute dtype, then two matmuls: no fp32 copy of the
 logits, no log_softmax tensor, no scatter into a zero [T, vocab] gradient. Entropy needs the full
-distribution and stays on the plain autograd path in `mlite.runtime.loss`.
+distribution and stays on the plain autograd path in `mlite.runtime.loss`. A batch of a single chunk keeps its
+logits from the forward pass (memory of one chunk, the same as the recompute would take) and skips the
+recompute: one LM-head matmul less per step.
 """
 
 from __future__ import annotations
@@ -53,9 +55,11 @@ class LinearLogprob(torch.autograd.Function):
         lses = torch.empty_like(out)
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = start + chunk_tokens
-            _, lse, target = _chunk_stats(hidden[start:end], weight, labels[start:end])
+            logits, lse, target = _chunk_stats(hidden[start:end], weight, labels[start:end])
             out[start:end] = target - lse
             lses[start:end] = lse
+        # one chunk: keep its logits (compute dtype, the size of one chunk) instead of recomputing them
+        ctx.kept_logits = logits if hidden.shape[0] <= chunk_tokens else None
         ctx.save_for_backward(hidden, weight, labels, lses)
         ctx.chunk_tokens = chunk_tokens
         return out
@@ -69,7 +73,8 @@ class LinearLogprob(torch.autograd.Function):
         for start in chunks:
             end = start + ctx.chunk_tokens
             h, y, g = hidden[start:end], labels[start:end], grad_out[start:end].float()
-            logits = h @ weight.t()  # recomputed, [t, V]
+            logits = ctx.kept_logits if ctx.kept_logits is not None else h @ weight.t()  # [t, V]
+            ctx.kept_logits = None
             grad_logits = _fused(_softmax_grad)(logits, lses[start:end], g)
             grad_logits.scatter_add_(-1, y[:, None], g[:, None].to(h.dtype))  # + g at the label: onehot
             if grad_hidden is not None:
