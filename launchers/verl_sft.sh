@@ -54,7 +54,12 @@ die() { echo "verl_sft.sh: error: $*" >&2; exit 2; }
 [[ $DRY_RUN == 1 || -n $MODEL_PATH ]] || die "set MODEL_PATH to an HF checkpoint dir"
 [[ $DRY_RUN == 1 || -n $TRAIN_FILES ]] || die "set TRAIN_FILES to parquet files with a '$MESSAGES_KEY' column"
 [[ $DEVICE == cuda || $DEVICE == cpu ]] || die "DEVICE=$DEVICE; use cuda or cpu"
-if [[ $DEVICE == cpu ]]; then export VERL_PLATFORM=cpu; fi
+# verl's own entry joins "cpu:gloo,<device>:<backend>", which torch refuses for the CPU: ours joins gloo
+ENTRY=verl.trainer.sft_trainer
+if [[ $DEVICE == cpu ]]; then
+  export VERL_PLATFORM=cpu
+  ENTRY=mlite.integrations.verl.sft_trainer
+fi
 
 ARGS=(
   "hydra.searchpath=[pkg://mlite.integrations.verl.config]" engine=mlite
@@ -78,7 +83,7 @@ ARGS+=("${EXTRA[@]}")
 COMMAND=(
   "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC"
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-  -m verl.trainer.sft_trainer "${ARGS[@]}"
+  -m "$ENTRY" "${ARGS[@]}"
 )
 if [[ $DRY_RUN == 1 ]]; then
   [[ $DEVICE != cpu ]] || echo "VERL_PLATFORM=cpu \\"

@@ -52,7 +52,7 @@ OVERRIDES = [
 
 def test_verl_sft_trainer_with_mlite_engine_matches_the_runtime(setup, tmp_path):
     args = [f"model.path={setup / 'model'}", f"data.train_files=[{setup / 'train.parquet'}]",
-            f"trainer.default_local_dir={tmp_path / 'ckpt'}", *OVERRIDES]
+            f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'hydra'}", *OVERRIDES]
     env = {**os.environ, "VERL_PLATFORM": "cpu", "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
                              "--master-port", "29731", "-m", "mlite.integrations.verl.sft_trainer", *args],

@@ -1,0 +1,42 @@
+"""The GRPO stage of `mlite demo`: after SFT, reinforce correct arithmetic with the built-in rollout.
+
+The SFT checkpoint is exported to an HF folder (what any GRPO job starts from), the demo's generated rows
+(which carry prompt + answer) are the prompts, the demo's checker is the reward. Held-out prompts are
+answered greedily before the first update and after the last: the summary prints both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlite.config import load_job
+from mlite.config.schema import JobConfig
+from mlite.trainers.grpo.trainer import GRPOResult, train_grpo
+
+PRESET = "demo_grpo"
+
+
+def demo_grpo_job(out: Path, model_dir: Path, device: str = "auto", overrides: tuple[str, ...] = ()) -> JobConfig:
+    data = out / "data"
+    gpu = ["cluster.gpu=h100"] if device == "cuda" else []
+    return load_job(PRESET, [
+        f"model.path={model_dir}", "model.name=null", "model.load_weights=true",
+        f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'val.parquet'}]",
+        f"data.tokenizer={out / 'tokenizer'}", f"trainer.output_dir={out / 'grpo'}", f"trainer.device={device}", *gpu,
+        *overrides,
+    ])
+
+
+def grpo_stage(out: Path, sft, device: str, console, overrides: tuple[str, ...] = ()) -> GRPOResult:
+    """(demo dir, SFT result, device, console) -> the GRPO run's result."""
+    from mlite.plan import plan_job
+    from mlite.runtime.engine import export_checkpoint
+
+    model_dir = export_checkpoint(sft.checkpoint, out / "sft_hf")
+    job = demo_grpo_job(out, Path(model_dir), device, overrides)
+    plan_job(job)
+    if console is not None:
+        r = job.rollout
+        console.print(f"4/4 grpo: {job.trainer.steps} steps of {r.prompts_per_step} prompts x {r.n} responses, "
+                      f"reward '{job.grpo.reward}', held-out prompts answered greedily before and after")
+    return train_grpo(job, console=console, show_progress=console is not None)
