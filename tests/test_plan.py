@@ -73,8 +73,8 @@ def test_activations_follow_recompute_sp_cp_and_pipeline():
     assert items(none)["activations: routed experts"] > items(none)["activations"]  # top-8 token expansion
     longer = job("recompute.granularity=none", "data.seq_len=8192")
     assert items(longer)["activations"] == pytest.approx(2 * items(none)["activations"])
-    assert items(longer)["logits"] == pytest.approx(2 * items(none)["logits"])
-    assert items(none)["logits"] == pytest.approx(4096 * 151936 * 10 / GIB)
+    assert items(longer)["logits"] == pytest.approx(items(none)["logits"])  # one 4096-token chunk at a time
+    assert items(none)["logits"] == pytest.approx(4096 * 151936 * (2 + 2) / GIB)  # bf16 logits + bf16 grad
     sp = plan_job(load_job("qwen3_30b_a3b_sft", ["recompute.granularity=none", "parallel.tp=4", "parallel.ep=2"]))
     assert items(sp)["activations"] == pytest.approx(items(none)["activations"] / 4)
 

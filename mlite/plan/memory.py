@@ -21,7 +21,9 @@ GPU_OVERHEAD_GB = 4.0  # CUDA context, NCCL communicators and buffers, cuBLAS/at
 CPU_OVERHEAD_GB = 1.0  # torch + Python per process when the "GPU" is the host (gloo runs)
 HOST_OVERHEAD_PER_RANK_GB = 8.0  # per training process on the host: Python, CUDA host state, pinned buffers, data
 MOE_IMBALANCE = 1.0  # routed tokens a rank receives, relative to a perfectly balanced router
-LOGIT_EXTRA_BYTES = 8  # per logit beyond its compute-dtype copy: the fp32 softmax and its fp32 gradient
+LOGIT_CHUNK_TOKENS = 4096  # mlite.runtime.kernels.lm_head works on this many tokens' logits at a time
+LOGIT_GRAD_BYTES = 2  # per logit of a chunk beyond its compute-dtype copy: the compute-dtype d logits (fused path)
+LOGIT_ENTROPY_EXTRA_BYTES = 8  # the autograd path GRPO's entropy bonus needs: fp32 log-softmax and its gradient
 FSDP_PREFETCH_LAYERS = 2  # FSDP2 holds the current layer and the prefetched next one unsharded
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -225,9 +227,19 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int) ->
     if working:
         put("recompute working set", working * tokens, f"one group of {r.num_layers} layer(s) rebuilt")
     if stage == layout.pp - 1:
-        logit_tokens = layout.tokens_per_micro_batch / layout.cp  # gathered over tp before the vocab-parallel head
-        put("logits", logit_tokens * arch.vocab / layout.tp * (w + LOGIT_EXTRA_BYTES),
-            f"{logit_tokens:.0f} tokens x vocab/tp, + fp32 softmax and its gradient")
+        logit_tokens = min(layout.tokens_per_micro_batch / layout.cp, LOGIT_CHUNK_TOKENS)  # one chunk at a time
+        entropy = job.job == "grpo" and job.grpo is not None and job.grpo.entropy_coef > 0
+        per_logit = w + LOGIT_GRAD_BYTES + (LOGIT_ENTROPY_EXTRA_BYTES if entropy else 0)
+        put("logits", logit_tokens * arch.vocab / layout.tp * per_logit,
+            f"one chunk of {logit_tokens:.0f} tokens x vocab/tp: logits + their gradient"
+            + (", + fp32 log-softmax for the entropy bonus" if entropy else ""))
+    if job.optimizer.backend == "fsdp2" and layout.micro_batches == 1 and not off.grads:
+        # one micro-batch per step: gradients do not exist during the forward (freed after each optimizer
+        # step) and appear during the backward as the activations they replace are freed
+        grads = next(i for i in items if i.name == "gradients")
+        acts = sum(i.gb for i in items if i.name.startswith("activations") or i.name == "logits")
+        items[items.index(grads)] = MemoryItem("gradients", max(0.0, grads.gb - acts),
+                                               "freed between steps; replace activations during the backward")
     cpu = job.cluster.gpu == "cpu"
     put("framework overhead", (CPU_OVERHEAD_GB if cpu else GPU_OVERHEAD_GB) * GIB,
         "torch runtime" if cpu else "CUDA context, NCCL buffers, workspaces, allocator slack")
