@@ -227,3 +227,16 @@ class PipelineRunner:
             work.wait()
         self._sends.clear()
         return {"loss": loss_sum, "aux": aux_sum, "outputs": results}
+
+
+def stage_view(chunks: dict[int, nn.Module]) -> nn.Module:
+    """One module over this rank's chunks with the whole model's parameter names (`layers.<i>...`, `embed`,
+    `norm`, `output`), for checkpoints: the names, like the global shapes, do not depend on pp or vpp."""
+    view = nn.Module()
+    view.layers = nn.ModuleDict()
+    for chunk in chunks.values():
+        view.layers.update(chunk.layers)
+        for name in ("embed", "norm", "output"):
+            if getattr(chunk, name, None) is not None:
+                setattr(view, name, getattr(chunk, name))
+    return view
