@@ -229,13 +229,25 @@ def _free(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def _context_gb(device: str) -> float:
+    """GPU memory in use outside torch's caching allocator (CUDA context, cuBLAS/cuDNN handles)."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return 0.0
+    free, total = torch.cuda.mem_get_info()
+    return (total - free - torch.cuda.memory_reserved()) / 2**30
+
+
 def _peak_gb(device: str) -> tuple[float, float]:
-    """(peak allocated, peak reserved by the caching allocator) in GiB."""
+    """(peak footprint: allocator's peak reservation + CUDA context, peak allocated) in GiB. The footprint is
+    what must fit on the GPU, so it is what the planner's estimate is compared with."""
     import torch
 
     if not device.startswith("cuda"):
         return 0.0, 0.0
-    return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
+    return (torch.cuda.max_memory_reserved() / 2**30 + _context_gb(device),
+            torch.cuda.max_memory_allocated() / 2**30)
 
 
 def mlite_step_fn(arch: ModelArch, sequences: list[list[int]], device: str, compile_blocks: bool, accum: int = 1):
@@ -335,13 +347,13 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
                       if side == "mlite" else hf_step_fn(arch, sequences, device, case.accum))
         timing = time_steps(step, warmup, steps, device)
         tps = tokens / (timing.median_ms / 1e3)
-        allocated, reserved = _peak_gb(device)
+        footprint, allocated = _peak_gb(device)
         results.append(BenchResult(
             case=case.name, side=side, tokens_per_step=tokens, step_ms=timing.median_ms, tokens_per_s=tps,
-            mfu=mfu(arch, seq_lens, tps, peak_tflops), peak_gb=allocated,
+            mfu=mfu(arch, seq_lens, tps, peak_tflops), peak_gb=footprint,
             estimate_gb=planner_estimate_gb(case, arch, gpu) if side == "mlite" else None, device=device,
             extra={"seq_lens": seq_lens if len(seq_lens) < 64 else len(seq_lens), "step_ms_all": timing.step_ms,
-                   "peak_reserved_gb": reserved, "accum": case.accum},
+                   "peak_allocated_gb": allocated, "accum": case.accum},
         ))
         del step, keep
     _free(device)

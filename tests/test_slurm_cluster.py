@@ -49,7 +49,7 @@ def sft_knobs(demo: Path, output_root: Path, steps: int = STEPS) -> dict[str, st
         "TOKENIZER": str(demo / "tokenizer"),
         "TRAIN_FILES": str(demo / "data" / "train.parquet"),
         "VAL_FILES": str(demo / "data" / "val.parquet"),
-        "EXTRA_OVERRIDES": "model.load_weights=false",
+        "EXTRA_OVERRIDES": "model.load_weights=false trainer.log_every=1",
         "DEVICE": "cpu",
         "GPUS_PER_NODE": "1",
         "STEPS": str(steps),
@@ -137,6 +137,7 @@ def test_two_nodes_match_the_one_process_run(sft_run, demo, tmp_path):
         f"data.train_files=[{knobs['TRAIN_FILES']}]",
         f"data.val_files=[{knobs['VAL_FILES']}]",
         "model.load_weights=false",
+        "trainer.log_every=1",
         "trainer.device=cpu",
         f"trainer.steps={STEPS}",
         f"trainer.output_dir={tmp_path / 'one'}",
@@ -243,7 +244,7 @@ def test_ray_cluster_over_two_nodes_runs_mlite_grpo(slurm_cluster, demo, tmp_pat
         "RAY": "1",
         "LAUNCHER": "ray",
         "TRAINER": "mlite",
-        "EXTRA_OVERRIDES": "model.load_weights=false job=grpo rollout.n=4 rollout.prompts_per_step=2 "
+        "EXTRA_OVERRIDES": "model.load_weights=false trainer.log_every=1 job=grpo rollout.n=4 rollout.prompts_per_step=2 "
         "rollout.max_prompt_length=48 rollout.max_response_length=8 grpo.reward=arithmetic",
         "RAY_READY_TIMEOUT_S": "120",
     }
