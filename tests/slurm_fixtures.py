@@ -35,8 +35,8 @@ def _cluster(action: str, timeout: float) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster():
+def local_cluster():
+    """Body of a session fixture: `yield from local_cluster()`."""
     if os.geteuid() != 0:
         pytest.fail(
             "the slurm tests start a local Slurm cluster (slurm/local/cluster.sh) and need root; "

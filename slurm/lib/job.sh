@@ -14,7 +14,9 @@ RUN_NAME=${RUN_NAME:-}                    # empty: <job name>-<job id>, stable a
 RESUME=${RESUME:-auto}                    # requeued runs continue from the newest good checkpoint
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}  # ranks per node; empty: Slurm's GPUs per node (CPU profile: 1)
 MASTER_PORT=${MASTER_PORT:-}              # torchrun rendezvous; empty: 20000 + job id % 20000 (jobs sharing a node never clash)
-FAIL_GRACE_S=${FAIL_GRACE_S:-15}          # after the first node fails: how long the others get to stop
+FAIL_GRACE_S=${FAIL_GRACE_S:-10}          # after the first node fails: how long the others get to stop
+export HEARTBEAT_S=${HEARTBEAT_S:-5}      # each node touches logs/node-NAME.alive this often
+HEARTBEAT_TIMEOUT_S=${HEARTBEAT_TIMEOUT_S:-30}  # a node silent this long (and no exit status) has died
 REQUEUE_ON_PREEMPT=${REQUEUE_ON_PREEMPT:-1}  # 1: after a SIGUSR1 checkpoint, `scontrol requeue` this job
 RAY=${RAY:-0}                             # 1: start a Ray cluster over the job's nodes (GRPO on Ray)
 RAY_PORT=${RAY_PORT:-}                    # Ray head (GCS) port; empty: 40000 + job id % 20000
@@ -196,6 +198,17 @@ first_failed_node() {
   [[ -z $best ]] || echo "$best (exit status $(cut -d' ' -f1 "$LOG_DIR/node-$best.exit"))"
 }
 
+# Nodes whose heartbeat stopped without an exit status: their processes died with no word to srun.
+silent_nodes() {
+  local node alive now
+  now=$(date +%s)
+  for node in "${NODES[@]}"; do
+    alive=$LOG_DIR/node-$node.alive
+    [[ -f $alive && ! -s $LOG_DIR/node-$node.exit ]] || continue
+    if ((now - $(stat -c %Y "$alive") > HEARTBEAT_TIMEOUT_S)); then echo "$node"; fi
+  done
+}
+
 any_node_failed() {
   local file rc _when
   for file in "$LOG_DIR"/node-*.exit; do
@@ -206,16 +219,25 @@ any_node_failed() {
   return 1
 }
 
+BLAME=""  # the node the first failure was seen on, as watch_step saw it
+
 # Waits for the step while watching the nodes: once any node has failed, the rest get FAIL_GRACE_S to
 # stop (srun --kill-on-bad-exit stops them); a step that outlives that (a node that vanished never
 # reports) is killed, and the job fails with the node named. Extra pids (Ray) must stay alive too.
 watch_step() {
   local step_pid=$1; shift
-  local guards=("$@") failed_at="" pid rc=0
+  local guards=("$@") failed_at="" pid rc=0 silent
   while kill -0 "$step_pid" 2>/dev/null; do
     if [[ -z $failed_at ]] && any_node_failed; then
       failed_at=$SECONDS
-      log "node $(first_failed_node --exited) failed; stopping the job (the others get ${FAIL_GRACE_S}s)"
+      BLAME=$(first_failed_node --exited)
+      log "node $BLAME failed; stopping the job (the others get ${FAIL_GRACE_S}s)"
+    fi
+    silent=$(silent_nodes)
+    if [[ -z $failed_at && -n $silent ]]; then
+      failed_at=$SECONDS
+      BLAME="${silent//$'\n'/, } (died: no heartbeat for ${HEARTBEAT_TIMEOUT_S}s and no exit status)"
+      log "node $BLAME; stopping the job"
     fi
     for pid in "${guards[@]}"; do
       if [[ -z $failed_at ]] && ! kill -0 "$pid" 2>/dev/null; then
@@ -242,8 +264,7 @@ finish() {
     log "$what finished on all $NNODES nodes"
     return 0
   fi
-  local culprit
-  culprit=$(first_failed_node)
+  local culprit=${BLAME:-$(first_failed_node)}
   {
     echo "[mlite $(date -u +%H:%M:%S)] error: $what failed${culprit:+ first on node $culprit} (step exit $rc); per node:"
     node_report

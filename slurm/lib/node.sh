@@ -13,9 +13,16 @@ mkdir -p "$LOG_DIR"
 exec >> "$LOG_DIR/node-$NODE_NAME.log" 2>&1
 echo "$$" > "$LOG_DIR/node-$NODE_NAME.pid"
 
+# A heartbeat file the batch script watches: a node whose processes vanish (no exit status) is noticed
+# within HEARTBEAT_TIMEOUT_S even when srun itself never hears of it.
+touch "$LOG_DIR/node-$NODE_NAME.alive"
+(trap '' USR1; while sleep "${HEARTBEAT_S:-5}"; do touch "$LOG_DIR/node-$NODE_NAME.alive"; done) &
+heartbeat=$!
+
 # shellcheck disable=SC2329  # called by the EXIT trap
 report_exit() {
   local rc=$?
+  kill "$heartbeat" 2>/dev/null || true
   echo "$rc $(date +%s)" > "$LOG_DIR/node-$NODE_NAME.exit"
   echo "node.sh: $NODE_NAME (node rank $NODE_RANK) exits with status $rc at $(date -u +%H:%M:%SZ)"
 }
