@@ -1,0 +1,140 @@
+"""The parallel layer's pure parts, without processes: layout checks, layer splits, schedules, the zigzag split.
+
+Schedules are checked by simulation: every rank runs its action list in order, one action per tick, an
+action waiting until the actions it depends on have run (the forward of the previous chunk, the backward of
+the next). A schedule that could deadlock stalls the simulation; forward-only passes must overlap stages.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlite.errors import MliteError
+from mlite.runtime.data.packed import PackedBatch
+from mlite.runtime.parallel.context import SEQUENCE_ID, TOKEN_INDEX, split_for_context_parallel, zigzag_indices
+from mlite.runtime.parallel.mesh import ParallelDims
+from mlite.runtime.parallel.pipeline import Action, forward_only, one_f_one_b, split_layers
+
+
+# ----------------------------------------------------------------------------------------- layout
+def test_dims_fold_experts_over_the_stage_ranks():
+    dims = ParallelDims(8, pp=2, dp=2, tp=2, ep=2)
+    assert (dims.edp, dims.dp_cp) == (2, 2)  # 4 ranks per stage = edp 2 x ep 2
+    assert ParallelDims(8, dp=4, tp=2, ep=4).edp == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        (dict(world_size=8, pp=2, dp=2, tp=3), "pp x dp x cp x tp must equal the world size"),
+        (dict(world_size=4, dp=2, tp=2, ep=3), "ep x etp must divide dp x cp x tp"),
+        (dict(world_size=4, dp=4, tp=0), "must be >= 1"),
+    ],
+)
+def test_impossible_layouts_are_refused_with_every_degree_named(kwargs, words):
+    with pytest.raises(MliteError, match=words) as err:
+        ParallelDims(**kwargs)
+    assert f"world={kwargs['world_size']}" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_from_job_derives_dp_and_refuses_a_world_it_cannot_split():
+    from mlite.config import job_from_dict
+
+    job = job_from_dict({"model": {"name": "tiny-qwen3"}, "parallel": {"tp": 2, "pp": 2}})
+    assert ParallelDims.from_job(job, 8).dp == 2
+    with pytest.raises(MliteError, match="world size 6 is not a multiple of pp x cp x tp = 4"):
+        ParallelDims.from_job(job, 6)
+
+
+# ---------------------------------------------------------------------------------- layer splits
+def test_layers_split_evenly_or_with_explicit_first_and_last_stages():
+    assert split_layers(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_layers(8, 2, vpp=2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert split_layers(10, 4, first=1, last=3) == [[0], [1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert split_layers(6, 3, first=0) == [[], [0, 1, 2], [3, 4, 5]]
+    with pytest.raises(MliteError, match="do not split over pp=3"):
+        split_layers(8, 3)
+
+
+# ------------------------------------------------------------------------------------ schedules
+def simulate(pp: int, vpp: int, micro_batches: int, make=one_f_one_b) -> int:
+    """Ticks until every rank has run its actions; fails on a stall (a deadlock on real ranks)."""
+    plans = [list(make(pp, vpp, r, micro_batches)) for r in range(pp)]
+    last = pp * vpp - 1
+    done: set = set()
+    tick = 0
+    while any(plans):
+        ready = []
+        for plan in plans:
+            if not plan:
+                continue
+            a = plan[0]
+            if a.kind == "F":
+                needs = [Action("F", a.chunk - 1, a.micro_batch)] if a.chunk > 0 else []
+            else:
+                needs = [Action("F", a.chunk, a.micro_batch)]
+                needs += [Action("B", a.chunk + 1, a.micro_batch)] if a.chunk < last else []
+            if all(n in done for n in needs):
+                ready.append(plan)
+        assert ready, f"pp={pp} vpp={vpp} m={micro_batches}: stalled at tick {tick} (deadlock)"
+        done.update(plan.pop(0) for plan in ready)
+        tick += 1
+    return tick
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, 1, 1), (2, 1, 4), (4, 1, 3), (4, 1, 8), (2, 2, 4), (4, 2, 8), (3, 3, 6)])
+def test_one_f_one_b_runs_every_micro_batch_once_and_never_stalls(pp, vpp, m):
+    for rank in range(pp):
+        actions = one_f_one_b(pp, vpp, rank, m)
+        mine = {c for c in range(pp * vpp) if c % pp == rank}
+        assert sorted((a.chunk, a.micro_batch) for a in actions if a.kind == "F") == sorted(
+            (c, b) for c in mine for b in range(m)
+        )
+        assert sorted((a.chunk, a.micro_batch) for a in actions if a.kind == "B") == sorted(
+            (c, b) for c in mine for b in range(m)
+        )
+    simulate(pp, vpp, m)
+
+
+def test_one_f_one_b_bounds_the_activations_kept_in_flight():
+    # the first stage keeps at most pp forwards ahead of its backwards (not all micro-batches, as GPipe)
+    actions = one_f_one_b(4, 1, 0, 16)
+    in_flight = peak = 0
+    for a in actions:
+        in_flight += 1 if a.kind == "F" else -1
+        peak = max(peak, in_flight)
+    assert peak == 4
+
+
+def test_forward_only_keeps_all_stages_busy():
+    pp, m = 4, 8
+    # pipelined: m + pp - 1 ticks; running the stages one after another would take pp * m
+    assert simulate(pp, 1, m, forward_only) == m + pp - 1
+    assert simulate(2, 2, 4, forward_only) == 2 * 4 + 2 - 1
+
+
+def test_interleaving_needs_whole_rounds_of_micro_batches():
+    with pytest.raises(MliteError, match="multiple of pp=2"):
+        one_f_one_b(2, 2, 0, 3)
+
+
+# --------------------------------------------------------------------------------- context split
+def test_zigzag_gives_each_rank_an_early_and_a_late_chunk():
+    assert zigzag_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
+    with pytest.raises(MliteError, match="pad micro-batches to a multiple of 4"):
+        zigzag_indices(10, 2, 0)
+
+
+def test_context_split_keeps_positions_labels_and_sequence_of_every_token():
+    batch = PackedBatch.from_sequences([[1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]])
+    shares = [split_for_context_parallel(batch, 2, r) for r in range(2)]
+    index = torch.cat([s.extras[TOKEN_INDEX] for s in shares])
+    assert sorted(index.tolist()) == list(range(16))
+    for s in shares:  # every field follows its token, including sequence boundaries inside a chunk
+        keep = s.extras[TOKEN_INDEX]
+        assert torch.equal(s.input_ids, batch.input_ids[keep])
+        assert torch.equal(s.position_ids, batch.position_ids[keep])
+        assert torch.equal(s.labels, batch.labels[keep])
+        assert torch.equal(s.extras[SEQUENCE_ID], batch.sequence_ids()[keep])
