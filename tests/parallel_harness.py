@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import traceback
@@ -39,10 +40,19 @@ def tiny_arch(moe: bool) -> ModelArch:
     return arch_from_hf_config(dict(PRESETS["tiny-qwen3-moe" if moe else "tiny-qwen3"], **ARCH_OVERRIDES))
 
 
+def device() -> torch.device:
+    """cpu (gloo) by default; the GPU suite launches with backend nccl and each rank on its own GPU."""
+    return torch.device(os.environ.get("MLITE_TEST_DEVICE", "cpu"))
+
+
+def compute_dtype() -> torch.dtype:
+    return torch.bfloat16 if os.environ.get("MLITE_TEST_COMPUTE") == "bf16" else torch.float32
+
+
 def make_model(moe: bool, seed: int = 0):
     """The runtime's model (mlite.runtime.models), identical weights on every rank for one seed."""
     torch.manual_seed(seed)
-    return build_model(tiny_arch(moe), attention_backend="torch")
+    return build_model(tiny_arch(moe), attention_backend="torch").to(device())
 
 
 def make_batches(n: int, tokens: int = 48, seed: int = 1) -> list[PackedBatch]:
@@ -68,10 +78,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, errors):
+def _entry(rank, world, port, fn, args, errors, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        os.environ.update(MLITE_TEST_DEVICE=f"cuda:{rank}")
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     except BaseException:
@@ -81,12 +94,14 @@ def _entry(rank, world, port, fn, args, errors):
         dist.destroy_process_group()
 
 
-def launch(world: int, fn, *args):
-    """Run fn(rank, world, *args) on `world` gloo ranks; re-raise the first rank's failure readably."""
+def launch(world: int, fn, *args, backend: str = "gloo"):
+    """Run fn(rank, world, *args) on `world` ranks; re-raise the first rank's failure readably."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_entry, args=(world, free_port(), fn, args, errors), nprocs=world, start_method="spawn")
+        mp.start_processes(
+            _entry, args=(world, free_port(), fn, args, errors, backend), nprocs=world, start_method="spawn"
+        )
     except Exception:
         rank, tb = errors.get() if not errors.empty() else (-1, "")
         raise AssertionError(f"rank {rank} failed:\n{tb}") from None
@@ -102,19 +117,20 @@ def _train_one_stage(model, mesh, opt, steps) -> list[tuple[float, float]]:
     dp_rank = mesh.rank_in("dp") if mesh else 0
     cp_rank = mesh.rank_in("cp") if mesh else 0
     params = [p for p in model.parameters()]
-    batches = make_batches(MAX_STEPS * MICRO_BATCHES)
+    batches = [b.to(device()) for b in make_batches(MAX_STEPS * MICRO_BATCHES)]
     history = []
     for step in steps:
         step_batches = batches[step * MICRO_BATCHES : (step + 1) * MICRO_BATCHES]
         targets = total_targets(step_batches)  # the loss is a mean over the step's target tokens
         mine = step_batches[dp_rank :: dims.dp]
-        ce_total, aux_total = torch.zeros(()), torch.zeros(())
+        ce_total, aux_total = torch.zeros((), device=device()), torch.zeros((), device=device())
         for i, batch in enumerate(mine):
             if mesh:
                 set_gradient_sync(model, i == len(mine) - 1)
             if dims.cp > 1:
                 batch = split_for_context_parallel(batch, dims.cp, cp_rank)
-            out = model(batch)
+            with _reference_autocast(mesh):
+                out = model(batch)
             hidden, aux = out.hidden, out.aux_loss
             with loss_parallel():  # its backward too runs under the vocab-parallel loss
                 ce = ce_loss(model, hidden, batch, targets)
@@ -131,6 +147,13 @@ def _train_one_stage(model, mesh, opt, steps) -> list[tuple[float, float]]:
     return history
 
 
+def _reference_autocast(mesh):
+    """bf16 runs: FSDP2 casts the parameters for compute; one process gets the same from autocast."""
+    if mesh is None and compute_dtype() != torch.float32:
+        return torch.autocast(device().type, dtype=compute_dtype())
+    return contextlib.nullcontext()
+
+
 def ce_loss(model, hidden, batch, targets):
     """Summed cross-entropy over the step's target count; call under loss_parallel() (vocab split over tp)."""
     logits = model.output(hidden)
@@ -144,7 +167,7 @@ def _train_pipeline(chunks: dict, mesh, opt, steps) -> list[tuple[float, float]]
     pp_ranks = dist.get_process_group_ranks(mesh.group("pp"))
     runner = PipelineRunner(chunks, dims.pp * dims.vpp, pp_ranks)
     params = [p for chunk in chunks.values() for p in chunk.parameters()]
-    batches = make_batches(MAX_STEPS * MICRO_BATCHES)
+    batches = [b.to(device()) for b in make_batches(MAX_STEPS * MICRO_BATCHES)]
     history = []
     for step in steps:
         step_batches = batches[step * MICRO_BATCHES : (step + 1) * MICRO_BATCHES]
@@ -161,6 +184,7 @@ def _train_pipeline(chunks: dict, mesh, opt, steps) -> list[tuple[float, float]]
                 mine,
                 loss_fn=lambda chunk, hidden, batch: ce_loss(chunk, hidden, batch, targets),
                 before_backward=lambda c, last: set_gradient_sync(chunks[c], last),
+                dtype=compute_dtype(),  # what travels between stages
             )
         ce_total, aux_total = result["loss"], result["aux"]
         dist.all_reduce(ce_total, group=mesh.group("dp_cp"))
@@ -200,7 +224,7 @@ def parallelize(model, mesh):
     apply_tensor_parallel(model, mesh)
     apply_context_parallel(model, mesh)
     apply_expert_parallel(model, mesh)
-    apply_fsdp(model, mesh)
+    apply_fsdp(model, mesh, compute_dtype=compute_dtype())
     return model
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mlite.runtime.parallel.mesh import ParallelDims
-from parallel_harness import build_layout, launch, make_optimizer, reference, train
+from parallel_harness import build_layout, launch, make_batches, make_model, make_optimizer, reference, train
 
 STEPS = 3
 
@@ -62,3 +62,28 @@ def test_dense_and_moe_match_one_process(tmp_path, world, layout):
 )
 def test_expert_parallel_matches_one_process(tmp_path, world, layout):
     check_parity(tmp_path, world, layout, models=(True,))
+
+
+def _forward_only_worker(rank, world, layout, out):
+    from mlite.runtime.parallel.pipeline import PipelineRunner, forward_only
+
+    mesh = ParallelDims(world, **layout).build("cpu")
+    chunks = build_layout(False, mesh)
+    dims = mesh.dims
+    runner = PipelineRunner(chunks, dims.pp * dims.vpp, torch.distributed.get_process_group_ranks(mesh.group("pp")))
+    batches = make_batches(4)
+    with torch.no_grad():
+        result = runner.run(forward_only(dims.pp, dims.vpp, mesh.rank_in("pp"), len(batches)), batches)
+    if result["outputs"]:
+        torch.save(result["outputs"], out)
+
+
+@pytest.mark.parametrize("layout", [dict(pp=2), dict(pp=2, vpp=2)], ids=["pp2", "pp2+vpp2"])
+def test_forward_only_pipeline_gives_the_one_process_hidden_states(tmp_path, layout):
+    out = tmp_path / "hidden.pt"
+    launch(2, _forward_only_worker, layout, str(out))
+    got = torch.load(out)
+    model = make_model(False)
+    with torch.no_grad():
+        for m, batch in enumerate(make_batches(4)):
+            torch.testing.assert_close(got[m], model(batch).hidden, rtol=1e-5, atol=1e-6)

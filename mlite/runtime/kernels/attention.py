@@ -84,24 +84,25 @@ def varlen_torch_attention(q, k, v, cu_seqlens, max_seqlen, scale):
 
 
 def _cudnn_one_sequence(q, k, v, scale):
-    """q [n, hq, d], k/v [n, hkv, d], one causal sequence -> [n, hq, d]."""
+    """q [n, hq, d], k/v [n, hkv, d], one causal sequence -> [n, hq, d], on cuDNN's fused kernel. Through SDPA
+    with the backend pinned, so torch.compile keeps it inside the layer's graph (no graph break per layer)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     groups = q.shape[1] // k.shape[1]
-    if groups > 1:  # the cuDNN op wants equal head counts; the copy is small next to the attention
+    if groups > 1:  # cuDNN wants equal head counts; the copy is small next to the attention
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q.transpose(0, 1).unsqueeze(0),  # [1, h, n, d]
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        None, False, 0.0, True, False, scale=scale,  # bias, logsumexp, dropout, causal, debug mask
-    )[0]
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+            is_causal=True, scale=scale,
+        )
     return out[0].transpose(0, 1)
 
 
-@torch.compiler.disable  # inductor cannot lower the cuDNN op's optional bias; run it eagerly between graphs
 def cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale):
-    """cuDNN's fused kernel, called directly (SDPA's own choice on H100 at 4k is the slower flash kernel:
-    206 vs 255-300 TFLOP/s measured, see docs/PERFORMANCE.md). A stream of one sequence needs no host read
-    of `cu_seqlens`, so the step stays free of host syncs."""
+    """cuDNN's fused kernel per sequence (SDPA's own choice on H100 at 4k is the slower flash kernel: 206 vs
+    255-300 TFLOP/s measured, see docs/PERFORMANCE.md). A stream of one sequence needs no host read of
+    `cu_seqlens`, so the step stays free of host syncs."""
     if cu_seqlens.numel() == 2:
         return _cudnn_one_sequence(q, k, v, scale)
     return torch.cat([_cudnn_one_sequence(q[a:b], k[a:b], v[a:b], scale) for a, b in _sequence_bounds(cu_seqlens)])

@@ -159,8 +159,9 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 def clip_grad_norm_(params, max_norm: float, mesh: ParallelMesh) -> torch.Tensor:
     """Global gradient norm over every rank (each shard counted once, replicas not again); scales the
     gradients down to max_norm when above it (0: no clipping). Returns the norm before clipping."""
-    total = torch.zeros((), dtype=torch.float64)
     grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for grad in grads:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         copies = 1

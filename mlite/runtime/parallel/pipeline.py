@@ -125,7 +125,9 @@ class PipelineRunner:
     def __init__(self, chunks: dict[int, nn.Module], num_chunks: int, pp_ranks: list[int]):
         self.chunks, self.num_chunks, self.pp_ranks = chunks, num_chunks, pp_ranks
         self.pp = len(pp_ranks)
-        self.moe = next(iter(chunks.values())).arch.moe
+        first = next(iter(chunks.values()))
+        self.moe = first.arch.moe
+        self.device = next(first.parameters()).device  # NCCL sends need device tensors, headers included
         self.num_stats = (self.moe.num_experts if self.moe else 0) + 1  # expert counts, then rows
         self._sends: list = []
 
@@ -138,18 +140,18 @@ class PipelineRunner:
 
     def _send(self, tensor: torch.Tensor, stats: torch.Tensor, chunk_to: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
-        header = torch.tensor(tensor.shape, dtype=torch.long)  # the shape travels first: any length
+        header = torch.tensor(tensor.shape, dtype=torch.long, device=self.device)  # shape first: any length
         dst = self._owner(chunk_to)
         for offset, t in enumerate((header, tensor, stats.detach().double().contiguous())):
             self._sends.append((dist.isend(t, dst, tag=tag + offset), t))
 
     def _recv(self, chunk_from: int, tag: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         src = self._owner(chunk_from)
-        header = torch.empty(2, dtype=torch.long)
+        header = torch.empty(2, dtype=torch.long, device=self.device)
         dist.recv(header, src, tag=tag)
-        tensor = torch.empty(*header.tolist(), dtype=dtype)
+        tensor = torch.empty(*header.tolist(), dtype=dtype, device=self.device)
         dist.recv(tensor, src, tag=tag + 1)
-        stats = torch.empty(self.num_stats, dtype=torch.float64)
+        stats = torch.empty(self.num_stats, dtype=torch.float64, device=self.device)
         dist.recv(stats, src, tag=tag + 2)
         return tensor, stats
 
@@ -157,7 +159,7 @@ class PipelineRunner:
         """(counts and rows [E+1] without gradient, probability sums [E] with it, shards) of this chunk."""
         stats = [layer.mlp.router_stats for layer in chunk.layers.values() if hasattr(layer.mlp, "router_stats")]
         if not stats:
-            return torch.zeros(self.num_stats, dtype=torch.float64), None, 1
+            return torch.zeros(self.num_stats, dtype=torch.float64, device=self.device), None, 1
         counts = torch.stack([s.counts for s in stats]).sum(0).double()
         rows = torch.stack([s.rows for s in stats]).sum().double()
         prob_sum = torch.stack([s.prob_sum for s in stats]).sum(0)
@@ -185,12 +187,12 @@ class PipelineRunner:
         training = loss_fn is not None
         saved = {}  # (chunk, micro-batch) -> what its backward needs
         pending_backwards = {c: sum(a.kind == "B" and a.chunk == c for a in actions) for c in self.chunks}
-        loss_sum, aux_sum, results = torch.zeros(()), torch.zeros(()), {}
+        loss_sum, aux_sum, results = torch.zeros((), device=self.device), torch.zeros((), device=self.device), {}
         last = self.num_chunks - 1
         for action in actions:
             c, m = action.chunk, action.micro_batch
             if action.kind == "F":
-                hidden, upstream = None, torch.zeros(self.num_stats, dtype=torch.float64)
+                hidden, upstream = None, torch.zeros(self.num_stats, dtype=torch.float64, device=self.device)
                 if c > 0:
                     hidden, upstream = self._recv(c - 1, self._tag(c - 1, m, False), dtype)
                     hidden.requires_grad_(training)
