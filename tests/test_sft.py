@@ -1,0 +1,229 @@
+"""The SFT trainer end to end on generated data: metrics files, exact resume (also after SIGKILL), saving on
+SIGTERM/SIGUSR1, refusing a corrupt checkpoint, epochs, held-out evaluation; a GPU run in bf16."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mlite.config import job_from_dict
+from mlite.runtime.ckpt.checkpoint import CheckpointManager
+from mlite.trainers.metrics import read_metrics
+from mlite.trainers.sft import train_sft
+
+ROOT = Path(__file__).resolve().parents[1]
+# what must be equal between an interrupted-and-resumed run and the uninterrupted one (not timings)
+EXACT_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "target_tokens", "epoch", "skipped_steps")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """Demo data, a tokenizer trained on it and a tiny Qwen3 config sized to the tokenizer."""
+    from mlite.runtime.data.demo import write_demo_data
+    from mlite.runtime.data.tokenizer import train_demo_tokenizer
+
+    root = tmp_path_factory.mktemp("sft_assets")
+    files = write_demo_data(root / "data", train=320, val=48, seed=1)
+    tokenizer = train_demo_tokenizer(root / "tokenizer", seed=1, vocab_size=256, rows=400)
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+        "max_position_embeddings": 256,
+    }))
+    return {"train": str(files["train.jsonl"]), "val": str(files["val.parquet"]), "tokenizer": str(root / "tokenizer"),
+            "model": str(root / "model")}
+
+
+def job_dict(assets, out: Path, **trainer) -> dict:
+    return {
+        "job": "sft",
+        "model": {"path": assets["model"], "load_weights": False},
+        "cluster": {"gpu": "cpu", "gpus_per_node": 1},
+        "optimizer": {"lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 3, "weight_decay": 0.01},
+        "precision": {"compute": "fp32"},
+        "data": {"train_files": [assets["train"]], "tokenizer": assets["tokenizer"], "seq_len": 128,
+                 "global_batch_size": 16, "max_tokens_per_micro_batch": 200},
+        "trainer": {"steps": 30, "seed": 11, "output_dir": str(out), "save_every": 5, "keep_last": 2, "log_every": 1,
+                    "device": "cpu", **trainer},
+    }
+
+
+def exact(records):
+    return [{k: r[k] for k in EXACT_KEYS} for r in records if "loss" in r]
+
+
+def write_job(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def start_sft(config: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mlite", "sft", str(config), "--no-progress"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(proc: subprocess.Popen, metrics: Path, step: int, timeout: float = 120) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        records = read_metrics(metrics) if metrics.is_file() else []
+        if records and records[-1]["step"] >= step:
+            return records[-1]["step"]
+        assert proc.poll() is None, f"trainer exited early:\n{proc.communicate()[1][-3000:]}"
+        time.sleep(0.01)
+    proc.kill()
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def reference(assets, tmp_path_factory):
+    """The uninterrupted 30-step run every resume is compared with."""
+    out = tmp_path_factory.mktemp("reference")
+    result = train_sft(job_from_dict(job_dict(assets, out)), show_progress=False)
+    return result, exact(read_metrics(result.metrics_path))
+
+
+def test_sft_writes_metrics_tensorboard_plot_and_checkpoints(reference):
+    result, records = reference
+    assert [r["step"] for r in records] == list(range(1, 31))
+    losses = [r["loss"] for r in records]
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5, losses  # it learns
+    assert records[0]["lr"] == pytest.approx(2e-3 / 3) and records[-1]["lr"] == pytest.approx(2e-4)
+    raw = read_metrics(result.metrics_path)[0]
+    assert raw["tokens_per_s"] > 0 and raw["tokens"] >= raw["target_tokens"] > 0
+    assert result.tokens_per_s > 0 and result.last_step == 30
+
+    assert result.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and result.plot_path.stat().st_size > 5000
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(result.output_dir / "tensorboard")).Reload()
+    scalars = events.Scalars("loss")
+    assert [s.step for s in scalars] == list(range(1, 31))
+    assert [s.value for s in scalars] == pytest.approx(losses, rel=1e-6)
+
+    manager = CheckpointManager(result.output_dir, keep_last=2)
+    assert manager.steps() == [30, 25] and result.checkpoint == manager.path_for(30)
+    assert result.data_report["train"]["used"] == 320
+
+
+def test_resume_from_a_given_checkpoint_equals_the_uninterrupted_run_bitwise(assets, reference, tmp_path):
+    result, records = reference
+    mid = CheckpointManager(result.output_dir).path_for(25)
+    resumed = train_sft(job_from_dict(job_dict(assets, tmp_path / "run", resume=str(mid))), show_progress=False)
+    assert resumed.start_step == 25 and resumed.last_step == 30
+    assert exact(read_metrics(resumed.metrics_path)) == records[25:]
+
+
+def test_sigkill_mid_run_then_auto_resume_equals_uninterrupted(assets, reference, tmp_path):
+    out = tmp_path / "killed"
+    config = write_job(tmp_path / "job.yaml", job_dict(assets, out))
+    proc = start_sft(config)
+    killed_at = wait_for_step(proc, out / "metrics.jsonl", 12)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    saved = CheckpointManager(out).steps()
+    assert saved and saved[0] <= killed_at < 30, (saved, killed_at)
+
+    done = subprocess.run([sys.executable, "-m", "mlite", "sft", str(config), "--no-progress"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {CheckpointManager(out).path_for(saved[0])} at step {saved[0]}" in done.stderr
+    assert exact(read_metrics(out / "metrics.jsonl")) == reference[1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_signal_saves_at_the_next_step_and_exits_cleanly(assets, reference, tmp_path, sig):
+    out = tmp_path / "preempted"
+    config = write_job(tmp_path / "job.yaml", job_dict(assets, out, save_every=0))
+    proc = start_sft(config)
+    wait_for_step(proc, out / "metrics.jsonl", 3)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    last = read_metrics(out / "metrics.jsonl")[-1]["step"]
+    assert 3 <= last < 30
+    assert f"stopped by {sig.name} after step {last}/30" in stderr
+    assert CheckpointManager(out).steps() == [last]  # save_every=0: the signal's checkpoint only
+    assert not (out / "loss.png").exists()  # the run is not over
+
+    resumed = train_sft(job_from_dict(job_dict(assets, out, save_every=0)), show_progress=False)
+    assert resumed.start_step == last and resumed.last_step == 30
+    assert exact(read_metrics(out / "metrics.jsonl")) == reference[1]
+
+
+def test_a_corrupt_checkpoint_given_to_resume_is_one_line_exit_2(assets, reference, tmp_path):
+    result, _ = reference
+    bad = tmp_path / "bad"
+    import shutil
+
+    shutil.copytree(result.checkpoint, bad)
+    shard = next((bad / "tensors").glob("*.distcp"))
+    os.truncate(shard, shard.stat().st_size - 1)
+    config = write_job(tmp_path / "job.yaml", job_dict(assets, tmp_path / "out", resume=str(bad)))
+    done = subprocess.run([sys.executable, "-m", "mlite", "sft", str(config)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith(f"mlite sft: error: checkpoint {bad} is corrupt")
+    assert "Traceback" not in done.stderr
+
+
+def test_auto_resume_falls_back_past_a_truncated_newest_checkpoint(assets, reference, tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(reference[0].output_dir, out)  # checkpoints 25 and 30 of the finished reference run
+    manager = CheckpointManager(out)
+    shard = next((manager.path_for(30) / "tensors").glob("*.distcp"))
+    os.truncate(shard, 100)
+    resumed = train_sft(job_from_dict(job_dict(assets, out)), show_progress=False)
+    assert resumed.start_step == 25 and resumed.last_step == 30
+    assert exact(read_metrics(out / "metrics.jsonl")) == reference[1]
+    assert manager.steps() == [30, 25]  # the broken 30 was replaced by a good one
+    assert manager.latest_good() == manager.path_for(30)
+
+
+def test_epochs_cap_the_steps_and_eval_logs_held_out_loss(assets, tmp_path):
+    job = job_dict(assets, tmp_path / "run", steps=100, epochs=1, eval_every=10)
+    job["data"]["val_files"] = [assets["val"]]
+    result = train_sft(job_from_dict(job), show_progress=False)
+    assert result.total_steps == result.last_step == 320 // 16
+    evals = [r for r in read_metrics(result.metrics_path) if "val_loss" in r]
+    assert [r["step"] for r in evals] == [10, 20]
+    assert evals[1]["val_loss"] < evals[0]["val_loss"] < 6.0
+
+
+@pytest.mark.gpu
+def test_sft_on_cuda_in_bf16_learns_and_resumes(assets, tmp_path):
+    out = tmp_path / "gpu"
+    job = job_dict(assets, out, steps=30, device="cuda")
+    job["cluster"]["gpu"] = "h100"
+    job["precision"]["compute"] = "bf16"
+    full = train_sft(job_from_dict(job), show_progress=False)
+    from mlite.runtime.engine import Runtime
+
+    rt = Runtime(job_from_dict(job))
+    assert rt.autocast_dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 and p.is_cuda for p in rt.model.parameters())  # fp32 master weights
+    losses = full.losses
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5, losses
+
+    mid = CheckpointManager(out).path_for(25)
+    resumed = train_sft(job_from_dict({**job, "trainer": {**job["trainer"], "output_dir": str(tmp_path / "r"),
+                                                             "resume": str(mid)}}), show_progress=False)
+    assert resumed.start_step == 25
+    tail = exact(read_metrics(resumed.metrics_path))
+    ref = exact(read_metrics(full.metrics_path))[25:]
+    # GPU kernels need not be bitwise reproducible: same steps, same lrs, losses within bf16 noise
+    assert [r["step"] for r in tail] == [r["step"] for r in ref]
+    assert [r["loss"] for r in tail] == pytest.approx([r["loss"] for r in ref], rel=2e-2)
