@@ -174,6 +174,8 @@ node_report() {
     if [[ -s $file ]]; then
       read -r rc when < "$file"
       line="$node: exit status $rc at $(date -u -d "@$when" +%H:%M:%SZ)"
+    elif [[ -f $LOG_DIR/node-$node.alive ]] && (($(date +%s) - $(stat -c %Y "$LOG_DIR/node-$node.alive") <= HEARTBEAT_TIMEOUT_S)); then
+      line="$node: still running, stopped with the job"
     else
       line="$node: no exit status (the node or its processes died: killed, out of memory, hardware)"
     fi

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mlite.errors import MliteError
 
@@ -83,15 +84,17 @@ def varlen_torch_attention(q, k, v, cu_seqlens, max_seqlen, scale):
     return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **causal)
 
 
+_CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _cudnn_one_sequence(q, k, v, scale):
     """q [n, hq, d], k/v [n, hkv, d], one causal sequence -> [n, hq, d], on cuDNN's fused kernel. Through SDPA
     with the backend pinned, so torch.compile keeps it inside the layer's graph (no graph break per layer)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # cuDNN wants equal head counts; the copy is small next to the attention
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+    # cuDNN first; shapes it does not take (very short sequences, odd head sizes) fall through to the others
+    with sdpa_kernel(_CUDNN_FIRST, set_priority=True):
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
             is_causal=True, scale=scale,
