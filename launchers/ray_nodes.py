@@ -72,7 +72,7 @@ def main() -> int:
     if ips[0] != ray.util.get_node_ip_address():
         print(f"ray_nodes: note: node rank 0 is {ips[0]}, not the driver's node", file=sys.stderr)
 
-    @ray.remote(max_retries=0)
+    @ray.remote  # an actor: the driver can call stop() while start() waits
     class NodeProcess:
         """Holds one node's command so the driver can stop it when another node fails."""
 
