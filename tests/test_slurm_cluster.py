@@ -269,5 +269,6 @@ def test_ray_cluster_over_two_nodes_runs_mlite_grpo(slurm_cluster, demo, tmp_pat
         and node_logs[0].startswith("ray-node0-")
         and node_logs[1].startswith("ray-node1-")
     )
-    assert (run_dir / "checkpoints" / "step_00000002").is_dir()
+    final = run_dir / "checkpoints" / "step_00000002"
+    assert sorted(p.name for p in final.glob("rank_*.pt")) == ["rank_00000.pt", "rank_00001.pt"]  # one world
     assert [r["step"] for r in metrics(run_dir) if "reward/mean" in r] == [1, 2]
