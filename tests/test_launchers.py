@@ -145,7 +145,9 @@ def test_no_fit_is_refused_unless_allowed(tmp_path):
     }
     refused = run(["launchers/sft.sh"], env)
     assert refused.returncode == 2 and "does not fit" in refused.stderr
-    assert "DOES NOT FIT: 167.4 GB of 86.4 GB" in refused.stderr  # the planner's verdict, passed on
+    verdict = run([sys.executable, "-m", "mlite", "plan", "qwen3_30b_a3b_sft", "--set", "parallel.ep=1"])
+    assert verdict.returncode == 3 and verdict.stdout.rstrip().splitlines()[-1].startswith("DOES NOT FIT")
+    assert verdict.stdout.rstrip().splitlines()[-1] in refused.stderr  # the planner's verdict, passed on
     allowed = run(["launchers/sft.sh"], {**env, "ALLOW_NO_FIT": "1"})
     assert allowed.returncode == 0 and "--set parallel.ep=1" in allowed.stdout
 
