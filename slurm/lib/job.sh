@@ -200,14 +200,15 @@ first_failed_node() {
   [[ -z $best ]] || echo "$best (exit status $(cut -d' ' -f1 "$LOG_DIR/node-$best.exit"))"
 }
 
-# Nodes whose heartbeat stopped without an exit status: their processes died with no word to srun.
+# Nodes whose heartbeat is older than $1 seconds (default HEARTBEAT_TIMEOUT_S) and that left no exit status:
+# their processes died with no word to srun.
 silent_nodes() {
-  local node alive now
+  local node alive now limit=${1:-$HEARTBEAT_TIMEOUT_S}
   now=$(date +%s)
   for node in "${NODES[@]}"; do
     alive=$LOG_DIR/node-$node.alive
     [[ -f $alive && ! -s $LOG_DIR/node-$node.exit ]] || continue
-    if ((now - $(stat -c %Y "$alive") > HEARTBEAT_TIMEOUT_S)); then echo "$node"; fi
+    if ((now - $(stat -c %Y "$alive") > limit)); then echo "$node"; fi
   done
 }
 
@@ -266,7 +267,14 @@ finish() {
     log "$what finished on all $NNODES nodes"
     return 0
   fi
-  local culprit=${BLAME:-$(first_failed_node)}
+  # a node that died silently is the cause even when a survivor's error was seen first
+  local dead culprit
+  dead=$(silent_nodes $((2 * HEARTBEAT_S)))
+  if [[ -n $dead ]]; then
+    culprit="${dead//$'\n'/, } (died: its heartbeat stopped and it left no exit status)"
+  else
+    culprit=${BLAME:-$(first_failed_node)}
+  fi
   {
     echo "[mlite $(date -u +%H:%M:%S)] error: $what failed${culprit:+ first on node $culprit} (step exit $rc); per node:"
     node_report
