@@ -18,6 +18,16 @@ from mlite.runtime.engine import Runtime
 from mlite.runtime.loss import sft_loss
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: the CPU suite runs two pytest workers on two cores, and oversubscribed torch
+    threads spin-wait (tiny matmuls get ~20x slower). Subprocesses get OMP_NUM_THREADS=1 to match."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def make_job(model="tiny-qwen3"):
     return job_from_dict({
         "model": {"name": model},

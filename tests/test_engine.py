@@ -17,6 +17,16 @@ from mlite.runtime.loss import sft_loss, token_logprobs
 from mlite.runtime.optim import lr_at
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: the CPU suite runs two pytest workers on two cores, and oversubscribed torch
+    threads spin-wait (tiny matmuls get ~20x slower). Subprocesses get OMP_NUM_THREADS=1 to match."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def make_job(**optimizer):
     return job_from_dict({
         "model": {"name": "tiny-qwen3"},

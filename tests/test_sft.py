@@ -21,8 +21,19 @@ from mlite.trainers.metrics import read_metrics
 from mlite.trainers.sft import train_sft
 
 ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # as in-process (one_thread): same kernels, same bits
 # what must be equal between an interrupted-and-resumed run and the uninterrupted one (not timings)
 EXACT_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "target_tokens", "epoch", "skipped_steps")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: the CPU suite runs two pytest workers on two cores, and oversubscribed torch
+    threads spin-wait (tiny matmuls get ~20x slower). Subprocesses get OMP_NUM_THREADS=1 to match."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +80,7 @@ def write_job(path: Path, data: dict) -> Path:
 
 
 def start_sft(config: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "mlite", "sft", str(config), "--no-progress"], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "mlite", "sft", str(config), "--no-progress"], cwd=ROOT, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -135,7 +146,7 @@ def test_sigkill_mid_run_then_auto_resume_equals_uninterrupted(assets, reference
     saved = CheckpointManager(out).steps()
     assert saved and saved[0] <= killed_at < 30, (saved, killed_at)
 
-    done = subprocess.run([sys.executable, "-m", "mlite", "sft", str(config), "--no-progress"], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "mlite", "sft", str(config), "--no-progress"], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from {CheckpointManager(out).path_for(saved[0])} at step {saved[0]}" in done.stderr
@@ -171,7 +182,7 @@ def test_a_corrupt_checkpoint_given_to_resume_is_one_line_exit_2(assets, referen
     shard = next((bad / "tensors").glob("*.distcp"))
     os.truncate(shard, shard.stat().st_size - 1)
     config = write_job(tmp_path / "job.yaml", job_dict(assets, tmp_path / "out", resume=str(bad)))
-    done = subprocess.run([sys.executable, "-m", "mlite", "sft", str(config)], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "mlite", "sft", str(config)], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith(f"mlite sft: error: checkpoint {bad} is corrupt")
