@@ -1,0 +1,63 @@
+"""The parallel layouts on GPUs: NCCL, bf16 compute (FSDP2 casts fp32 master weights), against one GPU.
+
+Run on a machine with at least 4 GPUs:  pytest -m gpu tests/test_parallel_gpu.py -q   (or invoke test --gpu)
+Tolerance: bf16 rounding (2e-2 relative on the step loss and gradient norm), the same three steps as the CPU
+parity suite. Interleaved pipelines (vpp > 1) are left out: NCCL matches point-to-point messages by order,
+not by tag, and the interleaved schedule's per-pair order is not fixed yet (see docs/PARALLEL.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlite.runtime.parallel.mesh import ParallelDims
+from parallel_harness import build_layout, launch, make_optimizer, reference, train
+
+STEPS = 3
+BF16_RTOL = 2e-2
+
+
+def _worker(rank, world, layout, models, out):
+    mesh = ParallelDims(world, **layout).build("cuda")
+    results = {}
+    for moe in models:
+        chunks = build_layout(moe, mesh)
+        results[moe] = train(chunks, mesh, make_optimizer(chunks), range(STEPS))
+    if rank == 0:
+        torch.save(results, out)
+
+
+@pytest.fixture
+def bf16_on_gpu(monkeypatch):
+    monkeypatch.setenv("MLITE_TEST_COMPUTE", "bf16")  # read by the spawned ranks and the reference
+    monkeypatch.setenv("MLITE_TEST_DEVICE", "cuda:0")  # the one-GPU reference; each rank picks its own
+    if torch.cuda.device_count() < 4:
+        pytest.fail(f"the GPU parallel suite needs 4 GPUs, {torch.cuda.device_count()} visible")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "world,layout,models",
+    [
+        (2, dict(dp=2), (False, True)),
+        (2, dict(tp=2), (False, True)),
+        (2, dict(cp=2), (False, True)),
+        (2, dict(dp=2, ep=2), (True,)),
+        (2, dict(pp=2), (False, True)),
+        (4, dict(dp=2, tp=2), (False, True)),
+        (4, dict(cp=2, tp=2), (False, True)),
+        (4, dict(pp=2, tp=2), (False, True)),
+        (4, dict(dp=4, ep=2), (True,)),
+    ],
+    ids=["dp2", "tp2", "cp2", "ep2", "pp2", "tp2xdp2", "cp2xtp2", "pp2xtp2", "ep2xdp2"],
+)
+def test_layout_matches_one_gpu_in_bf16(tmp_path, bf16_on_gpu, world, layout, models):
+    out = tmp_path / "history.pt"
+    launch(world, _worker, layout, models, str(out), backend="nccl")
+    results = torch.load(out)
+    for moe in models:
+        want = reference(moe)[:STEPS]
+        for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(results[moe], want)):
+            assert loss == pytest.approx(ref_loss, rel=BF16_RTOL), f"moe={moe} step {step}: {loss} vs {ref_loss}"
+            assert norm == pytest.approx(ref_norm, rel=BF16_RTOL), f"moe={moe} step {step}: {norm} vs {ref_norm}"
