@@ -63,3 +63,16 @@ def test_token_logprobs_fused_path_equals_the_autograd_path():
     for plain, fused in zip(*grads):
         torch.testing.assert_close(fused.double(), plain.double(), rtol=1e-6, atol=1e-7)
     assert grads[1][0][0] == 0 and grads[1][0][5] == 0  # IGNORE positions give 0, as on the plain path
+
+
+def test_fp32_master_weight_with_lower_precision_activations():
+    # autocast-style: bf16 activations meet the fp32 master weight; gradients come back in each one's dtype
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(6, 8, generator=gen).bfloat16().requires_grad_()
+    weight = torch.randn(11, 8, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 11, (6,), generator=gen)
+    out = linear_logprobs(hidden, weight, labels)
+    out.sum().backward()
+    assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
+    ref = torch.log_softmax(hidden.float() @ weight.detach().bfloat16().float().t(), -1)
+    torch.testing.assert_close(out, ref.gather(-1, labels[:, None]).squeeze(-1), rtol=2e-2, atol=2e-2)

@@ -50,7 +50,9 @@ def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor):
 class LinearLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_tokens):
-        """hidden [T, H], weight [V, H], labels [T] (valid ids) -> log p(label) [T] fp32."""
+        """hidden [T, H], weight [V, H], labels [T] (valid ids) -> log p(label) [T] fp32. The matmuls run in
+        hidden's dtype (fp32 master weights meet bf16 activations as under autocast, in backward too)."""
+        weight_dtype, weight = weight.dtype, weight.to(hidden.dtype)
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lses = torch.empty_like(out)
         for start in range(0, hidden.shape[0], chunk_tokens):
@@ -61,7 +63,7 @@ class LinearLogprob(torch.autograd.Function):
         # one chunk: keep its logits (compute dtype, the size of one chunk) instead of recomputing them
         ctx.kept_logits = logits if hidden.shape[0] <= chunk_tokens else None
         ctx.save_for_backward(hidden, weight, labels, lses)
-        ctx.chunk_tokens = chunk_tokens
+        ctx.chunk_tokens, ctx.weight_dtype = chunk_tokens, weight_dtype
         return out
 
     @staticmethod
@@ -86,7 +88,7 @@ class LinearLogprob(torch.autograd.Function):
                 else:  # several chunks: sum in fp32
                     grad_weight = part.float() if grad_weight is None else grad_weight.add_(part.float())
         if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+            grad_weight = grad_weight.to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None
 
 
