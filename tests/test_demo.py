@@ -1,0 +1,91 @@
+"""`mlite demo` as a user runs it (shortened): generated data, tokenizer, model config, a falling loss,
+checkpoint, metrics, TensorBoard events and the plot; the checkpoint exports to a model transformers runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlite.trainers.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two pytest workers share two cores
+SHORT = ["--set", "trainer.steps=60", "--set", "trainer.eval_every=30", "--set", "trainer.save_every=0",
+         "--set", "trainer.log_every=2"]
+
+
+def mlite(*args, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mlite", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    done = mlite("demo", "--out", str(out), *SHORT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done.stderr
+
+
+def test_demo_learns_and_writes_everything(demo):
+    out, log = demo
+    for part in ("data/train.parquet", "data/val.jsonl", "tokenizer/tokenizer.json", "model/config.json",
+                 "sft/metrics.jsonl", "sft/loss.png", "sft/checkpoints/latest", "sft/checkpoints/step_00000060"):
+        assert (out / part).exists(), part
+    assert list((out / "sft" / "tensorboard").glob("events.out.tfevents.*"))
+    from transformers import AutoTokenizer
+
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["vocab_size"] == len(AutoTokenizer.from_pretrained(out / "tokenizer"))  # sized to its tokenizer
+
+    records = read_metrics(out / "sft" / "metrics.jsonl")
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 30
+    assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3, losses  # clearly falling
+    evals = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(evals) == 2 and evals[1] < evals[0]
+
+    assert "mlite demo ->" in log and "demo finished in" in log
+    assert f"-> {losses[-1]:.4f} (step 60)" in log and "tokens/s" in log and "loss curve" in log
+
+
+def test_demo_checkpoint_exports_to_transformers(demo, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, _ = demo
+    done = mlite("export", str(out / "sft"), "--out", str(tmp_path / "hf"))
+    assert done.returncode == 0, done.stderr
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert torch.isfinite(logits).all() and logits.shape[-1] == model.config.vocab_size
+
+
+def test_prepare_only_prints_a_runnable_sft_command(tmp_path):
+    done = mlite("demo", "--out", str(tmp_path), "--prepare-only")
+    assert done.returncode == 0, done.stderr
+    command = done.stdout.strip()
+    assert command.startswith("mlite sft demo_sft --set model.path=")
+    from mlite.config import load_job
+
+    args = command.split()[3:]
+    job = load_job("demo_sft", [a for a in args if a != "--set"])
+    assert Path(job.data.train_files[0]).is_file() and Path(job.data.tokenizer, "tokenizer.json").is_file()
+    assert job.trainer.output_dir == str(tmp_path / "sft")
+
+
+@pytest.mark.gpu
+def test_demo_on_cuda(tmp_path):
+    done = mlite("demo", "--out", str(tmp_path), "--device", "cuda", *SHORT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "sft" / "metrics.jsonl") if "loss" in r]
+    assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3, losses
