@@ -90,6 +90,34 @@ def grpo(c, config, set_=None, no_progress=False):
     _mlite(c, "grpo", config, *_overrides(set_), *(["--no-progress"] if no_progress else []))
 
 
+@task(
+    help={"out": "output folder (default runs/demo)", "device": "auto, cpu or cuda",
+          "set_": "override a key of the demo's SFT job, key.sub=value (repeatable)",
+          "no_progress": "plain log lines instead of a progress bar"},
+    iterable=["set_"],
+)
+def demo(c, out="runs/demo", device="auto", set_=None, no_progress=False):
+    """Generate data and a tokenizer, train a tiny Qwen3-style model with SFT (a few minutes on 2 CPU cores)."""
+    _mlite(c, "demo", "--out", out, "--device", device, *_overrides(set_), *(["--no-progress"] if no_progress else []))
+
+
+@task(
+    help={"config": "SFT job YAML file or packaged preset name", "set_": "override key.sub=value (repeatable)",
+          "no_progress": "plain log lines instead of a progress bar"},
+    iterable=["set_"],
+)
+def sft(c, config, set_=None, no_progress=False):
+    """Supervised fine-tuning; resumes from the newest good checkpoint in trainer.output_dir."""
+    _mlite(c, "sft", config, *_overrides(set_), *(["--no-progress"] if no_progress else []))
+
+
+@task(help={"checkpoint": "training checkpoint dir or a run's output dir", "out": "new HF checkpoint dir",
+            "dtype": "fp32 (default), bf16 or fp16"})
+def export(c, checkpoint, out, dtype=""):
+    """Write an HF safetensors checkpoint (transformers loads it) from a training checkpoint."""
+    _mlite(c, "export", checkpoint, "--out", out, *(["--dtype", dtype] if dtype else []))
+
+
 # ------------------------------------------------------------------------------------ container images
 # Logic and command construction live in mlite/images.py (tested there); these only pass arguments.
 _IMAGE_HELP = {
