@@ -24,6 +24,7 @@ from mlite.runtime.parallel.parallelize import (
     apply_context_parallel,
     apply_expert_parallel,
     apply_fsdp,
+    apply_recompute,
     apply_tensor_parallel,
     clip_grad_norm_,
     set_gradient_sync,
@@ -220,21 +221,23 @@ def reference(moe: bool) -> list[tuple[float, float]]:
     return _REFERENCE[moe]
 
 
-def parallelize(model, mesh):
+def parallelize(model, mesh, recompute=None):
     apply_tensor_parallel(model, mesh)
+    if recompute:
+        apply_recompute(model, **recompute)
     apply_context_parallel(model, mesh)
     apply_expert_parallel(model, mesh)
     apply_fsdp(model, mesh, compute_dtype=compute_dtype())
     return model
 
 
-def build_layout(moe: bool, mesh) -> dict:
+def build_layout(moe: bool, mesh, recompute=None) -> dict:
     """This rank's model chunks for the layout: {chunk index: parallelized chunk}."""
     if mesh is None:
         return {0: make_model(moe)}
     dims = mesh.dims
     split = split_layers(LAYERS, dims.pp, dims.vpp)
     mine = range(mesh.rank_in("pp"), dims.pp * dims.vpp, dims.pp)
-    return {c: parallelize(keep_chunk(make_model(moe), split[c], c == 0, c == len(split) - 1), mesh) for c in mine}
+    return {c: parallelize(keep_chunk(make_model(moe), split[c], c == 0, c == len(split) - 1), mesh, recompute) for c in mine}
 
 

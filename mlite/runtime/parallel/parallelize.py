@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.utils.checkpoint
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -176,3 +177,33 @@ def clip_grad_norm_(params, max_norm: float, mesh: ParallelMesh) -> torch.Tensor
         for grad in grads:
             (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(max_norm / (norm + 1e-6))
     return norm
+
+
+def apply_recompute(model: nn.Module, granularity: str, method: str | None = None, num_layers: int | None = None) -> None:
+    """Activation recompute, applied before FSDP (the recompute then runs on the unsharded weights).
+
+    - `selective`: only the attention core (scores, softmax) is recomputed; projections keep their inputs.
+    - `full` + `uniform`: every layer is recomputed from its input (num_layers must be 1: grouping several
+      layers into one region would need the model's layer loop, which stays the model's).
+    - `full` + `block`: the first `num_layers` layers of this stage (pipeline chunk) are recomputed, the
+      rest keep their activations (the Megatron meaning: spend memory where the stage has it).
+    """
+    if granularity == "none":
+        return
+    layers = list(model.layers.values())
+    if granularity == "selective":
+        for layer in layers:
+            layer.attn.core = functools.partial(_checkpointed, layer.attn.core)
+        return
+    if method == "uniform" and (num_layers or 1) != 1:
+        raise MliteError(
+            f"recompute.method uniform with num_layers={num_layers}: mlite recomputes layer by layer; "
+            "set recompute.num_layers: 1, or use method: block to recompute the first N layers of each stage"
+        )
+    chosen = layers if method == "uniform" else layers[: num_layers or 1]
+    for layer in chosen:
+        layer.forward = functools.partial(_checkpointed, functools.partial(type(layer).forward, layer))
+
+
+def _checkpointed(fn, *args):
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
