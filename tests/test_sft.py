@@ -204,6 +204,13 @@ def test_auto_resume_falls_back_past_a_truncated_newest_checkpoint(assets, refer
     assert manager.latest_good() == manager.path_for(30)
 
 
+def test_resume_never_refuses_to_mix_with_an_earlier_run(assets, reference, tmp_path):
+    from mlite.errors import MliteError
+
+    with pytest.raises(MliteError, match="trainer.resume is never but .* holds checkpoints of an earlier run"):
+        train_sft(job_from_dict(job_dict(assets, reference[0].output_dir, resume="never")), show_progress=False)
+
+
 def test_epochs_cap_the_steps_and_eval_logs_held_out_loss(assets, tmp_path):
     job = job_dict(assets, tmp_path / "run", steps=100, epochs=1, eval_every=10)
     job["data"]["val_files"] = [assets["val"]]

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from mlite.errors import MliteError
 from mlite.runtime.ckpt.checkpoint import CheckpointManager, resolve_checkpoint, verify_checkpoint
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,11 @@ class StopRequest:
 def checkpoint_to_resume(resume: str, manager: CheckpointManager) -> Optional[Path]:
     """trainer.resume: `auto` (newest good checkpoint in the output dir, if any), `never`, or a path."""
     if resume == "never":
+        if manager.steps():
+            raise MliteError(
+                f"trainer.resume is never but {manager.root} holds checkpoints of an earlier run; choose a new "
+                "trainer.output_dir, delete them, or set trainer.resume=auto to continue that run"
+            )
         return None
     if resume == "auto":
         return manager.latest_good()

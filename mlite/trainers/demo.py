@@ -14,6 +14,7 @@ then a short summary. The RL issue adds a GRPO stage after SFT (see `STAGES_AFTE
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,8 @@ def run_demo(output_dir: str | Path = "runs/demo", device: str = "auto", overrid
     say("1/3 data: generating arithmetic and word problems, training a tokenizer")
     paths = prepare_demo(out, train_rows=train_rows)
     job = demo_job(out, paths, device, overrides)
+    if Path(job.trainer.output_dir).exists():  # the demo always trains from scratch: drop the previous run
+        shutil.rmtree(job.trainer.output_dir)
     say(f"2/3 model: Qwen3-shaped, hidden {DEMO_MODEL['hidden_size']}, {DEMO_MODEL['num_hidden_layers']} layers "
         f"({paths['model'] / 'config.json'})")
     say(f"3/3 sft: {job.trainer.steps} steps of {job.data.global_batch_size} sequences")
