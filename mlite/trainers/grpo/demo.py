@@ -1,8 +1,8 @@
 """The GRPO stage of `mlite demo`: after SFT, reinforce correct arithmetic with the built-in rollout.
 
 The SFT checkpoint is exported to an HF folder (what any GRPO job starts from), the demo's generated rows
-(which carry prompt + answer) are the prompts, the demo's checker is the reward. Held-out prompts are
-answered greedily before the first update and after the last: the summary prints both.
+of the easier levels (they carry prompt + answer) are the prompts, the demo's checker is the reward.
+Held-out prompts are answered greedily before the first update and after the last: the summary prints both.
 """
 
 from __future__ import annotations
@@ -14,14 +14,30 @@ from mlite.config.schema import JobConfig
 from mlite.trainers.grpo.trainer import GRPOResult, train_grpo
 
 PRESET = "demo_grpo"
+LEVELS = (1, 2)  # the easier demo tasks: a few minutes of SFT solves some of them, so groups carry signal
+HELD_OUT = 64  # held-out prompts answered greedily before and after (each costs a full generation)
+
+
+def write_prompt_files(out: Path) -> dict[str, Path]:
+    """The demo's generated rows (prompt + answer) at LEVELS, as GRPO prompt files under out/grpo_data."""
+    import pyarrow.parquet as pq
+
+    from mlite.runtime.data.demo import write_rows
+
+    files = {}
+    for split, limit in (("train", None), ("val", HELD_OUT)):
+        rows = [r for r in pq.read_table(out / "data" / f"{split}.parquet").to_pylist() if r["level"] in LEVELS]
+        rows = [{k: r[k] for k in ("prompt", "answer", "kind", "level")} for r in rows][:limit]
+        files[split] = write_rows(rows, out / "grpo_data" / f"{split}.jsonl")
+    return files
 
 
 def demo_grpo_job(out: Path, model_dir: Path, device: str = "auto", overrides: tuple[str, ...] = ()) -> JobConfig:
-    data = out / "data"
+    files = write_prompt_files(out)
     gpu = ["cluster.gpu=h100"] if device == "cuda" else []
     return load_job(PRESET, [
         f"model.path={model_dir}", "model.name=null", "model.load_weights=true",
-        f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'val.parquet'}]",
+        f"data.train_files=[{files['train']}]", f"data.val_files=[{files['val']}]",
         f"data.tokenizer={out / 'tokenizer'}", f"trainer.output_dir={out / 'grpo'}", f"trainer.device={device}", *gpu,
         *overrides,
     ])
