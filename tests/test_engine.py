@@ -184,3 +184,18 @@ def test_cuda_without_gpu_is_one_clear_error():
 
     with pytest.raises(MliteError, match="no CUDA GPU is visible"):
         Runtime(job_from_dict({"model": {"name": "tiny-qwen3"}, "trainer": {"device": "cuda"}}))
+
+
+def test_deterministic_key_turns_on_deterministic_algorithms():
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        Runtime(job_from_dict({"model": {"name": "tiny-qwen3"}, "trainer": {"device": "cpu", "deterministic": True}}))
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def test_bf16_compute_is_fp32_on_cpu_and_weights_stay_fp32():
+    rt = Runtime(job_from_dict({"model": {"name": "tiny-qwen3"}, "precision": {"compute": "bf16"},
+                                "trainer": {"device": "cpu"}}))
+    assert rt.autocast_dtype is None and all(p.dtype == torch.float32 for p in rt.model.parameters())

@@ -22,8 +22,9 @@ layout with every degree 1 (`ParallelDims(world_size=1)`), and the loss is reduc
 from __future__ import annotations
 
 import contextlib
-import os
 import json
+import logging
+import os
 import random
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -48,6 +49,7 @@ from mlite.runtime.models import build_model
 from mlite.runtime.optim import LocalAdamW, LRSchedule
 from mlite.runtime.parallel.mesh import ParallelDims
 
+log = logging.getLogger(__name__)
 LossFn = Callable[..., tuple[torch.Tensor, dict]]
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -110,6 +112,8 @@ class Runtime:
         self.job = job
         self.device = pick_device(job.trainer.device)
         compute = job.precision.compute if self.device.type == "cuda" else "fp32"
+        if compute != job.precision.compute:
+            log.info("precision.compute %s applies on GPUs; this CPU run computes in fp32", job.precision.compute)
         self.autocast_dtype = None if compute == "fp32" else COMPUTE_DTYPES[compute]
         if job.trainer.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=False)
