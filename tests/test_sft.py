@@ -245,3 +245,21 @@ def test_sft_on_cuda_in_bf16_learns_and_resumes(assets, tmp_path):
     # GPU kernels need not be bitwise reproducible: same steps, same lrs, losses within bf16 noise
     assert [r["step"] for r in tail] == [r["step"] for r in ref]
     assert [r["loss"] for r in tail] == pytest.approx([r["loss"] for r in ref], rel=2e-2)
+
+
+def test_two_data_parallel_ranks_match_one_process(assets, reference, tmp_path):
+    """torchrun with 2 gloo ranks: each trains on half of every global batch; the summed gradients make the
+    same steps as the one-process reference (to float rounding: the sums run in another order)."""
+    out = tmp_path / "dp2"
+    config = write_job(tmp_path / "job.yaml", job_dict(assets, out))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "mlite", "sft", str(config), "--no-progress"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = exact(read_metrics(out / "metrics.jsonl"))
+    assert [r["step"] for r in records] == list(range(1, 31))  # one writer (rank 0), every step
+    for ours, ref in zip(records, reference[1]):
+        assert (ours["tokens"], ours["target_tokens"], ours["lr"]) == (ref["tokens"], ref["target_tokens"], ref["lr"])
+        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4), ours["step"]
+        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3), ours["step"]
+    assert CheckpointManager(out).steps() == [30, 25]

@@ -32,5 +32,6 @@ def run(args) -> int:
     job = load_job(args.config, args.overrides)
     console = Console(stderr=True)
     result = train_sft(job, console=console, show_progress=not args.no_progress)
-    print_summary(result, console)
+    if result.is_output_rank:
+        print_summary(result, console)
     return 0

@@ -132,17 +132,41 @@ class Runtime:
 
     # ------------------------------------------------------------------------------------- layout
     def _setup_layout(self) -> None:
-        """Degrees, meshes and groups. One process: all degrees 1, no process group needed. Multi-rank
-        layouts (mlite.runtime.parallel: FSDP2, TP, CP, EP, PP) plug in here (issue 5)."""
+        """Degrees, meshes and groups. One process: all degrees 1, no process group. Several ranks (torchrun
+        or srun set WORLD_SIZE): the process group is started here and the ranks are data parallel with
+        replicated parameters, gradients summed over `dp_cp` before the step. The sharded layouts of
+        mlite.runtime.parallel (FSDP2, TP, CP, EP, PP) plug in here (issue 5)."""
+        self.owns_process_group = not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if self.owns_process_group:
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.dims = ParallelDims.from_job(self.job, world)
-        if world > 1:
+        self.mesh, self.loss_group = None, None  # loss group: where the loss's token counts are summed
+        if world == 1:
+            return
+        sharded = {k: v for k, v in dict(pp=self.dims.pp, cp=self.dims.cp, tp=self.dims.tp, ep=self.dims.ep).items() if v > 1}
+        if sharded:
+            layout = ", ".join(f"{k}={v}" for k, v in sharded.items())
             raise MliteError(
-                f"this runtime runs one process; {world} ranks need the parallel layouts of issue 5 "
-                "(launch a single process, or wait for parallel support in the runtime)"
+                f"parallel layout {layout}: this runtime runs data parallel only so far (the sharded layouts "
+                "are issue 5); set those degrees to 1"
             )
-        self.mesh = None
-        self.loss_group = None  # dp_cp: where the loss's token counts are summed
+        self.mesh = self.dims.build(self.device.type)
+        self.loss_group = self.mesh.group("dp_cp")
+
+    def _sync_gradients(self) -> None:
+        """Replicated data parallel: sum the gradients over the ranks (each rank's loss is its share of the
+        global loss, so the sum is the gradient of the step). One flat buffer: one collective per step."""
+        params = self.optim.params
+        for p in params:
+            if p.grad is None:  # e.g. an expert no token of this rank reached
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=self.loss_group)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
     @property
     def dp_rank(self) -> int:
@@ -227,7 +251,15 @@ class Runtime:
 
     def optimizer_step(self) -> tuple[float, bool]:
         """Clip and update. Returns (grad norm before clipping, skipped); a non-finite norm skips the update."""
+        if self.loss_group is not None:
+            self._sync_gradients()
         return self.optim.step()
+
+    def close(self) -> None:
+        """End the process group if this runtime started it (a no-op for one process)."""
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_process_group = False
 
     def set_total_steps(self, total_steps: int) -> None:
         """The schedule's length, when the trainer knows it only after reading the data (trainer.epochs)."""

@@ -43,11 +43,12 @@ class StopRequest:
     def _handle(self, signum, frame) -> None:
         self.received = signal.Signals(signum).name
 
-    def should_stop(self) -> bool:
-        """True on every rank when any rank got a signal (ranks must stop at the same step to save together)."""
+    def should_stop(self, device: torch.device | str = "cpu") -> bool:
+        """True on every rank when any rank got a signal (ranks must stop at the same step to save together).
+        `device`: where the collective's tensor lives (the runtime's device: NCCL needs CUDA tensors)."""
         flag = self.received is not None
         if dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([int(flag)])
+            t = torch.tensor([int(flag)], device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             flag = bool(t.item())
             if flag and self.received is None:

@@ -42,6 +42,7 @@ class SFTResult:
     stopped_by: Optional[str] = None  # the signal that ended the run early
     tokens_per_s: float = 0.0  # mean over this process's steps
     data_report: dict = field(default_factory=dict)
+    is_output_rank: bool = True  # the rank that wrote metrics and prints the summary
 
     @property
     def losses(self) -> list[float]:
@@ -105,7 +106,7 @@ def train_sft(job: JobConfig, console=None, show_progress: bool = True) -> SFTRe
                 progress.update(step, loss, tokens / elapsed, "(skipped: non-finite grads)" if skipped else "")
             if trainer.eval_every and step % trainer.eval_every == 0:
                 writer.log(step, evaluate(runtime, data))
-            stopped = stop.should_stop()
+            stopped = stop.should_stop(runtime.device)
             if stopped or step == total_steps or (trainer.save_every and step % trainer.save_every == 0):
                 last_saved = save(step)
             if stopped:
@@ -114,8 +115,10 @@ def train_sft(job: JobConfig, console=None, show_progress: bool = True) -> SFTRe
     progress.close()
     writer.close()
     plot = plot_metrics(writer.path, out / PLOT_FILE, title=f"SFT loss ({out.name})") if first_rank() and stopped_by is None else None
-    return SFTResult(out, start, step, total_steps, last_saved, writer.path, plot, stopped_by,
-                     tokens_seen / busy_s if busy_s else 0.0, data.report)
+    result = SFTResult(out, start, step, total_steps, last_saved, writer.path, plot, stopped_by,
+                       tokens_seen / busy_s if busy_s else 0.0, data.report, is_output_rank=first_rank())
+    runtime.close()
+    return result
 
 
 def evaluate(runtime: Runtime, data) -> dict:
