@@ -24,8 +24,12 @@ def char_tokenizer(folder: Path):
     core = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=SPECIALS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIALS,
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder)
@@ -40,8 +44,13 @@ def grpo_job(tmp_path: Path, **sections):
         "optimizer": {"lr": 1e-3, "schedule": "constant"},
         "data": {"seq_len": 64, "max_tokens_per_micro_batch": 64},
         "trainer": {"steps": 4, "device": "cpu", "output_dir": str(tmp_path / "run"), "seed": 3},
-        "rollout": {"n": 4, "prompts_per_step": 2, "max_prompt_length": 48, "max_response_length": 6,
-                    "temperature": 1.0},
+        "rollout": {
+            "n": 4,
+            "prompts_per_step": 2,
+            "max_prompt_length": 48,
+            "max_response_length": 6,
+            "temperature": 1.0,
+        },
         "grpo": {"reward": "grpo_helpers:text_reward"},
     }
     for name, values in sections.items():

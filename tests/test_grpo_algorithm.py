@@ -38,7 +38,9 @@ def test_group_advantages_with_and_without_std():
 def test_group_of_one_keeps_its_reward_and_groups_may_interleave():
     adv = group_advantages(torch.tensor([0.7, 2.0, 4.0]), torch.tensor([5, 9, 9]))
     # [0.7] alone: mean 0, std 1; [2, 4]: mean 3, std sqrt(2)
-    torch.testing.assert_close(adv, torch.tensor([0.7 / (1 + 1e-6), -1 / (math.sqrt(2) + 1e-6), 1 / (math.sqrt(2) + 1e-6)]))
+    torch.testing.assert_close(
+        adv, torch.tensor([0.7 / (1 + 1e-6), -1 / (math.sqrt(2) + 1e-6), 1 / (math.sqrt(2) + 1e-6)])
+    )
 
 
 # -------------------------------------------------------------------------------------------- KL
@@ -70,7 +72,11 @@ NORM = LossNorm(num_tokens=4, num_sequences=2, horizon=4)
 
 @pytest.mark.parametrize(
     "mode, expected",
-    [("token-mean", (6 + 4) / 4), ("seq-mean-token-mean", (2 + 4) / 2), ("seq-mean-token-sum-norm", (6 + 4) / 2 / 4)],
+    [
+        ("token-mean", (6 + 4) / 4),
+        ("seq-mean-token-mean", (2 + 4) / 2),
+        ("seq-mean-token-sum-norm", (6 + 4) / 2 / 4),
+    ],
 )
 def test_aggregation_modes(mode, expected):
     assert float(aggregate(VALUES, MASK, SEQ, 2, mode, NORM)) == pytest.approx(expected)
@@ -126,7 +132,9 @@ def test_grpo_loss_entropy_bonus_and_kl_in_loss():
     entropy = torch.tensor([0.5, 1.5])
     ref = torch.tensor([-1.5, -2.0])
     cfg = GRPOLossConfig(entropy_coef=0.1, kl_coef=0.2, kl_estimator="k1")
-    loss, metrics = grpo_loss(cfg, logprob, logprob, adv, mask, seq, 1, norm, entropy=entropy, ref_logprob=ref)
+    loss, metrics = grpo_loss(
+        cfg, logprob, logprob, adv, mask, seq, 1, norm, entropy=entropy, ref_logprob=ref
+    )
     assert float(loss) == pytest.approx(-0.1 * 1.0 + 0.2 * 0.25)
     assert metrics["actor/entropy"] == pytest.approx(1.0)
     assert metrics["actor/kl"] == pytest.approx(0.25)
@@ -156,12 +164,14 @@ def test_gsm8k_exact_match_against_a_full_solution():
 
 
 def test_user_reward_by_import_path_and_failures_reported(tmp_path, monkeypatch):
-    (tmp_path / "my_reward.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_reward.py").write_text(
+        textwrap.dedent("""
         def length_bonus(response, sample):
             if response == "boom":
                 raise RuntimeError("cannot score")
             return len(response) / 10
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = load_reward("my_reward:length_bonus")
     samples = [{"prompt": "p0", "answer": "1"}, {"prompt": "p1", "answer": "2"}]
@@ -174,7 +184,11 @@ def test_user_reward_by_import_path_and_failures_reported(tmp_path, monkeypatch)
 
 @pytest.mark.parametrize(
     "spec, message",
-    [("nonsense", "neither a built-in"), ("no_such_module_xyz:fn", "cannot import"), ("math:no_fn", "no function")],
+    [
+        ("nonsense", "neither a built-in"),
+        ("no_such_module_xyz:fn", "cannot import"),
+        ("math:no_fn", "no function"),
+    ],
 )
 def test_bad_reward_spec_is_one_clear_error(spec, message):
     with pytest.raises(MliteError, match=message):

@@ -38,9 +38,21 @@ def write_job(workdir: Path, out: Path, **changes) -> Path:
         "cluster": {"gpus_per_node": 1, "gpu": "cpu", "host_memory_gb": 8},
         "precision": {"compute": "fp32"},
         "optimizer": {"lr": 1e-3, "schedule": "constant"},
-        "data": {"train_files": [str(workdir / "train.jsonl")], "val_files": [str(workdir / "val.jsonl")],
-                 "tokenizer": str(workdir / "tok"), "seq_len": 64, "max_tokens_per_micro_batch": 64},
-        "trainer": {"steps": 4, "save_every": 2, "keep_last": 3, "device": "cpu", "output_dir": str(out), "seed": 5},
+        "data": {
+            "train_files": [str(workdir / "train.jsonl")],
+            "val_files": [str(workdir / "val.jsonl")],
+            "tokenizer": str(workdir / "tok"),
+            "seq_len": 64,
+            "max_tokens_per_micro_batch": 64,
+        },
+        "trainer": {
+            "steps": 4,
+            "save_every": 2,
+            "keep_last": 3,
+            "device": "cpu",
+            "output_dir": str(out),
+            "seed": 5,
+        },
         "rollout": {"n": 4, "prompts_per_step": 2, "max_prompt_length": 48, "max_response_length": 6},
         "grpo": {"reward": "grpo_helpers:text_reward", "mini_batches": 2},
     }
@@ -53,8 +65,13 @@ def write_job(workdir: Path, out: Path, **changes) -> Path:
 
 def mlite_grpo(config: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "mlite", "grpo", str(config), "--no-progress", *args],
-                          capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "mlite", "grpo", str(config), "--no-progress", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 def stable(records):
@@ -67,8 +84,16 @@ def test_run_writes_metrics_plots_checkpoints_and_resumes_exactly(workdir, tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # 0: held-out eval before training
-    for key in ("reward/mean", "reward/std", "response/length_mean", "actor/clip_frac", "actor/entropy",
-                "actor/grad_norm", "actor/ppo_kl", "actor/pg_loss"):
+    for key in (
+        "reward/mean",
+        "reward/std",
+        "response/length_mean",
+        "actor/clip_frac",
+        "actor/entropy",
+        "actor/grad_norm",
+        "actor/ppo_kl",
+        "actor/pg_loss",
+    ):
         assert all(key in r for r in records[1:]), key
     assert "eval/reward_mean" in records[0] and "eval/reward_mean" in records[-1]
     assert (out / "grpo.png").stat().st_size > 1000 and any((out / "tensorboard").iterdir())

@@ -18,10 +18,22 @@ def test_grpo_stage_runs_on_the_sft_result(tmp_path):
     paths = prepare_demo(tmp_path, train_rows=300, val_rows=100)
     sft_job = demo_job(tmp_path, paths, "cpu", ("trainer.steps=1",))
     runtime = Runtime(sft_job)
-    checkpoint = CheckpointManager(tmp_path / "sft").save(1, lambda p: runtime.save_checkpoint(p, {"step": 1}))
+    checkpoint = CheckpointManager(tmp_path / "sft").save(
+        1, lambda p: runtime.save_checkpoint(p, {"step": 1})
+    )
 
-    result = grpo_stage(tmp_path, SimpleNamespace(checkpoint=checkpoint), "cpu", None, overrides=(
-        "trainer.steps=2", "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_response_length=8"))
+    result = grpo_stage(
+        tmp_path,
+        SimpleNamespace(checkpoint=checkpoint),
+        "cpu",
+        None,
+        overrides=(
+            "trainer.steps=2",
+            "rollout.prompts_per_step=2",
+            "rollout.n=2",
+            "rollout.max_response_length=8",
+        ),
+    )
 
     assert (tmp_path / "sft_hf" / "config.json").is_file()  # GRPO started from the exported SFT weights
     val = [json.loads(line) for line in (tmp_path / "grpo_data" / "val.jsonl").read_text().splitlines()]

@@ -30,7 +30,9 @@ def full_forward_argmax(model, tokens: list[int]) -> int:
 def test_greedy_with_cache_equals_argmax_of_the_full_forward(model):
     completions = generate(model, PROMPTS, SamplingParams(max_new_tokens=8, temperature=0))
     for prompt, completion in zip(PROMPTS, completions):
-        assert completion.prompt_ids == prompt and len(completion.response_ids) == 8 and not completion.stopped
+        assert (
+            completion.prompt_ids == prompt and len(completion.response_ids) == 8 and not completion.stopped
+        )
         for t, token in enumerate(completion.response_ids):
             assert token == full_forward_argmax(model, prompt + completion.response_ids[:t]), (prompt, t)
 
@@ -38,7 +40,9 @@ def test_greedy_with_cache_equals_argmax_of_the_full_forward(model):
 def test_stop_tokens_end_a_row_and_are_kept(model):
     greedy = generate(model, PROMPTS, SamplingParams(max_new_tokens=8, temperature=0))
     stop = greedy[0].response_ids[2]  # a token row 0 emits at step 2
-    completions = generate(model, PROMPTS, SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=(stop,)))
+    completions = generate(
+        model, PROMPTS, SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=(stop,))
+    )
     first = greedy[0].response_ids.index(stop)
     assert completions[0].response_ids == greedy[0].response_ids[: first + 1] and completions[0].stopped
     for full, cut in zip(greedy[1:], completions[1:]):  # other rows unaffected until their own stop
@@ -50,7 +54,9 @@ def test_stop_tokens_end_a_row_and_are_kept(model):
 
 def test_sampling_is_reproducible_under_a_seed_and_respects_max_length(model):
     params = SamplingParams(max_new_tokens=5, temperature=1.0, top_k=50, top_p=0.95)
-    run = lambda seed: [c.response_ids for c in generate(model, PROMPTS * 2, params, torch.Generator().manual_seed(seed))]  # noqa: E731
+    run = lambda seed: [
+        c.response_ids for c in generate(model, PROMPTS * 2, params, torch.Generator().manual_seed(seed))
+    ]  # noqa: E731
     assert run(3) == run(3)
     assert run(3) != run(4)
     assert all(len(r) == 5 for r in run(3))
@@ -58,7 +64,12 @@ def test_sampling_is_reproducible_under_a_seed_and_respects_max_length(model):
 
 def test_top_k_one_is_greedy(model):
     greedy = generate(model, PROMPTS, SamplingParams(max_new_tokens=6, temperature=0))
-    top1 = generate(model, PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.7, top_k=1), torch.Generator().manual_seed(0))
+    top1 = generate(
+        model,
+        PROMPTS,
+        SamplingParams(max_new_tokens=6, temperature=0.7, top_k=1),
+        torch.Generator().manual_seed(0),
+    )
     assert [c.response_ids for c in top1] == [c.response_ids for c in greedy]
 
 
@@ -72,8 +83,16 @@ def test_rollout_on_cuda_matches_the_full_forward_and_cpu_in_fp32():
             batch = PackedBatch.from_sequences([prompt + completion.response_ids[:t]]).to("cuda")
             with torch.no_grad():
                 assert token == int(gpu_model.compute_logits(gpu_model(batch).hidden)[-1].argmax())
-    sampled = generate(gpu_model, PROMPTS, SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.9),
-                       torch.Generator(device="cuda").manual_seed(1))
-    again = generate(gpu_model, PROMPTS, SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.9),
-                     torch.Generator(device="cuda").manual_seed(1))
+    sampled = generate(
+        gpu_model,
+        PROMPTS,
+        SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.9),
+        torch.Generator(device="cuda").manual_seed(1),
+    )
+    again = generate(
+        gpu_model,
+        PROMPTS,
+        SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.9),
+        torch.Generator(device="cuda").manual_seed(1),
+    )
     assert [c.response_ids for c in sampled] == [c.response_ids for c in again]

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from grpo_helpers import char_tokenizer, grpo_job
 
 from mlite.runtime.engine import Runtime
 from mlite.trainers.grpo.prompts import render_prompts
 from mlite.trainers.grpo.trainer import GRPOTrainer, pack_micro_batches
-from grpo_helpers import char_tokenizer, grpo_job
 
 ROWS = [{"prompt": f"say {d}", "answer": str(d)} for d in range(10)]
 
@@ -32,7 +32,9 @@ def record_grads(trainer) -> list[torch.Tensor]:
     step = trainer.runtime.optimizer_step
 
     def recording_step():
-        seen.append(torch.cat([p.grad.flatten() for p in trainer.runtime.model.parameters() if p.grad is not None]))
+        seen.append(
+            torch.cat([p.grad.flatten() for p in trainer.runtime.model.parameters() if p.grad is not None])
+        )
         return step()
 
     trainer.runtime.optimizer_step = recording_step
@@ -45,10 +47,18 @@ def params(trainer):
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_update_is_the_same_however_the_step_is_cut_into_micro_batches(tmp_path, tokenizer, loss_agg):
-    one = make_trainer(tmp_path, tokenizer, data={"max_tokens_per_micro_batch": 4096, "seq_len": 64},
-                       grpo={"loss_agg": loss_agg})
-    many = make_trainer(tmp_path, tokenizer, data={"max_tokens_per_micro_batch": 64, "seq_len": 64},
-                        grpo={"loss_agg": loss_agg})
+    one = make_trainer(
+        tmp_path,
+        tokenizer,
+        data={"max_tokens_per_micro_batch": 4096, "seq_len": 64},
+        grpo={"loss_agg": loss_agg},
+    )
+    many = make_trainer(
+        tmp_path,
+        tokenizer,
+        data={"max_tokens_per_micro_batch": 64, "seq_len": 64},
+        grpo={"loss_agg": loss_agg},
+    )
     grads1, grads2 = record_grads(one), record_grads(many)
     m1, ro1 = one.train_step(0)
     m2, ro2 = many.train_step(0)
@@ -66,15 +76,21 @@ def test_first_update_is_on_policy_and_later_epochs_clip(tmp_path, tokenizer):
     metrics, _ = trainer.train_step(0)
     assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)  # old log-probs = current policy
     assert metrics["actor/clip_frac"] == 0.0
-    several = make_trainer(tmp_path, tokenizer, optimizer={"lr": 5e-2}, grpo={"ppo_epochs": 4, "mini_batches": 2})
+    several = make_trainer(
+        tmp_path, tokenizer, optimizer={"lr": 5e-2}, grpo={"ppo_epochs": 4, "mini_batches": 2}
+    )
     metrics, _ = several.train_step(0)
     assert metrics["actor/clip_frac"] > 0  # later passes see a moved policy and the clip acts
     assert metrics["actor/ppo_kl"] != 0
 
 
 def test_kl_to_the_reference_policy(tmp_path, tokenizer):
-    trainer = make_trainer(tmp_path, tokenizer, optimizer={"lr": 1e-2},
-                           grpo={"kl_coef": 0.1, "kl_estimator": "k3", "mini_batches": 2})
+    trainer = make_trainer(
+        tmp_path,
+        tokenizer,
+        optimizer={"lr": 1e-2},
+        grpo={"kl_coef": 0.1, "kl_estimator": "k3", "mini_batches": 2},
+    )
     first, _ = trainer.train_step(0)
     assert first["actor/kl_ref"] == pytest.approx(0.0, abs=1e-7)  # nothing has moved yet
     second, _ = trainer.train_step(1)
@@ -85,8 +101,12 @@ def test_kl_to_the_reference_policy(tmp_path, tokenizer):
 
 
 def test_a_failing_reward_is_counted_not_fatal(tmp_path, tokenizer):
-    trainer = make_trainer(tmp_path, tokenizer, rollout={"max_response_length": 12},
-                           grpo={"reward": "grpo_helpers:explodes_on_x"})
+    trainer = make_trainer(
+        tmp_path,
+        tokenizer,
+        rollout={"max_response_length": 12},
+        grpo={"reward": "grpo_helpers:explodes_on_x"},
+    )
     failures = 0
     for step in range(3):
         metrics, ro = trainer.train_step(step)

@@ -8,10 +8,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
-
 from verl.trainer.ppo import core_algos  # the verl extra is part of CI's install: a missing verl fails
 
-from mlite.trainers.grpo.algorithm import (  # 
+from mlite.trainers.grpo.algorithm import (  #
     LossNorm,
     aggregate,
     clipped_surrogate,
@@ -74,7 +73,9 @@ def test_clipped_surrogate_equals_verl(seed):
         pg, clipfrac, ppo_kl, clipfrac_lower = core_algos.compute_policy_loss(
             old, logp, adv, mask, cliprange_low=0.2, cliprange_high=0.28, loss_agg_mode="token-mean"
         )
-    loss, clipped, dual, log_ratio = clipped_surrogate(packed(logp, mask), packed(old, mask), packed(adv, mask), 0.2, 0.28)
+    loss, clipped, dual, log_ratio = clipped_surrogate(
+        packed(logp, mask), packed(old, mask), packed(adv, mask), 0.2, 0.28
+    )
     ones = torch.ones_like(loss)
     norm = LossNorm(num_tokens=int(mask.sum()), num_sequences=B, horizon=L)
     torch.testing.assert_close(aggregate(loss, ones, seq_ids(mask), B, "token-mean", norm), pg)
@@ -94,5 +95,7 @@ def test_kl_estimators_and_kl_in_reward_equal_verl(ours_name, verl_name):
     rewards = torch.arange(B, dtype=torch.float32)
     scores[torch.arange(B), mask.sum(1).long() - 1] = rewards
     token_rewards = scores - 0.05 * core_algos.kl_penalty(old, ref, verl_name) * mask
-    ours = kl_penalised_rewards(rewards, packed(old, mask), packed(ref, mask), packed(mask, mask), seq_ids(mask), 0.05, ours_name)
+    ours = kl_penalised_rewards(
+        rewards, packed(old, mask), packed(ref, mask), packed(mask, mask), seq_ids(mask), 0.05, ours_name
+    )
     torch.testing.assert_close(ours, token_rewards.sum(-1))

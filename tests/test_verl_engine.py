@@ -19,9 +19,17 @@ def model_dir(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("tiny_qwen3")
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                         tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     Qwen3ForCausalLM(config).save_pretrained(folder)
     char_tokenizer(folder)
     return folder
@@ -29,8 +37,9 @@ def model_dir(tmp_path_factory):
 
 def verl_cpu():
     """verl has no CPU platform of its own: select ours through verl's platform registry API."""
-    import mlite.integrations.verl  # noqa: F401  (registered by `import verl` through the entry point)
     from verl.plugin.platform import platform_manager
+
+    import mlite.integrations.verl  # noqa: F401  (registered by `import verl` through the entry point)
 
     if platform_manager._current_platform is None or platform_manager._current_platform.device_name != "cpu":
         platform_manager.set_platform(PlatformCPU())
@@ -65,11 +74,22 @@ def verl_batch(micro_batch_size=2):
     from verl.utils import tensordict_utils as tu
     from verl.utils.dataset.dataset_utils import SFTTensorCollator
 
-    samples = [{"input_ids": torch.tensor(s), "position_ids": torch.arange(len(s)),
-                "loss_mask": torch.tensor([0] * p + [1] * (len(s) - p))} for s, p in zip(SEQS, PROMPT_LENS)]
+    samples = [
+        {
+            "input_ids": torch.tensor(s),
+            "position_ids": torch.arange(len(s)),
+            "loss_mask": torch.tensor([0] * p + [1] * (len(s) - p)),
+        }
+        for s, p in zip(SEQS, PROMPT_LENS)
+    ]
     data = SFTTensorCollator(pad_mode="no_padding")(samples)
-    meta = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": micro_batch_size, "temperature": 1.0,
-            "pad_mode": "no_padding", "global_batch_size": len(SEQS)}
+    meta = {
+        "use_dynamic_bsz": False,
+        "micro_batch_size_per_gpu": micro_batch_size,
+        "temperature": 1.0,
+        "pad_mode": "no_padding",
+        "global_batch_size": len(SEQS),
+    }
     return tu.get_tensordict(tensor_dict=data, non_tensor_dict=meta)
 
 

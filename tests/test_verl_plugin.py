@@ -15,8 +15,13 @@ from mlite.integrations.verl import CONFIG_SEARCHPATH
 def run_python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_import_verl_loads_our_plugin_through_the_entry_point():
@@ -56,7 +61,9 @@ def compose(overrides: list[str]):
     from hydra import initialize_config_module
 
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-        return hydra_compose("sft_trainer_engine", overrides=[f"hydra.searchpath=[{CONFIG_SEARCHPATH}]", *overrides])
+        return hydra_compose(
+            "sft_trainer_engine", overrides=[f"hydra.searchpath=[{CONFIG_SEARCHPATH}]", *overrides]
+        )
 
 
 def test_hydra_composition_with_verl_sft_config():
@@ -79,11 +86,21 @@ def test_engine_and_optimizer_sections_map_onto_the_mlite_job():
     from mlite.config import job_from_dict
     from mlite.integrations.verl.config_schema import to_job_dict
 
-    cfg = compose([
-        "engine=mlite", "engine.tensor_parallel_size=2", "engine.dtype=float32", "engine.device=cpu",
-        "engine.optimizer_offload=true", "optim.lr=3e-4", "optim.weight_decay=0.1", "optim.clip_grad=0.5",
-        "optim.lr_warmup_steps_ratio=0.1", "optim.lr_scheduler_type=cosine", "optim.min_lr_ratio=0.1",
-    ])
+    cfg = compose(
+        [
+            "engine=mlite",
+            "engine.tensor_parallel_size=2",
+            "engine.dtype=float32",
+            "engine.device=cpu",
+            "engine.optimizer_offload=true",
+            "optim.lr=3e-4",
+            "optim.weight_decay=0.1",
+            "optim.clip_grad=0.5",
+            "optim.lr_warmup_steps_ratio=0.1",
+            "optim.lr_scheduler_type=cosine",
+            "optim.min_lr_ratio=0.1",
+        ]
+    )
     engine, optim = omega_conf_to_dataclass(cfg.engine), omega_conf_to_dataclass(cfg.optim)
     job = job_from_dict(to_job_dict(engine, "/models/tiny", optim, total_steps=50))
     assert job.model.path == "/models/tiny" and job.parallel.tp == 2

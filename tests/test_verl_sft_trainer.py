@@ -29,34 +29,81 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("verl_sft")
     tokenizer = char_tokenizer(root / "model")
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     Qwen3ForCausalLM(config).save_pretrained(root / "model")
-    rows = [{"messages": [{"role": "user", "content": f"{a} + {b}?"},
-                          {"role": "assistant", "content": f"The answer is {a + b}."}]}
-            for a, b in zip(range(ROWS), range(3, 3 + ROWS))]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"{a} + {b}?"},
+                {"role": "assistant", "content": f"The answer is {a + b}."},
+            ]
+        }
+        for a, b in zip(range(ROWS), range(3, 3 + ROWS))
+    ]
     pq.write_table(pa.Table.from_pylist(rows), root / "train.parquet")
     return root
 
 
 OVERRIDES = [
-    f"hydra.searchpath=[{CONFIG_SEARCHPATH}]", "engine=mlite", "engine.device=cpu", "engine.dtype=float32",
-    f"data.train_batch_size={ROWS}", "data.micro_batch_size_per_gpu=4", "data.use_dynamic_bsz=false",
-    "data.max_length=64", "data.num_workers=0", "optim.lr=1e-2", "optim.weight_decay=0.0",
-    "optim.lr_scheduler_type=constant", f"trainer.total_epochs={STEPS}", "trainer.logger=console",
-    "trainer.device=cpu", "trainer.save_freq=-1", "trainer.test_freq=-1",
+    f"hydra.searchpath=[{CONFIG_SEARCHPATH}]",
+    "engine=mlite",
+    "engine.device=cpu",
+    "engine.dtype=float32",
+    f"data.train_batch_size={ROWS}",
+    "data.micro_batch_size_per_gpu=4",
+    "data.use_dynamic_bsz=false",
+    "data.max_length=64",
+    "data.num_workers=0",
+    "optim.lr=1e-2",
+    "optim.weight_decay=0.0",
+    "optim.lr_scheduler_type=constant",
+    f"trainer.total_epochs={STEPS}",
+    "trainer.logger=console",
+    "trainer.device=cpu",
+    "trainer.save_freq=-1",
+    "trainer.test_freq=-1",
 ]
 
 
 def test_verl_sft_trainer_with_mlite_engine_matches_the_runtime(setup, tmp_path):
-    args = [f"model.path={setup / 'model'}", f"data.train_files=[{setup / 'train.parquet'}]",
-            f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'hydra'}", *OVERRIDES]
+    args = [
+        f"model.path={setup / 'model'}",
+        f"data.train_files=[{setup / 'train.parquet'}]",
+        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+        *OVERRIDES,
+    ]
     env = {**os.environ, "VERL_PLATFORM": "cpu", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-                             "--master-port", "29731", "-m", "mlite.integrations.verl.sft_trainer", *args],
-                            capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "1",
+            "--master-port",
+            "29731",
+            "-m",
+            "mlite.integrations.verl.sft_trainer",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     verl_losses = [float(x) for x in re.findall(r"train/loss:([0-9.]+)", result.stdout)]
     assert len(verl_losses) == STEPS, result.stdout[-3000:]
@@ -83,11 +130,13 @@ def runtime_losses(setup: Path) -> list[float]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(setup / "model")
-    dataset = MultiTurnSFTDataset(parquet_files=[str(setup / "train.parquet")], tokenizer=tokenizer, config=cfg.data)
+    dataset = MultiTurnSFTDataset(
+        parquet_files=[str(setup / "train.parquet")], tokenizer=tokenizer, config=cfg.data
+    )
     samples = [dataset[i] for i in range(len(dataset))]
     seqs = [s["input_ids"].tolist() for s in samples]
     masks = [s["loss_mask"].tolist() for s in samples]
-    micro = [PackedBatch.from_sequences(seqs[i:i + 4], masks[i:i + 4]) for i in range(0, len(seqs), 4)]
+    micro = [PackedBatch.from_sequences(seqs[i : i + 4], masks[i : i + 4]) for i in range(0, len(seqs), 4)]
     targets = sum(b.num_target_tokens for b in micro)
 
     engine, optim = omega_conf_to_dataclass(cfg.engine), omega_conf_to_dataclass(cfg.optim)

@@ -10,12 +10,24 @@ import argparse
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("grpo", help="GRPO reinforcement learning (built-in rollout, resumable)",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = subparsers.add_parser(
+        "grpo",
+        help="GRPO reinforcement learning (built-in rollout, resumable)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("config", help="job YAML file or packaged preset name")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set grpo.kl_coef=0.01 (repeatable)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress display (metrics still logged)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set grpo.kl_coef=0.01 (repeatable)",
+    )
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress display (metrics still logged)"
+    )
     parser.set_defaults(run=run)
 
 
@@ -30,11 +42,15 @@ def run(args) -> int:
 
     job = load_job(args.config, args.overrides)
     if job.job != "grpo":
-        raise MliteError(f"{args.config} is a '{job.job}' job; run it with `mlite {job.job}` or set job: grpo")
+        raise MliteError(
+            f"{args.config} is a '{job.job}' job; run it with `mlite {job.job}` or set job: grpo"
+        )
     plan = plan_job(job)  # an invalid layout stops here with the planner's one-line reason
     if not plan.memory.fits:
-        raise MliteError(f"the job needs {plan.memory.total_gb:.1f} GB per GPU, over the usable "
-                         f"{plan.memory.usable_gb:.1f} GB; see `mlite plan {args.config} --recommend`")
+        raise MliteError(
+            f"the job needs {plan.memory.total_gb:.1f} GB per GPU, over the usable "
+            f"{plan.memory.usable_gb:.1f} GB; see `mlite plan {args.config} --recommend`"
+        )
 
     from mlite.trainers.grpo.trainer import print_summary, train_grpo
 

@@ -64,5 +64,9 @@ def to_job_dict(
         },
         "precision": {"compute": _COMPUTE[engine.dtype]},
         "offload": {"params": bool(engine.param_offload), "optimizer": bool(engine.optimizer_offload)},
-        "trainer": {"seed": int(engine.seed), "device": engine.device, "steps": max(int(total_steps or 1), 1)},
+        "trainer": {
+            "seed": int(engine.seed),
+            "device": engine.device,
+            "steps": max(int(total_steps or 1), 1),
+        },
     }

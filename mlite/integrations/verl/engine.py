@@ -56,7 +56,9 @@ class MliteEngine(BaseEngine):
 
     # ------------------------------------------------------------------------------------ lifecycle
     def job_dict(self) -> dict[str, Any]:
-        total = getattr(self.optimizer_config, "total_training_steps", None) if self.optimizer_config else None
+        total = (
+            getattr(self.optimizer_config, "total_training_steps", None) if self.optimizer_config else None
+        )
         return to_job_dict(self.engine_config, self.model_config.local_path, self.optimizer_config, total)
 
     def initialize(self):
@@ -87,8 +89,14 @@ class MliteEngine(BaseEngine):
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         dims = ParallelDims.from_job(job_from_dict(self.job_dict()), world)
-        return {"pp": rank // (dims.dp * dims.cp * dims.tp), "dp": rank // (dims.cp * dims.tp) % dims.dp,
-                "cp": rank // dims.tp % dims.cp, "tp": rank % dims.tp, "dp_size": dims.dp, "pp_size": dims.pp}
+        return {
+            "pp": rank // (dims.dp * dims.cp * dims.tp),
+            "dp": rank // (dims.cp * dims.tp) % dims.dp,
+            "cp": rank // dims.tp % dims.cp,
+            "tp": rank % dims.tp,
+            "dp_size": dims.dp,
+            "pp_size": dims.pp,
+        }
 
     def get_data_parallel_rank(self):
         return self.runtime.dp_rank if self.runtime is not None else self._coords()["dp"]
@@ -122,12 +130,16 @@ class MliteEngine(BaseEngine):
         group = self.get_data_parallel_group()
         if group is not None:
             torch.distributed.all_reduce(batch_num_tokens, group=group)
-        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(), dp_size=self.get_data_parallel_size())
+        tu.assign_non_tensor(
+            data, batch_num_tokens=batch_num_tokens.item(), dp_size=self.get_data_parallel_size()
+        )
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
         outputs = [self._micro_step(mb, loss_function, forward_only) for mb in micro_batches]
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
 
-    def _micro_step(self, micro_batch: TensorDict, loss_function: Optional[Callable], forward_only: bool) -> dict:
+    def _micro_step(
+        self, micro_batch: TensorDict, loss_function: Optional[Callable], forward_only: bool
+    ) -> dict:
         batch = packed_from_jagged(micro_batch)
         offsets = micro_batch["input_ids"].offsets()
         temperature = float(tu.get_non_tensor_data(micro_batch, "temperature", 1.0) or 1.0)
@@ -141,7 +153,9 @@ class MliteEngine(BaseEngine):
             captured["model_output"] = {k: v.detach() for k, v in model_output.items()}
             if loss_function is None:
                 return logprobs.sum() * 0, {}
-            loss, metrics = loss_function(model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group())
+            loss, metrics = loss_function(
+                model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group()
+            )
             return loss, metrics
 
         loss, metrics = self.runtime.forward_backward_logprobs(
@@ -155,7 +169,9 @@ class MliteEngine(BaseEngine):
         self.runtime.to(device, model=model, optimizer=optimizer)
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
-        self.runtime.save_checkpoint(os.path.join(local_path, "mlite"), extra_state={"global_step": global_step})
+        self.runtime.save_checkpoint(
+            os.path.join(local_path, "mlite"), extra_state={"global_step": global_step}
+        )
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
         self.runtime.load_checkpoint(os.path.join(local_path, "mlite"))

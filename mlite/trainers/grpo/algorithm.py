@@ -42,7 +42,9 @@ def group_advantages(
 
 
 # ------------------------------------------------------------------------------------------------- KL
-def kl_estimate(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: Literal["k1", "k3"]) -> torch.Tensor:
+def kl_estimate(
+    logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: Literal["k1", "k3"]
+) -> torch.Tensor:
     """Per-token KL(policy || reference) estimate from sampled tokens (Schulman's k1 / k3)."""
     if estimator == "k1":
         return logprob - ref_logprob
@@ -78,7 +80,12 @@ class LossNorm:
 
 
 def aggregate(
-    values: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, mode: LossAgg, norm: LossNorm
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    num_seqs: int,
+    mode: LossAgg,
+    norm: LossNorm,
 ) -> torch.Tensor:
     """This micro-batch's share of the mini-batch loss under `mode`; shares over micro-batches sum to it.
 
@@ -89,7 +96,9 @@ def aggregate(
     masked = values * mask
     if mode == "token-mean":
         return masked.sum() / norm.num_tokens
-    per_seq_sum = torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(0, seq_ids, masked)
+    per_seq_sum = torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(
+        0, seq_ids, masked
+    )
     if mode == "seq-mean-token-mean":
         per_seq_count = torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(
             0, seq_ids, mask.to(values.dtype)

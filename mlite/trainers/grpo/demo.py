@@ -26,21 +26,34 @@ def write_prompt_files(out: Path) -> dict[str, Path]:
 
     files = {}
     for split, limit in (("train", None), ("val", HELD_OUT)):
-        rows = [r for r in pq.read_table(out / "data" / f"{split}.parquet").to_pylist() if r["level"] in LEVELS]
+        rows = [
+            r for r in pq.read_table(out / "data" / f"{split}.parquet").to_pylist() if r["level"] in LEVELS
+        ]
         rows = [{k: r[k] for k in ("prompt", "answer", "kind", "level")} for r in rows][:limit]
         files[split] = write_rows(rows, out / "grpo_data" / f"{split}.jsonl")
     return files
 
 
-def demo_grpo_job(out: Path, model_dir: Path, device: str = "auto", overrides: tuple[str, ...] = ()) -> JobConfig:
+def demo_grpo_job(
+    out: Path, model_dir: Path, device: str = "auto", overrides: tuple[str, ...] = ()
+) -> JobConfig:
     files = write_prompt_files(out)
     gpu = ["cluster.gpu=h100"] if device == "cuda" else []
-    return load_job(PRESET, [
-        f"model.path={model_dir}", "model.name=null", "model.load_weights=true",
-        f"data.train_files=[{files['train']}]", f"data.val_files=[{files['val']}]",
-        f"data.tokenizer={out / 'tokenizer'}", f"trainer.output_dir={out / 'grpo'}", f"trainer.device={device}", *gpu,
-        *overrides,
-    ])
+    return load_job(
+        PRESET,
+        [
+            f"model.path={model_dir}",
+            "model.name=null",
+            "model.load_weights=true",
+            f"data.train_files=[{files['train']}]",
+            f"data.val_files=[{files['val']}]",
+            f"data.tokenizer={out / 'tokenizer'}",
+            f"trainer.output_dir={out / 'grpo'}",
+            f"trainer.device={device}",
+            *gpu,
+            *overrides,
+        ],
+    )
 
 
 def grpo_stage(out: Path, sft, device: str, console, overrides: tuple[str, ...] = ()) -> GRPOResult:
@@ -53,6 +66,8 @@ def grpo_stage(out: Path, sft, device: str, console, overrides: tuple[str, ...] 
     plan_job(job)
     if console is not None:
         r = job.rollout
-        console.print(f"4/4 grpo: {job.trainer.steps} steps of {r.prompts_per_step} prompts x {r.n} responses, "
-                      f"reward '{job.grpo.reward}', held-out prompts answered greedily before and after")
+        console.print(
+            f"4/4 grpo: {job.trainer.steps} steps of {r.prompts_per_step} prompts x {r.n} responses, "
+            f"reward '{job.grpo.reward}', held-out prompts answered greedily before and after"
+        )
     return train_grpo(job, console=console, show_progress=console is not None)

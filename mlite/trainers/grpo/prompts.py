@@ -50,11 +50,15 @@ def _answer(row: dict[str, Any], where: str) -> str:
         return str(row["answer"])
     ground_truth = (row.get("reward_model") or {}).get("ground_truth")
     if ground_truth is None:
-        raise MliteError(f"{where}: no 'answer' (or reward_model.ground_truth) in the row; every GRPO prompt needs one")
+        raise MliteError(
+            f"{where}: no 'answer' (or reward_model.ground_truth) in the row; every GRPO prompt needs one"
+        )
     return str(ground_truth)
 
 
-def render_prompts(rows: Sequence[dict[str, Any]], tokenizer, max_prompt_length: int) -> tuple[list[Prompt], int]:
+def render_prompts(
+    rows: Sequence[dict[str, Any]], tokenizer, max_prompt_length: int
+) -> tuple[list[Prompt], int]:
     """Rows -> tokenised prompts; rows longer than max_prompt_length are skipped and counted."""
     prompts, too_long = [], 0
     for i, row in enumerate(rows):

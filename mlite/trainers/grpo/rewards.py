@@ -11,6 +11,7 @@ its sample (`RewardFailure`) so the trainer can report it.
 from __future__ import annotations
 
 import importlib
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -75,8 +76,10 @@ def load_reward(spec: str) -> RewardFn:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise MliteError(f"grpo.reward '{spec}': cannot import module '{module_name}' ({err}); "
-                         "put it on PYTHONPATH or fix the path") from None
+        raise MliteError(
+            f"grpo.reward '{spec}': cannot import module '{module_name}' ({err}); "
+            "put it on PYTHONPATH or fix the path"
+        ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise MliteError(f"grpo.reward '{spec}': module '{module_name}' has no function '{attr}'")
@@ -91,8 +94,10 @@ class RewardFailure:
     error: str
 
     def describe(self) -> str:
-        return (f"reward function failed on response {self.index} ({self.error}); prompt={self.sample.get('prompt')!r} "
-                f"response={self.response[:200]!r}")
+        return (
+            f"reward function failed on response {self.index} ({self.error}); prompt={self.sample.get('prompt')!r} "
+            f"response={self.response[:200]!r}"
+        )
 
 
 def score_responses(
@@ -104,7 +109,7 @@ def score_responses(
     for i, (response, sample) in enumerate(zip(responses, samples, strict=True)):
         try:
             value = float(fn(response, sample))
-            if value != value:  # NaN would poison the group's advantages
+            if math.isnan(value):  # NaN would poison the group's advantages
                 raise ValueError("returned NaN")
         except Exception as err:  # noqa: BLE001 - any user error is reported, never fatal
             failures.append(RewardFailure(i, sample, response, f"{type(err).__name__}: {err}"))

@@ -73,6 +73,8 @@ def generate(
         next_logits = model.decode(token[:, None], (lengths + step)[:, None], cache)[:, 0]
 
     return [
-        Completion(list(map(int, prompts[i])), responses[i, : int(response_len[i])].tolist(), bool(stopped[i]))
+        Completion(
+            list(map(int, prompts[i])), responses[i, : int(response_len[i])].tolist(), bool(stopped[i])
+        )
         for i in range(rows)
     ]

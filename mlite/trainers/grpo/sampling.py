@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
     """[B, V] logits -> [B, V] scaled logits with filtered-out tokens at -inf.
 
     top_k keeps the k most likely tokens (0: off); top_p keeps the smallest set whose probability reaches
@@ -29,7 +31,11 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
 
 
 def sample(
-    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """[B, V] -> [B] next tokens. Sampling draws on `generator` (on the logits' device) for reproducibility."""
     if temperature == 0:

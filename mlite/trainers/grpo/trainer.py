@@ -142,13 +142,17 @@ class GRPOTrainer:
         device = self.runtime.device
         generator = torch.Generator(device=device).manual_seed(self.job.trainer.seed * 1_000_003 + step)
         self.runtime.eval()
-        completions = generate(self.runtime.model, [p.ids for p in prompts], self.sampling_params(), generator)
+        completions = generate(
+            self.runtime.model, [p.ids for p in prompts], self.sampling_params(), generator
+        )
         texts = [self.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
         scores, failures = score_responses(self.reward_fn, texts, [p.sample for p in prompts])
         return RolloutBatch(prompts, completions, texts, torch.tensor(scores), groups, failures)
 
     # ---------------------------------------------------------------------------------- log-probs
-    def _per_sequence_logprobs(self, model_fn: Callable[[list[PackedBatch]], list[torch.Tensor]], ro: RolloutBatch):
+    def _per_sequence_logprobs(
+        self, model_fn: Callable[[list[PackedBatch]], list[torch.Tensor]], ro: RolloutBatch
+    ):
         packed = pack_micro_batches(ro.sequences, ro.loss_masks, {}, self.max_tokens)
         per_seq: list[Optional[torch.Tensor]] = [None] * len(ro.sequences)
         for (idx, batch), logprobs in zip(packed, model_fn([b for _, b in packed])):
@@ -158,7 +162,9 @@ class GRPOTrainer:
 
     def old_logprobs(self, ro: RolloutBatch) -> list[torch.Tensor]:
         def run(batches):
-            outs = self.runtime.forward_backward(batches, None, forward_only=True, temperature=self.temperature)
+            outs = self.runtime.forward_backward(
+                batches, None, forward_only=True, temperature=self.temperature
+            )
             return [o["logprobs"] for o in outs]
 
         self.runtime.eval()
@@ -171,7 +177,9 @@ class GRPOTrainer:
             for batch in batches:
                 batch = batch.to(self.runtime.device)
                 hidden = self.reference(batch).hidden
-                logp, _ = token_logprobs(hidden, batch.labels, self.reference.compute_logits, self.temperature)
+                logp, _ = token_logprobs(
+                    hidden, batch.labels, self.reference.compute_logits, self.temperature
+                )
                 outs.append(logp)
             return outs
 
@@ -184,7 +192,12 @@ class GRPOTrainer:
             masks = [torch.tensor(m[1:] + [0], dtype=torch.float32) for m in ro.loss_masks]  # label-aligned
             seq_ids = torch.cat([torch.full((len(m),), i) for i, m in enumerate(masks)])
             rewards = kl_penalised_rewards(
-                rewards, torch.cat(old), torch.cat(ref), torch.cat(masks), seq_ids, self.cfg.kl_coef,
+                rewards,
+                torch.cat(old),
+                torch.cat(ref),
+                torch.cat(masks),
+                seq_ids,
+                self.cfg.kl_coef,
                 self.cfg.kl_estimator,
             )
         return group_advantages(rewards, ro.groups, std_norm=self.cfg.adv_std_norm)
@@ -206,7 +219,7 @@ class GRPOTrainer:
             order = list(range(n))
             random.Random(self.job.trainer.seed * 31 + step * 1009 + epoch).shuffle(order)
             for mini in range(self.cfg.mini_batches):
-                idx = order[mini::self.cfg.mini_batches]
+                idx = order[mini :: self.cfg.mini_batches]
                 seqs = [ro.sequences[i] for i in idx]
                 masks = [ro.loss_masks[i] for i in idx]
                 mini_extras = {k: [v[i] for i in idx] for k, v in extras.items()}
@@ -218,24 +231,38 @@ class GRPOTrainer:
                 )
                 aux_weight = 1.0 / (len(micro) * self.runtime.dp_size)
 
-                def loss_fn(batch: PackedBatch, logprobs, entropy, aux_loss):
+                def loss_fn(
+                    batch: PackedBatch, logprobs, entropy, aux_loss, norm=norm, aux_weight=aux_weight
+                ):
                     mask = batch.labels != IGNORE
                     loss, metrics = grpo_loss(
-                        self.loss_cfg, logprobs, batch.extras["old_logprobs"], batch.extras["advantages"], mask,
-                        batch.sequence_ids(), batch.num_sequences, norm, entropy, batch.extras.get("ref_logprobs"),
+                        self.loss_cfg,
+                        logprobs,
+                        batch.extras["old_logprobs"],
+                        batch.extras["advantages"],
+                        mask,
+                        batch.sequence_ids(),
+                        batch.num_sequences,
+                        norm,
+                        entropy,
+                        batch.extras.get("ref_logprobs"),
                     )
                     metrics["tokens"] = float(mask.sum())
                     return loss + aux_loss * aux_weight, metrics
 
                 self.runtime.zero_grad()
-                outs = self.runtime.forward_backward(micro, loss_fn, with_entropy=True, temperature=self.temperature)
+                outs = self.runtime.forward_backward(
+                    micro, loss_fn, with_entropy=True, temperature=self.temperature
+                )
                 grad_norm, _skipped = self.runtime.optimizer_step()
                 grad_norms.append(float(grad_norm))
                 for out in outs:
                     tokens = out["metrics"].pop("tokens")
                     for key, value in out["metrics"].items():
                         if key == "actor/pg_loss":  # micro-batch shares add up to the mini-batch loss
-                            totals[key] = totals.get(key, 0.0) + value / (self.cfg.ppo_epochs * self.cfg.mini_batches)
+                            totals[key] = totals.get(key, 0.0) + value / (
+                                self.cfg.ppo_epochs * self.cfg.mini_batches
+                            )
                             weights[key] = 1.0
                         else:
                             totals[key] = totals.get(key, 0.0) + value * tokens
@@ -257,19 +284,25 @@ class GRPOTrainer:
         lengths = torch.tensor([len(c.response_ids) for c in ro.completions], dtype=torch.float32)
         if ref is not None:
             label_masks = [torch.tensor(m[1:] + [0], dtype=torch.float32) for m in ro.loss_masks]
-            kl = torch.cat([kl_estimate(o, r, self.cfg.kl_estimator) * m for o, r, m in zip(old, ref, label_masks)])
+            kl = torch.cat(
+                [kl_estimate(o, r, self.cfg.kl_estimator) * m for o, r, m in zip(old, ref, label_masks)]
+            )
             metrics["actor/kl_ref"] = float(kl.sum() / torch.cat(label_masks).sum().clamp(min=1))
-        metrics.update({
-            "reward/mean": float(ro.rewards.mean()),
-            "reward/std": float(ro.rewards.std()) if len(ro.rewards) > 1 else 0.0,
-            "reward/failures": float(len(ro.failures)),
-            "response/length_mean": float(lengths.mean()),
-            "response/length_max": float(lengths.max()),
-            "response/clip_ratio": float(sum(not c.stopped for c in ro.completions) / len(ro.completions)),
-            "time/rollout_s": rollout_s,
-            "time/step_s": time.perf_counter() - started,
-            "tokens": float(sum(len(s) for s in ro.sequences)),
-        })
+        metrics.update(
+            {
+                "reward/mean": float(ro.rewards.mean()),
+                "reward/std": float(ro.rewards.std()) if len(ro.rewards) > 1 else 0.0,
+                "reward/failures": float(len(ro.failures)),
+                "response/length_mean": float(lengths.mean()),
+                "response/length_max": float(lengths.max()),
+                "response/clip_ratio": float(
+                    sum(not c.stopped for c in ro.completions) / len(ro.completions)
+                ),
+                "time/rollout_s": rollout_s,
+                "time/step_s": time.perf_counter() - started,
+                "tokens": float(sum(len(s) for s in ro.sequences)),
+            }
+        )
         return metrics, ro
 
     # ---------------------------------------------------------------------------------- evaluate
@@ -279,7 +312,9 @@ class GRPOTrainer:
         scores: list[float] = []
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
-            completions = generate(self.runtime.model, [p.ids for p in chunk], self.sampling_params(greedy=True))
+            completions = generate(
+                self.runtime.model, [p.ids for p in chunk], self.sampling_params(greedy=True)
+            )
             texts = [self.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
             chunk_scores, _ = score_responses(self.reward_fn, texts, [p.sample for p in chunk])
             scores.extend(chunk_scores)
@@ -327,15 +362,21 @@ def load_tokenizer(job: JobConfig):
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
-        raise MliteError(f"cannot load the tokenizer from {source} ({type(err).__name__}); point data.tokenizer "
-                         "at a dir with tokenizer.json") from None
+        raise MliteError(
+            f"cannot load the tokenizer from {source} ({type(err).__name__}); point data.tokenizer "
+            "at a dir with tokenizer.json"
+        ) from None
 
 
 def load_prompts(files: Sequence[str], tokenizer, job: JobConfig, what: str) -> list[Prompt]:
     prompts, too_long = render_prompts(read_rows(files), tokenizer, job.rollout.max_prompt_length)
     if too_long:
-        log.warning("%d %s prompts are longer than rollout.max_prompt_length=%d and were skipped", too_long, what,
-                    job.rollout.max_prompt_length)
+        log.warning(
+            "%d %s prompts are longer than rollout.max_prompt_length=%d and were skipped",
+            too_long,
+            what,
+            job.rollout.max_prompt_length,
+        )
     if not prompts and what == "train":
         raise MliteError(f"no usable GRPO prompts in {', '.join(files)} (skipped as too long: {too_long})")
     return prompts
@@ -350,7 +391,9 @@ def train_grpo(job: JobConfig, console=None, show_progress: bool = True, tokeniz
 
         require_vllm()
     if not job.data.train_files:
-        raise MliteError("data.train_files is empty: GRPO needs prompt files (JSONL/parquet with prompt + answer)")
+        raise MliteError(
+            "data.train_files is empty: GRPO needs prompt files (JSONL/parquet with prompt + answer)"
+        )
     out = Path(job.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = tokenizer or load_tokenizer(job)
@@ -386,11 +429,17 @@ def train_grpo(job: JobConfig, console=None, show_progress: bool = True, tokeniz
                 eval_after = metrics["eval/reward_mean"]
             if step % job.trainer.log_every == 0 or step == total:
                 writer.log(step, metrics)
-                progress.update(step, metrics["actor/pg_loss"], metrics["tokens"] / metrics["time/step_s"],
-                                f"reward {metrics['reward/mean']:.3f}")
+                progress.update(
+                    step,
+                    metrics["actor/pg_loss"],
+                    metrics["tokens"] / metrics["time/step_s"],
+                    f"reward {metrics['reward/mean']:.3f}",
+                )
             stopped = stop.should_stop()
             if stopped or step == total or (job.trainer.save_every and step % job.trainer.save_every == 0):
-                last_saved = manager.save(step, lambda path, at=step: runtime.save_checkpoint(path, {"step": at}))
+                last_saved = manager.save(
+                    step, lambda path, at=step: runtime.save_checkpoint(path, {"step": at})
+                )
             if stopped:
                 stopped_by = stop.received
                 break
@@ -399,22 +448,29 @@ def train_grpo(job: JobConfig, console=None, show_progress: bool = True, tokeniz
     plot = None
     if first_rank() and stopped_by is None:
         plot = plot_metrics(writer.path, out / "grpo.png", keys=PLOT_KEYS, title=f"GRPO ({out.name})")
-    return GRPOResult(out, start, step, total, last_saved, writer.path, plot, eval_before, eval_after, stopped_by,
-                      failures)
+    return GRPOResult(
+        out, start, step, total, last_saved, writer.path, plot, eval_before, eval_after, stopped_by, failures
+    )
 
 
 def print_summary(result: GRPOResult, console) -> None:
     rewards = result.rewards
     if result.stopped_by:
-        console.print(f"[yellow]stopped by {result.stopped_by} after step {result.last_step}/{result.total_steps}; "
-                      "checkpoint saved, rerun the same command (trainer.resume=auto) to continue[/yellow]")
+        console.print(
+            f"[yellow]stopped by {result.stopped_by} after step {result.last_step}/{result.total_steps}; "
+            "checkpoint saved, rerun the same command (trainer.resume=auto) to continue[/yellow]"
+        )
     if rewards:
-        console.print(f"train reward {rewards[0]:.3f} (first step) -> {rewards[-1]:.3f} (step {result.last_step})",
-                      highlight=False)
+        console.print(
+            f"train reward {rewards[0]:.3f} (first step) -> {rewards[-1]:.3f} (step {result.last_step})",
+            highlight=False,
+        )
     if result.eval_before is not None or result.eval_after is not None:
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        console.print(f"held-out reward (greedy) {fmt(result.eval_before)} before -> {fmt(result.eval_after)} after",
-                      highlight=False)
+        console.print(
+            f"held-out reward (greedy) {fmt(result.eval_before)} before -> {fmt(result.eval_after)} after",
+            highlight=False,
+        )
     for line in result.reward_failures:
         console.print(f"[yellow]{line}[/yellow]", highlight=False)
     console.print(f"checkpoint  {result.checkpoint}\nmetrics     {result.metrics_path}", highlight=False)

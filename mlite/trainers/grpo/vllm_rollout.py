@@ -30,8 +30,14 @@ class VLLMRollout:
         require_vllm()
         from vllm import LLM
 
-        self.llm = LLM(model=model_path, tensor_parallel_size=tp, gpu_memory_utilization=gpu_memory_utilization,
-                       enable_sleep_mode=True, seed=seed, distributed_executor_backend="external_launcher")
+        self.llm = LLM(
+            model=model_path,
+            tensor_parallel_size=tp,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=True,
+            seed=seed,
+            distributed_executor_backend="external_launcher",
+        )
         self.llm.sleep(level=1)
 
     def sync_weights(self, weights) -> None:
@@ -40,12 +46,26 @@ class VLLMRollout:
         model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
         model.load_weights(weights)
 
-    def generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, top_p: float,
-                 top_k: int, stop_token_ids: tuple[int, ...]) -> list[list[int]]:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        stop_token_ids: tuple[int, ...],
+    ) -> list[list[int]]:
         from vllm import SamplingParams, TokensPrompt
 
-        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k if top_k > 0 else -1, stop_token_ids=list(stop_token_ids))
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        params = SamplingParams(
+            max_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k if top_k > 0 else -1,
+            stop_token_ids=list(stop_token_ids),
+        )
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False
+        )
         self.llm.sleep(level=1)  # give the KV cache and weights' memory back to training
         return [list(o.outputs[0].token_ids) for o in outputs]
