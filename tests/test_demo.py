@@ -52,6 +52,7 @@ def test_demo_learns_and_writes_everything(demo):
 
     assert "mlite demo ->" in log and "demo finished in" in log
     assert f"-> {losses[-1]:.4f} (step 60)" in log and "tokens/s" in log and "loss curve" in log
+    assert "held-out questions answered right (greedy): " in log and "/64" in log
 
 
 def test_demo_checkpoint_exports_to_transformers(demo, tmp_path):

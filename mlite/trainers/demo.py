@@ -96,10 +96,34 @@ def run_demo(output_dir: str | Path = "runs/demo", device: str = "auto", overrid
         f"({paths['model'] / 'config.json'})")
     say(f"3/3 sft: {job.trainer.steps} steps of {job.data.global_batch_size} sequences")
     sft = train_sft(job, console=console, show_progress=show_progress)
-    stages = {"sft": sft}
+    stages = {"sft": sft, "sft_eval": held_out_accuracy(job, sft.checkpoint, paths["val"])}
     for name, stage in STAGES_AFTER_SFT:
         stages[name] = stage(out, sft, device, console)
     return DemoResult(out, job, sft, time.perf_counter() - began, stages)
+
+
+def held_out_accuracy(job: JobConfig, checkpoint: Path, val_file: Path, questions: int = 64, max_new_tokens: int = 48) -> dict:
+    """Greedy answers of the trained model to held-out questions, checked against the ground truth."""
+    import pyarrow.parquet as pq
+
+    from mlite.runtime.data.demo import check_answer
+    from mlite.runtime.data.sft import load_tokenizer
+    from mlite.runtime.engine import Runtime
+    from mlite.trainers.grpo.rollout import SamplingParams, generate
+
+    runtime = Runtime(job)
+    runtime.load_checkpoint(checkpoint, weights_only=True)
+    runtime.eval()
+    tokenizer = load_tokenizer(job.data.tokenizer)
+    rows = pq.read_table(val_file).to_pylist()[:questions]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"] for r in rows]
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
+    completions = generate(runtime.model, prompts, params, pad_id=tokenizer.pad_token_id or 0)
+    answers = [tokenizer.decode(c.response_ids, skip_special_tokens=True).strip() for c in completions]
+    correct = [check_answer(a, r["answer"]) for a, r in zip(answers, rows)]
+    examples = [(r["prompt"], a, ok) for r, a, ok in zip(rows, answers, correct)][:3]
+    return {"correct": sum(correct), "total": len(rows), "examples": examples}
 
 
 def print_demo_summary(result: DemoResult, console) -> None:
@@ -107,3 +131,9 @@ def print_demo_summary(result: DemoResult, console) -> None:
 
     console.print(f"\n[bold]demo finished in {result.seconds:.0f} s[/bold] ({result.output_dir})")
     print_summary(result.sft, console)
+    evaluation = result.stages.get("sft_eval")
+    if evaluation:
+        console.print(f"held-out questions answered right (greedy): {evaluation['correct']}/{evaluation['total']}",
+                      highlight=False)
+        for question, answer, ok in evaluation["examples"]:
+            console.print(f"  {'ok ' if ok else 'no '} Q: {question}\n      A: {answer}", highlight=False)

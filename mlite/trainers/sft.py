@@ -114,7 +114,7 @@ def train_sft(job: JobConfig, console=None, show_progress: bool = True) -> SFTRe
                 break
     progress.close()
     writer.close()
-    plot = plot_metrics(writer.path, out / PLOT_FILE, title=f"SFT loss ({out.name})") if first_rank() and stopped_by is None else None
+    plot = plot_metrics(writer.path, out / PLOT_FILE, ("loss", "val_loss"), f"SFT {out}") if first_rank() and stopped_by is None else None
     result = SFTResult(out, start, step, total_steps, last_saved, writer.path, plot, stopped_by,
                        tokens_seen / busy_s if busy_s else 0.0, data.report, is_output_rank=first_rank())
     runtime.close()
