@@ -26,8 +26,9 @@ import json
 import logging
 import os
 import random
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,7 +61,7 @@ def pick_device(choice: str) -> torch.device:
         raise MliteError("trainer.device: cuda but no CUDA GPU is visible; run on a GPU node or set trainer.device=cpu")
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
@@ -81,7 +82,7 @@ def hf_config_of(job: JobConfig) -> dict[str, Any]:
 
 def rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
     state["numpy"] = {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "gauss": gauss}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -105,7 +106,7 @@ def seed_everything(seed: int) -> None:
 
 
 class Runtime:
-    def __init__(self, job: JobConfig, total_steps: Optional[int] = None, hf_config: Optional[dict] = None):
+    def __init__(self, job: JobConfig, total_steps: int | None = None, hf_config: dict | None = None):
         """Build the model (random init from trainer.seed, or HF weights when model.load_weights), the
         optimizer and the schedule. `hf_config` overrides the model's config.json (export uses the copy in a
         checkpoint); `total_steps` is the schedule's length (default trainer.steps)."""
@@ -188,7 +189,7 @@ class Runtime:
         return (self.mesh.rank_in("pp") == self.dims.pp - 1 and self.mesh.rank_in("tp") == 0
                 and self.mesh.rank_in("cp") == 0)
 
-    def global_sum(self, value: float | int) -> float:
+    def global_sum(self, value: float) -> float:
         """Sum a count (e.g. target tokens) over the loss group: the normaliser of an exact global mean."""
         if self.loss_group is None:
             return value
@@ -205,7 +206,7 @@ class Runtime:
     def forward_backward(
         self,
         micro_batches: list[PackedBatch],
-        loss_fn: Optional[LossFn],
+        loss_fn: LossFn | None,
         forward_only: bool = False,
         with_entropy: bool = False,
         temperature: float = 1.0,
@@ -302,7 +303,7 @@ class Runtime:
         model_state, optim_state = get_state_dict(self.model, self.optim.optimizer)
         return {"model": model_state, "optimizer": optim_state}
 
-    def save_checkpoint(self, path: str | Path, extra_state: Optional[dict] = None) -> Path:
+    def save_checkpoint(self, path: str | Path, extra_state: dict | None = None) -> Path:
         """Atomically write model, optimizer, schedule, RNG streams and `extra_state` (JSON-able) to `path`."""
         meta = {
             "format": 1,
@@ -334,7 +335,7 @@ class Runtime:
         return meta["extra"]
 
     # ------------------------------------------------------------------------------------ export
-    def export_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named tensors one at a time (never the whole state at once)."""
         from mlite.runtime.ckpt.hf import iter_hf_weights
 
@@ -342,7 +343,7 @@ class Runtime:
             yield name, (tensor.to(dtype) if dtype is not None else tensor)
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: Optional[torch.dtype] = None) -> Path:
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
     """A training checkpoint (or a run dir: its newest good one) -> an HF checkpoint transformers loads.
 
     The model is rebuilt on the CPU from the job and config.json stored in the checkpoint, so neither the

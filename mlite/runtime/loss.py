@@ -7,12 +7,11 @@ the backward pass instead of being kept: memory holds one chunk's logits at a ti
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint
-
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.kernels.lm_head import linear_logprobs
@@ -39,8 +38,8 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    head_weight: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    head_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [T, H], labels [T] -> log p(label) [T] (0 where the label is IGNORE), entropy [T] or None.
 
     Position t's label is the next token, so log-probs line up with the inputs (what verl's losses read).

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import signal
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -28,10 +27,10 @@ class StopRequest:
 
     def __init__(self, signals=STOP_SIGNALS):
         self.signals = signals
-        self.received: Optional[str] = None
+        self.received: str | None = None
         self._previous = {}
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -56,7 +55,7 @@ class StopRequest:
         return flag
 
 
-def checkpoint_to_resume(resume: str, manager: CheckpointManager) -> Optional[Path]:
+def checkpoint_to_resume(resume: str, manager: CheckpointManager) -> Path | None:
     """trainer.resume: `auto` (newest good checkpoint in the output dir, if any), `never`, or a path."""
     if resume == "never":
         if manager.steps():

@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 from mlite.config import load_job
 from mlite.config.schema import JobConfig

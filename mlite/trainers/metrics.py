@@ -10,8 +10,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -69,7 +70,7 @@ class MetricsWriter:
 
 def plot_metrics(
     metrics_path: str | Path, png_path: str | Path, keys: Iterable[str] = ("loss",), title: str = "training loss"
-) -> Optional[Path]:
+) -> Path | None:
     """A PNG of `keys` against the step (matplotlib, no display needed). None when nothing was logged."""
     records = read_metrics(metrics_path)
     keys = [k for k in keys if any(k in r for r in records)]

@@ -16,7 +16,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
@@ -36,10 +35,10 @@ class SFTResult:
     start_step: int  # 0, or the step resumed from
     last_step: int  # the last finished optimizer step
     total_steps: int
-    checkpoint: Optional[Path]  # the checkpoint written last (None if none was written)
+    checkpoint: Path | None  # the checkpoint written last (None if none was written)
     metrics_path: Path
-    plot_path: Optional[Path]
-    stopped_by: Optional[str] = None  # the signal that ended the run early
+    plot_path: Path | None
+    stopped_by: str | None = None  # the signal that ended the run early
     tokens_per_s: float = 0.0  # mean over this process's steps
     data_report: dict = field(default_factory=dict)
     is_output_rank: bool = True  # the rank that wrote metrics and prints the summary
@@ -75,7 +74,7 @@ def train_sft(job: JobConfig, console=None, show_progress: bool = True) -> SFTRe
 
     writer = MetricsWriter(out, trainer.tensorboard, resume_step=start, enabled=first_rank())
     progress = ProgressDisplay(total_steps, start, "sft", enabled=show_progress and first_rank(), console=console)
-    last_saved: Optional[Path] = None
+    last_saved: Path | None = None
     step, stopped_by, busy_s, tokens_seen = start, None, 0.0, 0
 
     def save(at: int) -> Path:

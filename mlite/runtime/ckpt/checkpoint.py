@@ -24,8 +24,9 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -149,7 +150,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / META).read_text())
 
 
-def load_checkpoint(path: str | Path, tensors: dict[str, Any]) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+def load_checkpoint(path: str | Path, tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Verify, then load the tensors in place into `tensors` (same structure as saved, any layout).
 
     Returns (meta, this rank's state), the latter None when the checkpoint was written by fewer ranks."""
@@ -191,7 +192,7 @@ class CheckpointManager:
         _barrier()
         return path
 
-    def latest_good(self) -> Optional[Path]:
+    def latest_good(self) -> Path | None:
         """The newest checkpoint that verifies; broken ones are skipped with a warning."""
         for step in self.steps():
             path = self.path_for(step)

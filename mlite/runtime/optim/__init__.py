@@ -12,7 +12,8 @@ same five methods, with their grad norm reduced over the groups that shard the p
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 
@@ -89,7 +90,7 @@ class LocalAdamW:
         self,
         params: Iterable[torch.nn.Parameter],
         cfg: OptimizerConfig,
-        grad_norm_fn: Optional[Callable[[list[torch.Tensor]], torch.Tensor]] = None,
+        grad_norm_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
     ):
         self.params = [p for p in params if p.requires_grad]
         self.cfg = cfg
