@@ -121,7 +121,6 @@ def test_two_node_sft_trains_and_checkpoints_with_both_nodes(sft_run):
         assert (logs / f"node-{node}.exit").read_text().split()[0] == "0"
         text = (logs / f"node-{node}.log").read_text()
         assert f"{node} node rank {rank} of 2" in text
-        assert "4000 rows in 1 files" in text  # this node's rank loaded the data and took part
         assert f"--nnodes 2 --node-rank {rank}" in (logs / f"command.node{rank}.sh").read_text()
     assert (logs / "plan.txt").read_text().rstrip().splitlines()[-1].startswith("FITS")
     final = run_dir / "checkpoints" / f"step_{STEPS:08d}"
