@@ -263,3 +263,19 @@ def test_two_data_parallel_ranks_match_one_process(assets, reference, tmp_path):
         assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4), ours["step"]
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3), ours["step"]
     assert CheckpointManager(out).steps() == [30, 25]
+
+
+def test_a_one_process_checkpoint_resumes_on_two_ranks(assets, reference, tmp_path):
+    """Checkpoints are layout-independent: step 25 of the one-process run continues data parallel."""
+    mid = CheckpointManager(reference[0].output_dir).path_for(25)
+    out = tmp_path / "dp2"
+    config = write_job(tmp_path / "job.yaml", job_dict(assets, out, resume=str(mid)))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "mlite", "sft", str(config), "--no-progress"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = exact(read_metrics(out / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [26, 27, 28, 29, 30]
+    for ours, ref in zip(records, reference[1][25:]):
+        assert (ours["tokens"], ours["lr"]) == (ref["tokens"], ref["lr"])
+        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-5), ours["step"]
