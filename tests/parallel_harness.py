@@ -14,21 +14,14 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from mlite.config import job_from_dict
 from mlite.config.arch import ModelArch, arch_from_hf_config
 from mlite.config.catalog import PRESETS
 from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.models import build_model
 from mlite.runtime.parallel.context import split_for_context_parallel
 from mlite.runtime.parallel.mesh import ParallelDims
-from mlite.runtime.parallel.parallelize import (
-    apply_context_parallel,
-    apply_expert_parallel,
-    apply_fsdp,
-    apply_recompute,
-    apply_tensor_parallel,
-    clip_grad_norm_,
-    set_gradient_sync,
-)
+from mlite.runtime.parallel.parallelize import clip_grad_norm_, parallelize_model, set_gradient_sync
 from mlite.runtime.parallel.pipeline import PipelineRunner, keep_chunk, one_f_one_b, split_layers
 
 # the catalog's tiny models, untied (a tied LM head is not split across stages yet) and 4 layers (pp2 x vpp2)
@@ -221,23 +214,22 @@ def reference(moe: bool) -> list[tuple[float, float]]:
     return _REFERENCE[moe]
 
 
-def parallelize(model, mesh, recompute=None):
-    apply_tensor_parallel(model, mesh)
-    if recompute:
-        apply_recompute(model, **recompute)
-    apply_context_parallel(model, mesh)
-    apply_expert_parallel(model, mesh)
-    apply_fsdp(model, mesh, compute_dtype=compute_dtype())
-    return model
+def parallelize(model, mesh, job_sections=None):
+    """The runtime's entry point, driven by a job file's sections (recompute, offload); precision from the
+    suite (fp32 on CPU, bf16 on GPUs)."""
+    sections = dict(job_sections or {})
+    sections["precision"] = {"compute": "bf16" if compute_dtype() == torch.bfloat16 else "fp32"}
+    job = job_from_dict({"model": {"name": "tiny-qwen3-moe"}, **sections})
+    return parallelize_model(model, mesh, job, device().type)
 
 
-def build_layout(moe: bool, mesh, recompute=None) -> dict:
+def build_layout(moe: bool, mesh, job_sections=None) -> dict:
     """This rank's model chunks for the layout: {chunk index: parallelized chunk}."""
     if mesh is None:
         return {0: make_model(moe)}
     dims = mesh.dims
     split = split_layers(LAYERS, dims.pp, dims.vpp)
     mine = range(mesh.rank_in("pp"), dims.pp * dims.vpp, dims.pp)
-    return {c: parallelize(keep_chunk(make_model(moe), split[c], c == 0, c == len(split) - 1), mesh, recompute) for c in mine}
+    return {c: parallelize(keep_chunk(make_model(moe), split[c], c == 0, c == len(split) - 1), mesh, job_sections) for c in mine}
 
 

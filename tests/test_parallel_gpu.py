@@ -19,10 +19,15 @@ BF16_RTOL = 2e-2
 
 
 def _worker(rank, world, layout, models, out):
+    layout = dict(layout)
+    job_sections = layout.pop("job", None)
     mesh = ParallelDims(world, **layout).build("cuda")
     results = {}
     for moe in models:
-        chunks = build_layout(moe, mesh)
+        chunks = build_layout(moe, mesh, job_sections)
+        layer_params = [p for c in chunks.values() for p in c.layers.parameters()]
+        on_host = sum(p.numel() for p in layer_params if p.device.type == "cpu")
+        results[("host share", moe)] = on_host / sum(p.numel() for p in layer_params)
         results[moe] = train(chunks, mesh, make_optimizer(chunks), range(STEPS))
     if rank == 0:
         torch.save(results, out)
@@ -53,6 +58,21 @@ def bf16_on_gpu(monkeypatch):
     ids=["dp2", "tp2", "cp2", "ep2", "pp2", "tp2xdp2", "cp2xtp2", "pp2xtp2", "ep2xdp2"],
 )
 def test_layout_matches_one_gpu_in_bf16(tmp_path, bf16_on_gpu, world, layout, models):
+    results = run_and_compare(tmp_path, world, layout, models)
+    for moe in models:
+        assert results[("host share", moe)] == 0.0
+
+
+@pytest.mark.gpu
+def test_optimizer_offload_fraction_keeps_that_share_of_layers_on_the_host(tmp_path, bf16_on_gpu):
+    # 4 layers, fraction 0.5: the first 2 layer units keep parameters, gradients and Adam state on the host
+    job = {"offload": {"optimizer": True, "optimizer_fraction": 0.5}}
+    results = run_and_compare(tmp_path, 2, dict(dp=2, job=job), (False, True))
+    for moe in (False, True):
+        assert results[("host share", moe)] == pytest.approx(0.5)
+
+
+def run_and_compare(tmp_path, world, layout, models):
     out = tmp_path / "history.pt"
     launch(world, _worker, layout, models, str(out), backend="nccl")
     results = torch.load(out)
@@ -61,3 +81,4 @@ def test_layout_matches_one_gpu_in_bf16(tmp_path, bf16_on_gpu, world, layout, mo
         for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(results[moe], want)):
             assert loss == pytest.approx(ref_loss, rel=BF16_RTOL), f"moe={moe} step {step}: {loss} vs {ref_loss}"
             assert norm == pytest.approx(ref_norm, rel=BF16_RTOL), f"moe={moe} step {step}: {norm} vs {ref_norm}"
+    return results

@@ -19,11 +19,11 @@ STEPS = 3
 
 def _worker(rank, world, layout, models, out):
     layout = dict(layout)
-    recompute = layout.pop("recompute", None)
+    job_sections = layout.pop("job", None)  # recompute / offload sections of the job file
     mesh = ParallelDims(world, **layout).build("cpu")
     results = {}
     for moe in models:  # one process group start for both models
-        chunks = build_layout(moe, mesh, recompute)
+        chunks = build_layout(moe, mesh, job_sections)
         results[moe] = train(chunks, mesh, make_optimizer(chunks), range(STEPS))
     if rank == 0:
         torch.save(results, out)
@@ -52,7 +52,7 @@ def check_parity(tmp_path, world, layout, models=(False, True)):
         (2, dict(pp=2)),
         (2, dict(pp=2, vpp=2)),
         (4, dict(pp=2, tp=2)),
-        (2, dict(tp=2, recompute=dict(granularity="full", method="uniform", num_layers=1))),
+        (2, dict(tp=2, job={"recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}})),
     ],
     ids=["dp2", "tp2", "cp2", "tp2xdp2", "cp2xtp2", "pp2", "pp2+vpp2", "pp2xtp2", "tp2+full-recompute"],
 )

@@ -138,3 +138,21 @@ def test_context_split_keeps_positions_labels_and_sequence_of_every_token():
         assert torch.equal(s.position_ids, batch.position_ids[keep])
         assert torch.equal(s.labels, batch.labels[keep])
         assert torch.equal(s.extras[SEQUENCE_ID], batch.sequence_ids()[keep])
+
+
+# ------------------------------------------------------------------------------- model vs layout
+@pytest.mark.parametrize(
+    "preset,dims,words",
+    [
+        ("tiny-qwen3", ParallelDims(2, dp=2), "tied embeddings"),
+        ("tiny-qwen3-moe", ParallelDims(4, tp=4), "tp=4 must divide the attention heads \\(4\\) and KV heads \\(2\\)"),
+        ("tiny-qwen3-moe", ParallelDims(2, dp=2, etp=2), "etp=2"),
+    ],
+)
+def test_what_the_layouts_cannot_do_yet_is_refused_before_any_group_exists(preset, dims, words):
+    from mlite.config.catalog import preset_arch
+    from mlite.runtime.parallel.parallelize import check_model_fits_layout
+
+    with pytest.raises(MliteError, match=words):
+        check_model_fits_layout(preset_arch(preset), dims)
+    check_model_fits_layout(preset_arch("tiny-qwen3-moe"), ParallelDims(2, tp=2, ep=2))  # and a good one passes

@@ -16,6 +16,7 @@ averaged (FSDP2's divide factor is 1).
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.utils.checkpoint
@@ -33,6 +34,9 @@ from torch.distributed.tensor.parallel import (
 from mlite.errors import MliteError
 from mlite.runtime.parallel.context import context_parallel_attention
 from mlite.runtime.parallel.mesh import ParallelMesh
+
+if TYPE_CHECKING:
+    from mlite.config.schema import JobConfig
 
 
 def is_moe(layer: nn.Module) -> bool:
@@ -126,26 +130,70 @@ def apply_fsdp(
     model: nn.Module,
     mesh: ParallelMesh,
     compute_dtype: torch.dtype = torch.float32,
-    offload_optimizer: bool = False,
+    offload_fraction: float = 0.0,
 ) -> None:
     """FSDP2: fp32 sharded parameters (the master copy, so the optimizer state is sharded too), gathered in
     `compute_dtype` for compute, gradients reduced in fp32. Dense parameters shard over dp_cp, experts over
-    edp, a MoE block's router over all the ranks of a stage (each sees different tokens)."""
+    edp, a MoE block's router over all the ranks of a stage (each sees different tokens).
+
+    `offload_fraction`: the share of layers whose sharded parameters, gradients and therefore optimizer
+    state (and step) live on the host (FSDP2's CPUOffloadPolicy per layer unit); 1.0 offloads everything."""
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    extra = {"offload_policy": CPUOffloadPolicy()} if offload_optimizer else {}
-    shard = functools.partial(fully_shard, mp_policy=policy, reshard_after_forward=True, **extra)
+    layers = list(model.layers.values())
+    offloaded = round(offload_fraction * len(layers))
+
+    def shard(module, mesh_name, offload):
+        extra = {"offload_policy": CPUOffloadPolicy()} if offload else {}
+        return fully_shard(module, mesh=mesh[mesh_name], mp_policy=policy, reshard_after_forward=True, **extra)
+
     groups = []
-    for layer in model.layers.values():
+    for i, layer in enumerate(layers):
+        offload = i < offloaded
         if is_moe(layer):
-            groups.append(shard(layer.mlp.experts, mesh=mesh["edp"]))
-            groups.append(shard(layer.mlp, mesh=mesh["dp_cp_tp"]))  # the router
-        groups.append(shard(layer, mesh=mesh["dp_cp"]))
+            groups.append(shard(layer.mlp.experts, "edp", offload))
+            groups.append(shard(layer.mlp, "dp_cp_tp", offload))  # the router
+        groups.append(shard(layer, "dp_cp", offload))
+    everything = offload_fraction >= 1.0
     if model.output is not None:  # the LM head runs in the loss, outside the decoder's forward
-        groups.append(shard(model.output, mesh=mesh["dp_cp"]))
-    groups.append(shard(model, mesh=mesh["dp_cp"]))
+        groups.append(shard(model.output, "dp_cp", everything))
+    groups.append(shard(model, "dp_cp", everything))
     for module in groups:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+
+
+def check_model_fits_layout(arch, dims) -> None:
+    """What this module cannot do with a model, refused before any weight is touched."""
+    if dims.world_size > 1 and arch.tie_embeddings:
+        raise MliteError(
+            "tied embeddings (tie_word_embeddings) are not supported in multi-rank layouts yet; "
+            "run on one process or use a model with an untied LM head"
+        )
+    if dims.tp > 1 and (arch.num_kv_heads % dims.tp or arch.num_heads % dims.tp):
+        raise MliteError(
+            f"tp={dims.tp} must divide the attention heads ({arch.num_heads}) and KV heads ({arch.num_kv_heads}); "
+            "replicated KV heads are not supported yet: lower parallel.tp"
+        )
+    if dims.etp > 1:
+        raise MliteError(f"etp={dims.etp}: expert tensor parallel is not supported yet; set parallel.etp: 1")
+
+
+def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: "JobConfig", device_type: str) -> nn.Module:
+    """The whole layout for the runtime, in its fixed order: TP+SP, recompute, CP, EP, FSDP2."""
+    check_model_fits_layout(model.arch, mesh.dims)
+    apply_tensor_parallel(model, mesh)
+    rc = job.recompute
+    apply_recompute(model, rc.granularity, rc.method, rc.num_layers)
+    apply_context_parallel(model, mesh)
+    apply_expert_parallel(model, mesh)
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[job.precision.compute]
+    apply_fsdp(
+        model,
+        mesh,
+        compute_dtype=compute if device_type == "cuda" else torch.float32,  # CPU runs (tests) stay fp32
+        offload_fraction=job.offload.optimizer_fraction if job.offload.optimizer else 0.0,
+    )
+    return model
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
@@ -161,7 +209,8 @@ def clip_grad_norm_(params, max_norm: float, mesh: ParallelMesh) -> torch.Tensor
     """Global gradient norm over every rank (each shard counted once, replicas not again); scales the
     gradients down to max_norm when above it (0: no clipping). Returns the norm before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
+    # offloaded shards live on the host: sum on the accelerator when there is one (NCCL reduces there)
+    device = next((g.device for g in grads if g.device.type != "cpu"), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64, device=device)
     for grad in grads:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
@@ -169,7 +218,7 @@ def clip_grad_norm_(params, max_norm: float, mesh: ParallelMesh) -> torch.Tensor
         if isinstance(grad, DTensor):
             for size, placement in zip(grad.device_mesh.shape, grad.placements):
                 copies *= size if placement.is_replicate() else 1
-        total += local.double().pow(2).sum() / copies
+        total += (local.double().pow(2).sum() / copies).to(device)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
     norm = total.sqrt().float()
