@@ -212,13 +212,14 @@ def test_resume_never_refuses_to_mix_with_an_earlier_run(assets, reference, tmp_
 
 
 def test_epochs_cap_the_steps_and_eval_logs_held_out_loss(assets, tmp_path):
-    job = job_dict(assets, tmp_path / "run", steps=100, epochs=1, eval_every=10)
+    job = job_dict(assets, tmp_path / "run", steps=100, epochs=1, eval_every=10, tensorboard=False)
     job["data"]["val_files"] = [assets["val"]]
     result = train_sft(job_from_dict(job), show_progress=False)
     assert result.total_steps == result.last_step == 320 // 16
     evals = [r for r in read_metrics(result.metrics_path) if "val_loss" in r]
     assert [r["step"] for r in evals] == [10, 20]
     assert evals[1]["val_loss"] < evals[0]["val_loss"] < 6.0
+    assert not (tmp_path / "run" / "tensorboard").exists()  # trainer.tensorboard: false
 
 
 @pytest.mark.gpu

@@ -71,6 +71,7 @@ class OptimizerBackend(Protocol):
     """What the runtime asks of an optimizer backend (one per parallel layout)."""
 
     optimizer: torch.optim.Optimizer  # the torch optimizer, for checkpoints (DCP names its state by FQN)
+    params: list[torch.nn.Parameter]  # what it updates (replicated data parallel sums their grads first)
     skipped_steps: int
 
     def step(self) -> tuple[float, bool]:
