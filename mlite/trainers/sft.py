@@ -74,7 +74,7 @@ def train_sft(job: JobConfig, console=None, show_progress: bool = True) -> SFTRe
 
     writer = MetricsWriter(out, trainer.tensorboard, resume_step=start, enabled=first_rank())
     progress = ProgressDisplay(total_steps, start, "sft", enabled=show_progress and first_rank(), console=console)
-    last_saved: Path | None = None
+    last_saved: Path | None = resume_from  # a finished run rerun with resume=auto writes nothing new
     step, stopped_by, busy_s, tokens_seen = start, None, 0.0, 0
 
     def save(at: int) -> Path:
