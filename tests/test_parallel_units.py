@@ -114,6 +114,29 @@ def test_forward_only_keeps_all_stages_busy():
     assert simulate(2, 2, 4, forward_only) == 2 * 4 + 2 - 1
 
 
+@pytest.mark.parametrize("pp,vpp,m", [(2, 1, 4), (4, 1, 8), (2, 2, 4), (4, 2, 8), (3, 3, 6)])
+@pytest.mark.parametrize("make", [one_f_one_b, forward_only], ids=["1f1b", "forward-only"])
+def test_every_pair_of_ranks_receives_in_the_order_it_was_sent(pp, vpp, m, make):
+    # NCCL matches point-to-point messages by order, not tag: the runner relies on this property there
+    last = pp * vpp - 1
+    sent: dict = {}
+    received: dict = {}
+    for rank in range(pp):
+        for a in make(pp, vpp, rank, m):
+            c, b = a.chunk, a.micro_batch
+            if a.kind == "F":
+                if c != last:
+                    sent.setdefault((rank, (c + 1) % pp), []).append(("F", c, b))
+                if c > 0:
+                    received.setdefault(((c - 1) % pp, rank), []).append(("F", c - 1, b))
+            else:
+                if c > 0:
+                    sent.setdefault((rank, (c - 1) % pp), []).append(("B", c, b))
+                if c != last:
+                    received.setdefault(((c + 1) % pp, rank), []).append(("B", c + 1, b))
+    assert sent == received
+
+
 def test_interleaving_needs_whole_rounds_of_micro_batches():
     with pytest.raises(MliteError, match="multiple of pp=2"):
         one_f_one_b(2, 2, 0, 3)
