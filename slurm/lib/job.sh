@@ -174,7 +174,7 @@ node_report() {
     if [[ -s $file ]]; then
       read -r rc when < "$file"
       line="$node: exit status $rc at $(date -u -d "@$when" +%H:%M:%SZ)"
-    elif [[ -f $LOG_DIR/node-$node.alive ]] && (($(date +%s) - $(stat -c %Y "$LOG_DIR/node-$node.alive") <= HEARTBEAT_TIMEOUT_S)); then
+    elif [[ -f $LOG_DIR/node-$node.alive ]] && (($(date +%s) - $(stat -c %Y "$LOG_DIR/node-$node.alive") <= 2 * HEARTBEAT_S)); then
       line="$node: still running, stopped with the job"
     else
       line="$node: no exit status (the node or its processes died: killed, out of memory, hardware)"
@@ -255,7 +255,7 @@ watch_step() {
     fi
     sleep 1
   done
-  wait "$step_pid" && rc=0 || rc=$?
+  { wait "$step_pid"; } 2>/dev/null && rc=0 || rc=$?  # (no "Killed" line from bash for the srun we killed)
   if [[ -n $failed_at ]] && ((rc == 0)); then rc=1; fi
   return "$rc"
 }
