@@ -7,6 +7,7 @@ Held-out prompts are answered greedily before the first update and after the las
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from mlite.config import load_job
@@ -61,9 +62,12 @@ def grpo_stage(out: Path, sft, device: str, console, overrides: tuple[str, ...] 
     from mlite.plan import plan_job
     from mlite.runtime.engine import export_checkpoint
 
+    shutil.rmtree(out / "sft_hf", ignore_errors=True)  # the previous demo's export (export never overwrites)
     model_dir = export_checkpoint(sft.checkpoint, out / "sft_hf")
     job = demo_grpo_job(out, Path(model_dir), device, overrides)
     plan_job(job)
+    if Path(job.trainer.output_dir).exists():  # like the SFT stage, the demo starts over each time
+        shutil.rmtree(job.trainer.output_dir)
     if console is not None:
         r = job.rollout
         console.print(
