@@ -123,3 +123,19 @@ def test_rollouts_depend_only_on_seed_and_step(tmp_path, tokenizer):
     assert a.rollout(5).sequences == b.rollout(5).sequences
     assert a.rollout(5).sequences != a.rollout(6).sequences
     assert len(a.rollout(0).sequences) == 2 * 4
+
+
+@pytest.mark.gpu
+def test_grpo_steps_on_cuda_in_bf16(tmp_path, tokenizer):
+    trainer = make_trainer(
+        tmp_path, tokenizer, cluster={"gpu": "h100"}, precision={"compute": "bf16"}, trainer={"device": "cuda"},
+        grpo={"kl_coef": 0.05, "mini_batches": 2},
+    )
+    assert trainer.runtime.device.type == "cuda"
+    before = params(trainer).clone()
+    for step in range(3):
+        metrics, ro = trainer.train_step(step)
+        assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+        assert len(ro.completions) == 8
+    assert not torch.equal(before, params(trainer))
+    assert metrics["actor/kl_ref"] > 0
