@@ -41,10 +41,10 @@ def test(c, gpu=False, k="", workers=2, extra=""):
     if workers > 1:
         args += ["-n", str(workers), "--dist", "loadgroup"]
     if k:
-        args += ["-k", shlex.quote(k)]
+        args += ["-k", k]
     if extra:
-        args += [extra]
-    result = c.run(" ".join(args), warn=True, pty=False)
+        args += shlex.split(extra)
+    result = c.run(shlex.join(args), warn=True, pty=False)
     sys.exit(result.exited)
 
 

@@ -93,3 +93,13 @@ def test_invoke_plan_passes_arguments_and_exit_status():
     bad = subprocess.run(invoke + ["plan", "--config", "qwen3_30b_a3b_sft", "--set", "parallel.tp=3"],
                          capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "not divisible" in bad.stderr
+
+
+def test_invoke_test_selects_the_cpu_suite():
+    """`invoke test` is what CI runs: it must collect this suite with the GPU tests deselected (a quoting slip
+    once turned `-m "not gpu"` into a path named `gpu` and collected nothing)."""
+    result = subprocess.run([sys.executable, "-m", "invoke", "test", "--workers=1", "-k", "test_invoke_plan",
+                             "--extra=--collect-only -q"], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "tests/test_cli_plan.py::test_invoke_plan_passes_arguments_and_exit_status" in result.stdout
+    assert "deselected" in result.stdout
