@@ -50,7 +50,7 @@ def make_model(moe: bool, seed: int = 0):
 
 
 def make_batches(n: int, tokens: int = 48, seed: int = 1) -> list[PackedBatch]:
-    """n packed micro-batches of `tokens` tokens each, 2-3 sequences of uneven lengths, some ignored labels."""
+    """n packed micro-batches of `tokens` tokens, 2-3 sequences of uneven lengths, some ignored labels."""
     g = torch.Generator().manual_seed(seed)
     batches = []
     for i in range(n):
@@ -230,6 +230,7 @@ def build_layout(moe: bool, mesh, job_sections=None) -> dict:
     dims = mesh.dims
     split = split_layers(LAYERS, dims.pp, dims.vpp)
     mine = range(mesh.rank_in("pp"), dims.pp * dims.vpp, dims.pp)
-    return {c: parallelize(keep_chunk(make_model(moe), split[c], c == 0, c == len(split) - 1), mesh, job_sections) for c in mine}
-
-
+    return {
+        c: parallelize(keep_chunk(make_model(moe), split[c], c == 0, c == len(split) - 1), mesh, job_sections)
+        for c in mine
+    }

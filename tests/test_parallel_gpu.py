@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from parallel_harness import build_layout, launch, make_optimizer, reference, train
 
 from mlite.runtime.parallel.mesh import ParallelDims
-from parallel_harness import build_layout, launch, make_optimizer, reference, train
 
 STEPS = 3
 BF16_RTOL = 2e-2
@@ -80,6 +80,10 @@ def run_and_compare(tmp_path, world, layout, models):
     for moe in models:
         want = reference(moe)[:STEPS]
         for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(results[moe], want)):
-            assert loss == pytest.approx(ref_loss, rel=BF16_RTOL), f"moe={moe} step {step}: {loss} vs {ref_loss}"
-            assert norm == pytest.approx(ref_norm, rel=BF16_RTOL), f"moe={moe} step {step}: {norm} vs {ref_norm}"
+            assert loss == pytest.approx(ref_loss, rel=BF16_RTOL), (
+                f"moe={moe} step {step}: {loss} vs {ref_loss}"
+            )
+            assert norm == pytest.approx(ref_norm, rel=BF16_RTOL), (
+                f"moe={moe} step {step}: {norm} vs {ref_norm}"
+            )
     return results

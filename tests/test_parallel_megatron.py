@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from parallel_harness import launch
 
 from mlite.runtime.parallel.megatron import destroy_parallel_state, init_parallel_state, parallel_state_groups
 from mlite.runtime.parallel.mesh import ParallelDims
-from parallel_harness import launch
 
 NAMES = ("tp", "pp", "cp", "dp", "dp_cp", "ep", "etp", "edp")
 
@@ -28,13 +28,21 @@ def _worker(rank, world, layouts, out):
 
 
 def test_megatron_parallel_state_matches_our_meshes(tmp_path):
-    layouts = [dict(tp=2, pp=2), dict(tp=2, cp=2), dict(dp=2, tp=2, ep=2), dict(dp=4, ep=2), dict(pp=2, dp=2, vpp=2)]
+    layouts = [
+        dict(tp=2, pp=2),
+        dict(tp=2, cp=2),
+        dict(dp=2, tp=2, ep=2),
+        dict(dp=4, ep=2),
+        dict(pp=2, dp=2, vpp=2),
+    ]
     out = tmp_path / "groups"
     launch(4, _worker, layouts, str(out))
     for rank in range(4):
         for layout, ours, theirs in torch.load(f"{out}.{rank}"):
             for name in NAMES:
-                assert ours[name] == theirs[name], f"rank {rank} {layout}: {name} ours {ours[name]}, megatron {theirs[name]}"
+                assert ours[name] == theirs[name], (
+                    f"rank {rank} {layout}: {name} ours {ours[name]}, megatron {theirs[name]}"
+                )
 
 
 def test_dist_opt_without_megatron_core_is_one_clear_line(monkeypatch):

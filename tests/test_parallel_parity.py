@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from parallel_harness import build_layout, launch, make_batches, make_model, make_optimizer, reference, train
 
 from mlite.runtime.parallel.mesh import ParallelDims
-from parallel_harness import build_layout, launch, make_batches, make_model, make_optimizer, reference, train
 
 STEPS = 3
 
@@ -37,8 +37,12 @@ def check_parity(tmp_path, world, layout, models=(False, True)):
         got, want, name = results[moe], reference(moe)[:STEPS], "moe" if moe else "dense"
         assert len(got) == STEPS
         for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want)):
-            assert loss == pytest.approx(ref_loss, rel=1e-5), f"{name} step {step}: loss {loss}, one process {ref_loss}"
-            assert norm == pytest.approx(ref_norm, rel=1e-5), f"{name} step {step}: grad norm {norm}, one process {ref_norm}"
+            assert loss == pytest.approx(ref_loss, rel=1e-5), (
+                f"{name} step {step}: loss {loss}, one process {ref_loss}"
+            )
+            assert norm == pytest.approx(ref_norm, rel=1e-5), (
+                f"{name} step {step}: grad norm {norm}, one process {ref_norm}"
+            )
 
 
 @pytest.mark.parametrize(
@@ -61,7 +65,9 @@ def test_dense_and_moe_match_one_process(tmp_path, world, layout):
 
 
 @pytest.mark.parametrize(
-    "world,layout", [(2, dict(dp=2, ep=2)), (4, dict(dp=4, ep=2)), (2, dict(tp=2, ep=2))], ids=["ep2", "ep2xdp2", "ep2xtp2"]
+    "world,layout",
+    [(2, dict(dp=2, ep=2)), (4, dict(dp=4, ep=2)), (2, dict(tp=2, ep=2))],
+    ids=["ep2", "ep2xdp2", "ep2xtp2"],
 )
 def test_expert_parallel_matches_one_process(tmp_path, world, layout):
     check_parity(tmp_path, world, layout, models=(True,))
@@ -73,7 +79,9 @@ def _forward_only_worker(rank, world, layout, out):
     mesh = ParallelDims(world, **layout).build("cpu")
     chunks = build_layout(False, mesh)
     dims = mesh.dims
-    runner = PipelineRunner(chunks, dims.pp * dims.vpp, torch.distributed.get_process_group_ranks(mesh.group("pp")))
+    runner = PipelineRunner(
+        chunks, dims.pp * dims.vpp, torch.distributed.get_process_group_ranks(mesh.group("pp"))
+    )
     batches = make_batches(4)
     with torch.no_grad():
         result = runner.run(forward_only(dims.pp, dims.vpp, mesh.rank_in("pp"), len(batches)), batches)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from parallel_harness import make_batches, make_model
 
 from mlite.errors import MliteError
 from mlite.runtime.data.packed import IGNORE
 from mlite.runtime.parallel.parallelize import apply_recompute
-from parallel_harness import make_batches, make_model
 
 
 def grads_and_saved_bytes(moe: bool, **recompute):

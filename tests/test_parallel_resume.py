@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from parallel_harness import MAX_STEPS, build_layout, launch, make_optimizer, reference, train
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from mlite.runtime.ckpt.checkpoint import load_checkpoint, save_checkpoint
 from mlite.runtime.parallel.mesh import ParallelDims
 from mlite.runtime.parallel.pipeline import stage_view
-from parallel_harness import MAX_STEPS, build_layout, launch, make_optimizer, reference, train
 
 SAVED_AFTER = 2
 
@@ -40,7 +40,9 @@ def _resume_worker(rank, world, layout, moe, path, out):
     train(chunks, mesh, opt, range(1))  # give the optimizer state its shapes, then overwrite all of it
     tensors = _state(chunks, opt)
     load_checkpoint(path, tensors)
-    set_state_dict(stage_view(chunks), opt, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"])
+    set_state_dict(
+        stage_view(chunks), opt, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"]
+    )
     history = train(chunks, mesh, opt, range(SAVED_AFTER, MAX_STEPS))
     if rank == 0:
         torch.save(history, out)
@@ -63,5 +65,9 @@ def test_resume_under_another_layout_continues_the_curve(tmp_path, moe, saved, r
     assert len(got) == MAX_STEPS - SAVED_AFTER
     for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want)):
         step = SAVED_AFTER + i
-        assert loss == pytest.approx(ref_loss, rel=1e-5), f"step {step}: loss {loss}, uninterrupted {ref_loss}"
-        assert norm == pytest.approx(ref_norm, rel=1e-5), f"step {step}: grad norm {norm}, uninterrupted {ref_norm}"
+        assert loss == pytest.approx(ref_loss, rel=1e-5), (
+            f"step {step}: loss {loss}, uninterrupted {ref_loss}"
+        )
+        assert norm == pytest.approx(ref_norm, rel=1e-5), (
+            f"step {step}: grad norm {norm}, uninterrupted {ref_norm}"
+        )

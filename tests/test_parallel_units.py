@@ -1,4 +1,4 @@
-"""The parallel layer's pure parts, without processes: layout checks, layer splits, schedules, the zigzag split.
+"""The parallel layer's pure parts, without processes: layout checks, layer splits, schedules, zigzag split.
 
 Schedules are checked by simulation: every rank runs its action list in order, one action per tick, an
 action waiting until the actions it depends on have run (the forward of the previous chunk, the backward of
@@ -12,7 +12,12 @@ import torch
 
 from mlite.errors import MliteError
 from mlite.runtime.data.packed import PackedBatch
-from mlite.runtime.parallel.context import SEQUENCE_ID, TOKEN_INDEX, split_for_context_parallel, zigzag_indices
+from mlite.runtime.parallel.context import (
+    SEQUENCE_ID,
+    TOKEN_INDEX,
+    split_for_context_parallel,
+    zigzag_indices,
+)
 from mlite.runtime.parallel.mesh import ParallelDims
 from mlite.runtime.parallel.pipeline import Action, forward_only, one_f_one_b, split_layers
 
@@ -83,7 +88,9 @@ def simulate(pp: int, vpp: int, micro_batches: int, make=one_f_one_b) -> int:
     return tick
 
 
-@pytest.mark.parametrize("pp,vpp,m", [(2, 1, 1), (2, 1, 4), (4, 1, 3), (4, 1, 8), (2, 2, 4), (4, 2, 8), (3, 3, 6)])
+@pytest.mark.parametrize(
+    "pp,vpp,m", [(2, 1, 1), (2, 1, 4), (4, 1, 3), (4, 1, 8), (2, 2, 4), (4, 2, 8), (3, 3, 6)]
+)
 def test_one_f_one_b_runs_every_micro_batch_once_and_never_stalls(pp, vpp, m):
     for rank in range(pp):
         actions = one_f_one_b(pp, vpp, rank, m)
@@ -146,7 +153,7 @@ def test_interleaving_needs_whole_rounds_of_micro_batches():
 def test_zigzag_gives_each_rank_an_early_and_a_late_chunk():
     assert zigzag_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
     assert zigzag_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
-    with pytest.raises(MliteError, match="pad micro-batches to a multiple of 4"):
+    with pytest.raises(MliteError, match="pad each micro-batch to a multiple of 4 tokens"):
         zigzag_indices(10, 2, 0)
 
 
@@ -168,7 +175,11 @@ def test_context_split_keeps_positions_labels_and_sequence_of_every_token():
     "preset,dims,words",
     [
         ("tiny-qwen3", ParallelDims(2, dp=2), "tied embeddings"),
-        ("tiny-qwen3-moe", ParallelDims(4, tp=4), "tp=4 must divide the attention heads \\(4\\) and KV heads \\(2\\)"),
+        (
+            "tiny-qwen3-moe",
+            ParallelDims(4, tp=4),
+            "tp=4 must divide the attention heads \\(4\\) and KV heads \\(2\\)",
+        ),
         ("tiny-qwen3-moe", ParallelDims(2, dp=2, etp=2), "etp=2"),
     ],
 )
@@ -178,4 +189,6 @@ def test_what_the_layouts_cannot_do_yet_is_refused_before_any_group_exists(prese
 
     with pytest.raises(MliteError, match=words):
         check_model_fits_layout(preset_arch(preset), dims)
-    check_model_fits_layout(preset_arch("tiny-qwen3-moe"), ParallelDims(2, tp=2, ep=2))  # and a good one passes
+    check_model_fits_layout(
+        preset_arch("tiny-qwen3-moe"), ParallelDims(2, tp=2, ep=2)
+    )  # and a good one passes

@@ -31,8 +31,8 @@ def zigzag_indices(num_tokens: int, cp: int, rank: int) -> torch.Tensor:
     """Stream indices kept by `rank`: chunks rank and 2cp-1-rank of 2cp equal chunks."""
     if num_tokens % (2 * cp):
         raise MliteError(
-            f"context parallel cp={cp} splits a micro-batch into {2 * cp} equal chunks but it has {num_tokens} "
-            f"tokens; pad micro-batches to a multiple of {2 * cp} (the data loader's pad_to_multiple)"
+            f"context parallel cp={cp} splits a micro-batch into {2 * cp} equal chunks but it has "
+            f"{num_tokens} tokens; pad each micro-batch to a multiple of {2 * cp} tokens"
         )
     chunk = num_tokens // (2 * cp)
     first = torch.arange(rank * chunk, (rank + 1) * chunk)

@@ -80,4 +80,3 @@ def _block_permutation(counts: torch.Tensor) -> torch.Tensor:
         for i in range(a)
     ]
     return torch.cat(pieces) if pieces else counts.new_zeros(0)
-

@@ -22,7 +22,8 @@ def _parallel_state():
         from megatron.core import parallel_state
     except ImportError:
         raise MliteError(
-            "optimizer.backend dist_opt needs megatron-core: pip install 'mlite[megatron]' (or use backend fsdp2)"
+            "optimizer.backend dist_opt needs megatron-core: pip install 'mlite[megatron]' "
+            "(or use backend fsdp2)"
         ) from None
     return parallel_state
 

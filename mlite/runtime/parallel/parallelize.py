@@ -19,8 +19,8 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
-import torch.utils.checkpoint
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -51,7 +51,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
     if tp.size() == 1:
         return
     if model.embed is not None:
-        parallelize_module(model.embed, tp, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)))
+        parallelize_module(
+            model.embed, tp, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
+        )
     if model.norm is not None:
         parallelize_module(model.norm, tp, SequenceParallel(sequence_dim=0))
     if model.output is not None:
@@ -69,7 +71,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
             "attn.o_proj": RowwiseParallel(output_layouts=Shard(0)),
             "mlp_norm": SequenceParallel(sequence_dim=0),
         }
-        if layer.attn.q_norm is not None:  # per-head norms see this rank's heads: [T, heads, d] split on dim 1
+        if layer.attn.q_norm is not None:  # per-head norms see this rank's heads: [T, heads, d], dim 1
             plan["attn.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
             plan["attn.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
         if is_moe(layer):
@@ -88,7 +90,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
 
 
 def apply_context_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
-    """Attention over the whole stream from a zigzag share of it (inputs split by split_for_context_parallel)."""
+    """Attention over the whole stream from a zigzag share of it (split_for_context_parallel cuts inputs)."""
     cp = mesh["cp"]
     if cp.size() == 1:
         return
@@ -113,7 +115,9 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
         experts = layer.mlp.experts
         for name, param in list(experts.named_parameters(recurse=False)):
             if param.shape[0] % ep.size():
-                raise MliteError(f"{param.shape[0]} experts do not split over ep={ep.size()}; choose ep dividing them")
+                raise MliteError(
+                    f"{param.shape[0]} experts do not split over ep={ep.size()}; choose ep dividing them"
+                )
             experts.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), ep, [Shard(0)])))
         experts.first_expert = ep.get_local_rank() * (layer.mlp.num_experts // ep.size())
         experts.forward = functools.partial(_forward_on_local_shards, experts, type(experts).forward)
@@ -121,7 +125,10 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
 
 
 def _forward_on_local_shards(module: nn.Module, forward, *args):
-    local = {name: p.to_local() if isinstance(p, DTensor) else p for name, p in module.named_parameters(recurse=False)}
+    local = {
+        name: p.to_local() if isinstance(p, DTensor) else p
+        for name, p in module.named_parameters(recurse=False)
+    }
     with torch.nn.utils.stateless._reparametrize_module(module, local):  # to_local keeps the autograd link
         return forward(module, *args)
 
@@ -144,7 +151,9 @@ def apply_fsdp(
 
     def shard(module, mesh_name, offload):
         extra = {"offload_policy": CPUOffloadPolicy()} if offload else {}
-        return fully_shard(module, mesh=mesh[mesh_name], mp_policy=policy, reshard_after_forward=True, **extra)
+        return fully_shard(
+            module, mesh=mesh[mesh_name], mp_policy=policy, reshard_after_forward=True, **extra
+        )
 
     groups = []
     for i, layer in enumerate(layers):
@@ -171,7 +180,8 @@ def check_model_fits_layout(arch, dims) -> None:
         )
     if dims.tp > 1 and (arch.num_kv_heads % dims.tp or arch.num_heads % dims.tp):
         raise MliteError(
-            f"tp={dims.tp} must divide the attention heads ({arch.num_heads}) and KV heads ({arch.num_kv_heads}); "
+            f"tp={dims.tp} must divide the attention heads ({arch.num_heads}) and KV heads "
+            f"({arch.num_kv_heads}); "
             "replicated KV heads are not supported yet: lower parallel.tp"
         )
     if dims.etp > 1:
@@ -204,7 +214,6 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
             module.set_requires_gradient_sync(enabled, recurse=False)
 
 
-
 def clip_grad_norm_(params, max_norm: float, mesh: ParallelMesh) -> torch.Tensor:
     """Global gradient norm over every rank (each shard counted once, replicas not again); scales the
     gradients down to max_norm when above it (0: no clipping). Returns the norm before clipping."""
@@ -228,7 +237,9 @@ def clip_grad_norm_(params, max_norm: float, mesh: ParallelMesh) -> torch.Tensor
     return norm
 
 
-def apply_recompute(model: nn.Module, granularity: str, method: str | None = None, num_layers: int | None = None) -> None:
+def apply_recompute(
+    model: nn.Module, granularity: str, method: str | None = None, num_layers: int | None = None
+) -> None:
     """Activation recompute, applied before FSDP (the recompute then runs on the unsharded weights).
 
     - `selective`: only the attention core (scores, softmax) is recomputed; projections keep their inputs.

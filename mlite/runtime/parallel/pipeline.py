@@ -42,7 +42,8 @@ def split_layers(
     rest = num_layers - fixed
     if rest < 0 or (middle_chunks == 0 and rest != 0) or (middle_chunks and rest % middle_chunks):
         raise MliteError(
-            f"{num_layers} layers do not split over pp={pp} x vpp={vpp} chunks with first={first}, last={last} "
+            f"{num_layers} layers do not split over pp={pp} x vpp={vpp} chunks with first={first}, "
+            f"last={last} "
             "stage layers; make the remaining layers divide evenly over the other chunks"
         )
     even = rest // middle_chunks if middle_chunks else 0
@@ -78,7 +79,7 @@ class Action:
 
 
 def one_f_one_b(pp: int, vpp: int, rank: int, micro_batches: int) -> list[Action]:
-    """1F1B for this pp rank; interleaved over its vpp chunks when vpp > 1 (micro-batches a multiple of pp)."""
+    """1F1B for this pp rank; interleaved over its vpp chunks when vpp > 1 (micro-batches: multiple of pp)."""
     if vpp > 1 and micro_batches % pp:
         raise MliteError(
             f"interleaved pipeline (vpp={vpp}) needs the micro-batches per step ({micro_batches}) to be a "
@@ -157,7 +158,9 @@ class PipelineRunner:
 
     def _router_stats(self, chunk: nn.Module):
         """(counts and rows [E+1] without gradient, probability sums [E] with it, shards) of this chunk."""
-        stats = [layer.mlp.router_stats for layer in chunk.layers.values() if hasattr(layer.mlp, "router_stats")]
+        stats = [
+            layer.mlp.router_stats for layer in chunk.layers.values() if hasattr(layer.mlp, "router_stats")
+        ]
         if not stats:
             return torch.zeros(self.num_stats, dtype=torch.float64, device=self.device), None, 1
         counts = torch.stack([s.counts for s in stats]).sum(0).double()
@@ -187,7 +190,11 @@ class PipelineRunner:
         training = loss_fn is not None
         saved = {}  # (chunk, micro-batch) -> what its backward needs
         pending_backwards = {c: sum(a.kind == "B" and a.chunk == c for a in actions) for c in self.chunks}
-        loss_sum, aux_sum, results = torch.zeros((), device=self.device), torch.zeros((), device=self.device), {}
+        loss_sum, aux_sum, results = (
+            torch.zeros((), device=self.device),
+            torch.zeros((), device=self.device),
+            {},
+        )
         last = self.num_chunks - 1
         for action in actions:
             c, m = action.chunk, action.micro_batch
@@ -222,7 +229,9 @@ class PipelineRunner:
                 if term is not None:
                     aux_sum += term.detach()
                     tensors, grads = [out, term], [grad, None]
-                torch.autograd.backward(tensors, [g if g is not None else torch.ones_like(t) for t, g in zip(tensors, grads)])
+                torch.autograd.backward(
+                    tensors, [g if g is not None else torch.ones_like(t) for t, g in zip(tensors, grads)]
+                )
                 if hidden is not None:
                     self._send(hidden.grad, totals, c - 1, self._tag(c, m, True))
         for work, _ in self._sends:
