@@ -87,11 +87,17 @@ CASES: dict[str, BenchCase] = {
         # the optimizer step amortised over 4 micro-batches, as real training does
         BenchCase("dense-1.7b-4k-accum4", "qwen3-1.7b", 4096, accum=4),
         BenchCase("moe-30b-a3b-6l-4k-accum4", "qwen3-30b-a3b", 4096, num_layers=6, accum=4),
+        # several GPUs (torchrun --nproc-per-node GPUS -m mlite bench CASE): fsdp2 over dp, experts over ep;
+        # the reference is every rank running the one-GPU step at the same time ("N x one GPU")
+        BenchCase("dense-1.7b-4k-dp2", "qwen3-1.7b", 4096, gpus=2, dp=2, baseline=False),
         BenchCase("dense-1.7b-4k-dp4", "qwen3-1.7b", 4096, gpus=4, dp=4, baseline=False),
-        BenchCase("moe-30b-a3b-8l-4k-ep4", "qwen3-30b-a3b", 4096, num_layers=8, gpus=4, ep=4, baseline=False),
+        BenchCase("moe-30b-a3b-8l-4k-ep2", "qwen3-30b-a3b", 4096, num_layers=8, gpus=2, dp=2, ep=2, baseline=False),
+        BenchCase("moe-30b-a3b-8l-4k-ep4", "qwen3-30b-a3b", 4096, num_layers=8, gpus=4, dp=4, ep=4, baseline=False),
         BenchCase("dense-1.7b-16k-cp4", "qwen3-1.7b", 16384, gpus=4, cp=4, baseline=False),
-        # the CPU suite's case: exercises every code path in seconds
+        # the CPU suite's cases: exercise every code path in seconds (the multi-rank ones on gloo)
         BenchCase("tiny-cpu", "tiny-qwen3-moe", 128, packing="mixed"),
+        BenchCase("tiny-cpu-dp2", "tiny-qwen3", 128, packing="mixed", gpus=2, dp=2, baseline=False),
+        BenchCase("tiny-cpu-ep2", "tiny-qwen3-moe", 128, packing="mixed", gpus=2, dp=2, ep=2, baseline=False),
     ]
 }
 
@@ -188,13 +194,14 @@ def render_table(results: list[BenchResult]) -> "object":
     from rich.table import Table
 
     table = Table(title="mlite bench (median step after warm-up)")
-    for col in ("case", "side", "tokens/s", "MFU", "step ms", "peak GB", "plan GB", "plan err"):
+    for col in ("case", "side", "tokens/s", "MFU", "step ms", "peak GB", "plan GB", "plan err", "scaling"):
         table.add_column(col, justify="right" if col not in ("case", "side") else "left")
     for r in results:
         err = "" if not r.estimate_gb or not r.peak_gb else f"{(r.estimate_gb - r.peak_gb) / r.peak_gb:+.0%}"
         table.add_row(
             r.case, r.side, f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}", f"{r.step_ms:.1f}", f"{r.peak_gb:.1f}",
             "" if r.estimate_gb is None else f"{r.estimate_gb:.1f}", err,
+            f"{r.extra['scaling']:.0%}" if "scaling" in r.extra else "",
         )
     return table
 
@@ -204,7 +211,11 @@ def case_arch(case: BenchCase) -> ModelArch:
     from mlite.config.catalog import preset_arch
 
     arch = preset_arch(case.model)
-    return replace(arch, num_layers=case.num_layers) if case.num_layers else arch
+    if case.num_layers:
+        arch = replace(arch, num_layers=case.num_layers)
+    if case.gpus > 1:  # multi-rank layouts take an untied LM head (same FLOPs: the head counts either way)
+        arch = replace(arch, tie_embeddings=False)
+    return arch
 
 
 def case_seq_lens(case: BenchCase, seed: int = 0) -> list[int]:
@@ -314,6 +325,102 @@ def hf_step_fn(arch: ModelArch, sequences: list[list[int]], device: str, accum: 
     return step, (model, opt)
 
 
+def parallel_step_fn(case: BenchCase, arch: ModelArch, sequences: list[list[int]], device: str):
+    """One training step of this rank of a torchrun launch in the case's layout: the runtime's
+    parallelize_model (FSDP2 over dp x cp, experts over ep, zigzag context parallel), bf16 parameters and
+    fused AdamW as on one GPU, gradients reduced in fp32 once per step. Blocks run eagerly (FSDP2's hooks
+    are not compiled here): compare with the eager one-GPU reference of the same launch."""
+    import torch
+    import torch.distributed as dist
+
+    from mlite.config import job_from_dict
+    from mlite.runtime.data.packed import PackedBatch
+    from mlite.runtime.loss import token_logprobs
+    from mlite.runtime.models import build_model
+    from mlite.runtime.parallel.context import split_for_context_parallel
+    from mlite.runtime.parallel.mesh import ParallelDims
+    from mlite.runtime.parallel.parallelize import parallelize_model, set_gradient_sync
+
+    job = job_from_dict({"model": {"name": case.model},
+                         "cluster": {"nodes": 1, "gpus_per_node": case.gpus},
+                         "data": {"seq_len": case.seq_len},
+                         "parallel": {"ep": case.ep, "cp": case.cp},
+                         "precision": {"compute": "bf16", "master": "bf16"}})
+    dims = ParallelDims.from_job(job, dist.get_world_size())
+    mesh = dims.build(torch.device(device).type)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = parallelize_model(build_model(arch, attention_backend="auto", dtype=dtype, device=device), mesh, job,
+                              torch.device(device).type)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.startswith("cuda"))
+    batch = PackedBatch.from_sequences(sequences).to(device)
+    targets = batch.num_target_tokens * dims.dp  # the step's loss is a mean over every replica's tokens
+    if dims.cp > 1:
+        batch = split_for_context_parallel(batch, dims.cp, mesh.rank_in("cp"))
+
+    def step() -> None:
+        for i in range(case.accum):
+            set_gradient_sync(model, i == case.accum - 1)  # one reduce-scatter per optimizer step
+            out = model(batch)
+            logp, _ = token_logprobs(out.hidden, batch.labels, model.compute_logits)
+            loss = (-logp.sum() / targets + out.aux_loss) / case.accum
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, (model, opt, mesh)
+
+
+def run_parallel_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, gpu: str = "cpu",
+                      peak_tflops: float = 1.0) -> list[BenchResult]:
+    """A multi-GPU case on the ranks of this torchrun launch. First every rank runs the one-GPU step of the
+    same model on its own (N x one GPU, eager), then the parallel step; scaling = parallel tokens/s over
+    the N x one-GPU tokens/s. Every rank returns the same results (rank 0 reports them)."""
+    import torch
+    import torch.distributed as dist
+
+    from mlite.errors import MliteError
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != case.gpus:
+        raise MliteError(f"bench case {case.name} runs on {case.gpus} ranks but this launch has {world}; "
+                         f"run: torchrun --nproc-per-node {case.gpus} -m mlite bench {case.name}")
+    arch = case_arch(case)
+    seq_lens = case_seq_lens(case)
+    sequences = random_sequences(seq_lens, arch.vocab, seed=dist.get_rank())  # each replica its own data
+
+    def measure(make_step):
+        _free(device)
+        step, keep = make_step()
+        dist.barrier()
+        timing = time_steps(step, warmup, steps, device)
+        peak = torch.tensor(_peak_gb(device), dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the fullest GPU is what must fit
+        del step, keep
+        return timing, peak.tolist()
+
+    single, single_peak = measure(lambda: mlite_step_fn(arch, sequences, device, False, case.accum))
+    single_tps = torch.tensor(sum(seq_lens) * case.accum / (single.median_ms / 1e3), dtype=torch.float64)
+    dist.all_reduce(single_tps)  # N x one GPU, measured side by side
+    par, par_peak = measure(lambda: parallel_step_fn(case, arch, sequences, device))
+    slowest = torch.tensor(par.median_ms, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    replicas = world // case.cp  # dp replicas; each one's tokens are split over cp ranks
+    tokens = sum(seq_lens) * case.accum * replicas
+    tps = tokens / (float(slowest) / 1e3)
+    _free(device)
+    return [
+        BenchResult(case=case.name, side=f"mlite x{world}", tokens_per_step=tokens, step_ms=float(slowest),
+                    tokens_per_s=tps, mfu=mfu(arch, seq_lens, tps / world, peak_tflops), peak_gb=par_peak[0],
+                    estimate_gb=planner_estimate_gb(case, arch, gpu), device=device,
+                    extra={"scaling": tps / float(single_tps), "world": world, "peak_allocated_gb": par_peak[1],
+                           "accum": case.accum, "step_ms_all": par.step_ms}),
+        BenchResult(case=case.name, side=f"{world} x one GPU", tokens_per_step=sum(seq_lens) * case.accum * world,
+                    step_ms=single.median_ms, tokens_per_s=float(single_tps),
+                    mfu=mfu(arch, seq_lens, float(single_tps) / world, peak_tflops), peak_gb=single_peak[0],
+                    device=device, extra={"world": world, "step_ms_all": single.step_ms}),
+    ]
+
+
 def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str) -> Optional[float]:
     """The planner's per-GPU peak for this case (bf16 params and optimizer state, as benchmarked)."""
     from mlite.config import job_from_dict
@@ -325,6 +432,7 @@ def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str) -> Optional[
         "model": {"name": case.model},
         "cluster": {"nodes": 1, "gpus_per_node": case.gpus, "gpu": gpu},
         "parallel": {"ep": case.ep, "cp": case.cp},
+        "optimizer": {"backend": "fsdp2"},
         "precision": {"compute": "bf16", "master": "bf16"},
         "data": {"seq_len": case.seq_len, "micro_batch_size": 1, "global_batch_size": case.dp * case.accum,
                  "dynamic_batch": False},
@@ -362,5 +470,5 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
 
 __all__ = [
     "BenchCase", "BenchResult", "CASES", "flops_per_token", "matmul_params_per_token", "mfu", "mixed_lengths",
-    "effective_seq_len", "time_steps", "write_results", "render_table", "run_case", "case_arch",
+    "effective_seq_len", "time_steps", "write_results", "render_table", "run_case", "run_parallel_case", "case_arch",
 ]

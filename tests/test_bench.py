@@ -54,3 +54,38 @@ def test_cli_refuses_unknown_case_in_one_line():
     proc = subprocess.run([sys.executable, "-m", "mlite", "bench", "no-such-case"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "unknown bench case" in proc.stderr
+
+
+def test_multi_rank_cases_run_under_torchrun_on_gloo(tmp_path):
+    """The multi-GPU cases' code (fsdp2 over dp, experts over ep, the N x one-GPU reference) on 2 gloo ranks."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mlite", "bench",
+         "tiny-cpu-dp2", "tiny-cpu-ep2", "--device", "cpu", "--steps", "2", "--warmup", "1", f"--out={out}"],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert [(r["case"], r["side"]) for r in results] == [
+        ("tiny-cpu-dp2", "mlite x2"), ("tiny-cpu-dp2", "2 x one GPU"),
+        ("tiny-cpu-ep2", "mlite x2"), ("tiny-cpu-ep2", "2 x one GPU"),
+    ]
+    for parallel, single in zip(results[::2], results[1::2]):
+        assert parallel["tokens_per_step"] == single["tokens_per_step"] == 2 * 128  # one replica per rank
+        assert parallel["extra"]["scaling"] == parallel["tokens_per_s"] / single["tokens_per_s"] > 0
+    assert "of 2 x one GPU" in proc.stdout
+
+
+def test_multi_rank_case_without_torchrun_says_how_to_launch_it():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "mlite", "bench", "dense-1.7b-4k-dp4"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
+    assert "torchrun --nproc-per-node 4 -m mlite bench dense-1.7b-4k-dp4" in proc.stderr

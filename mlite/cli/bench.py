@@ -34,23 +34,52 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in bench.CASES]
     if unknown:
         raise MliteError(f"unknown bench case(s) {', '.join(unknown)}; known: {', '.join(bench.CASES)}")
+    import os
+
     import torch
 
+    multi = [n for n in names if bench.CASES[n].gpus > 1]
+    if multi and len(multi) != len(names):
+        raise MliteError("multi-GPU and one-GPU bench cases run in separate launches; name one kind at a time")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if multi and world == 1:
+        gpus = bench.CASES[multi[0]].gpus
+        raise MliteError(f"case(s) {', '.join(multi)} run on several ranks: "
+                         f"torchrun --nproc-per-node {gpus} -m mlite bench {' '.join(multi)}")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise MliteError("--device cuda but no CUDA GPU is visible; use --device cpu for the tiny case")
-    gpu, peak = bench.detect_gpu(device)
-    multi = [n for n in names if bench.CASES[n].gpus > 1]
     if multi:
-        raise MliteError(f"case(s) {', '.join(multi)} need several GPUs and the parallel runtime; "
-                         "this version of mlite bench runs single-GPU cases only (see docs/PERFORMANCE.md)")
+        import torch.distributed as dist
+
+        if device == "cuda":
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    rank0 = not multi or torch.distributed.get_rank() == 0
+    if not rank0:
+        console.quiet = True
+    gpu, peak = bench.detect_gpu(device)
     results = []
-    for name in names:
-        console.print(f"[bold]{name}[/bold] on {gpu} ...")
-        results += bench.run_case(bench.CASES[name], device, steps=args.steps, warmup=args.warmup,
-                                  sides=("mlite",) if args.no_baseline else ("mlite", "hf"),
-                                  compile_blocks=not args.no_compile, gpu=gpu, peak_tflops=peak)
+    try:
+        for name in names:
+            console.print(f"[bold]{name}[/bold] on {gpu} ...")
+            if multi:
+                results += bench.run_parallel_case(bench.CASES[name], device, steps=args.steps, warmup=args.warmup,
+                                                   gpu=gpu, peak_tflops=peak)
+            else:
+                results += bench.run_case(bench.CASES[name], device, steps=args.steps, warmup=args.warmup,
+                                          sides=("mlite",) if args.no_baseline else ("mlite", "hf"),
+                                          compile_blocks=not args.no_compile, gpu=gpu, peak_tflops=peak)
+    finally:
+        if multi:
+            torch.distributed.destroy_process_group()
+    if not rank0:
+        return 0
     console.print(bench.render_table(results))
+    for r in results:
+        if "scaling" in r.extra:
+            console.print(f"{r.case}: {r.extra['scaling']:.1%} of {r.extra['world']} x one GPU")
     from pathlib import Path
 
     bench.write_results(results, Path(args.out), bench.environment(device))
