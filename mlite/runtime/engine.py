@@ -12,11 +12,16 @@ precision, the parallel layout, the optimizer and the LR schedule; models only d
 the step's loss (normalised by global counts, see mlite.runtime.loss.sft_loss), so summing the gradients
 over micro-batches and data-parallel ranks gives the exact gradient of the step's loss.
 
-Precision: parameters and optimizer state are fp32 (the master weights); on a GPU, `precision.compute:
-bf16` runs the forward and backward under autocast. On CPU compute is fp32.
+Precision: parameters and optimizer state are fp32 (the master weights) unless `precision.master: bf16`
+(GPUs only: parameters, gradients and Adam state in bf16). On a GPU, `precision.compute: bf16` runs the
+forward and backward in bf16 (autocast on one process, FSDP2's parameter cast on several). On CPU compute
+is fp32. `precision.grad_reduce` is the dtype of the cross-rank gradient reduction.
 
 Layout: every decision about devices, meshes and groups lives in `_setup_layout`; one process is the
-layout with every degree 1 (`ParallelDims(world_size=1)`), and the loss is reduced over the `dp_cp` group.
+layout with every degree 1 (`ParallelDims(world_size=1)`). Several ranks get the meshes of
+`ParallelDims.build` and `parallelize_model` (TP+SP, recompute, CP, EP, FSDP2 over dp_cp); the loss is
+reduced over the `dp_cp` group. What each rank computes of a micro-batch and how log-probs come back under
+TP and CP: `forward_backward` and mlite.runtime.parallel.step.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ from mlite.runtime.loss import token_logprobs
 from mlite.runtime.models import build_model
 from mlite.runtime.optim import LocalAdamW, LRSchedule
 from mlite.runtime.parallel.mesh import ParallelDims
+from mlite.runtime.parallel.parallelize import apply_recompute, grad_norm, parallelize_model, set_gradient_sync
+from mlite.runtime.parallel.step import gather_stream, local_share, real_tokens, vocab_parallel_logprobs
 
 log = logging.getLogger(__name__)
 LossFn = Callable[..., tuple[torch.Tensor, dict]]
@@ -115,12 +122,15 @@ class Runtime:
         compute = job.precision.compute if self.device.type == "cuda" else "fp32"
         if compute != job.precision.compute:
             log.info("precision.compute %s applies on GPUs; this CPU run computes in fp32", job.precision.compute)
-        self.autocast_dtype = None if compute == "fp32" else COMPUTE_DTYPES[compute]
         if job.trainer.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=False)
         self.hf_config = hf_config if hf_config is not None else hf_config_of(job)
         self.arch: ModelArch = arch_from_hf_config(self.hf_config, name=job.model.name or "")
         self._setup_layout()
+        # bf16 master weights compute in bf16 without autocast; FSDP2 casts for compute on several ranks
+        master = torch.bfloat16 if job.precision.master == "bf16" else torch.float32
+        use_autocast = compute != "fp32" and self.mesh is None and master == torch.float32
+        self.autocast_dtype = COMPUTE_DTYPES[compute] if use_autocast else None
 
         seed_everything(job.trainer.seed)  # same initial weights on every rank and every run
         self.model = build_model(self.arch, job.model.attention_backend, dtype=torch.float32, device=self.device)
@@ -128,46 +138,37 @@ class Runtime:
             from mlite.runtime.ckpt.hf import load_hf_weights
 
             load_hf_weights(self.model, job.model.path, torch.float32)
-        self.optim = LocalAdamW(self.model.parameters(), job.optimizer)
+        self.model.to(master)
+        if self.mesh is not None:
+            parallelize_model(self.model, self.mesh, job, self.device.type)
+        else:
+            rc = job.recompute
+            apply_recompute(self.model, rc.granularity, rc.method, rc.num_layers)
+        self.optim = LocalAdamW(self.model.parameters(), job.optimizer,
+                                grad_norm_fn=grad_norm if self.mesh is not None else None)
         self.schedule = LRSchedule(self.optim.optimizer, job.optimizer, total_steps or job.trainer.steps)
 
     # ------------------------------------------------------------------------------------- layout
     def _setup_layout(self) -> None:
         """Degrees, meshes and groups. One process: all degrees 1, no process group. Several ranks (torchrun
-        or srun set WORLD_SIZE): the process group is started here and the ranks are data parallel with
-        replicated parameters, gradients summed over `dp_cp` before the step. The sharded layouts of
-        mlite.runtime.parallel (FSDP2, TP, CP, EP, PP) plug in here (issue 5)."""
+        or srun set WORLD_SIZE): the process group is started here and the meshes of `ParallelDims.build`
+        are made; the model is parallelized after it is built (`__init__`)."""
         self.owns_process_group = not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1
         if self.owns_process_group:
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.dims = ParallelDims.from_job(self.job, world)
+        refuse_inapplicable_keys(self.job, self.dims, self.device.type)
         self.mesh, self.loss_group = None, None  # loss group: where the loss's token counts are summed
         if world == 1:
             return
-        sharded = {k: v for k, v in dict(pp=self.dims.pp, cp=self.dims.cp, tp=self.dims.tp, ep=self.dims.ep).items() if v > 1}
-        if sharded:
-            layout = ", ".join(f"{k}={v}" for k, v in sharded.items())
+        if self.dims.pp > 1:
             raise MliteError(
-                f"parallel layout {layout}: this runtime runs data parallel only so far (the sharded layouts "
-                "are issue 5); set those degrees to 1"
+                f"parallel.pp={self.dims.pp}: the runtime does not run pipeline parallel yet (the pipeline "
+                "schedules are tested on their own); set parallel.pp: 1 and use tp, cp, ep or data parallel"
             )
         self.mesh = self.dims.build(self.device.type)
         self.loss_group = self.mesh.group("dp_cp")
-
-    def _sync_gradients(self) -> None:
-        """Replicated data parallel: sum the gradients over the ranks (each rank's loss is its share of the
-        global loss, so the sum is the gradient of the step). One flat buffer: one collective per step."""
-        params = self.optim.params
-        for p in params:
-            if p.grad is None:  # e.g. an expert no token of this rank reached
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=self.loss_group)
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
 
     @property
     def dp_rank(self) -> int:
@@ -218,24 +219,57 @@ class Runtime:
         if loss_fn is None and not forward_only:
             raise ValueError("forward_backward needs a loss_fn unless forward_only")
         outputs = []
-        for batch in micro_batches:
-            batch = batch.to(self.device)
-            with torch.set_grad_enabled(not forward_only), self._autocast():
+        for i, full in enumerate(micro_batches):
+            full = full.to(self.device)
+            if self.mesh is not None and not forward_only:  # one gradient reduction per step, on the last
+                set_gradient_sync(self.model, i == len(micro_batches) - 1)
+            batch = local_share(full, self.mesh)
+            with torch.set_grad_enabled(not forward_only), self._autocast(), self._vocab_parallel():
                 out = self.model(batch)
-                logprobs, entropy = token_logprobs(
-                    out.hidden, batch.labels, self.model.compute_logits, temperature, with_entropy
+                logprobs, entropy = self._token_logprobs(out.hidden, batch.labels, temperature, with_entropy)
+                loss, metrics = (
+                    loss_fn(batch, logprobs, entropy, self._aux_share(out.aux_loss)) if loss_fn else (None, {})
                 )
-                loss, metrics = loss_fn(batch, logprobs, entropy, out.aux_loss) if loss_fn else (None, {})
-            if not forward_only:
-                loss.backward()
+                if not forward_only:
+                    loss.backward()
+            if self.dims.cp > 1:  # the trainer gets the whole stream on every cp rank
+                group = self.mesh.group("cp")
+                logprobs = gather_stream(logprobs, batch, full, group)
+                entropy = gather_stream(entropy, batch, full, group) if entropy is not None else None
+            elif batch.num_tokens != full.num_tokens:  # sequence-parallel padding
+                logprobs = logprobs[: full.num_tokens]
+                entropy = entropy[: full.num_tokens] if entropy is not None else None
             outputs.append({
                 "loss": float(loss.detach()) if loss is not None else None,
                 "metrics": metrics,
                 "logprobs": logprobs.detach(),
                 "entropy": entropy.detach() if entropy is not None else None,
-                "num_tokens": batch.num_tokens,
+                "num_tokens": real_tokens(batch, full),
             })
         return outputs
+
+    def _vocab_parallel(self):
+        """Under tp the LM head's logits are split by vocabulary: the loss and its backward run under
+        loss_parallel (mlite.runtime.parallel.step.vocab_parallel_logprobs)."""
+        if self.dims.tp == 1:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    def _token_logprobs(self, hidden, labels, temperature, with_entropy):
+        if self.dims.tp > 1:
+            return vocab_parallel_logprobs(hidden, labels, self.model.compute_logits, temperature, with_entropy)
+        return token_logprobs(hidden, labels, self.model.compute_logits, temperature, with_entropy)
+
+    def _aux_share(self, aux_loss: torch.Tensor) -> torch.Tensor:
+        """The MoE balance loss as the loss_fn sees it. Under cp x tp each rank holds 1/(cp*tp) of the
+        micro-batch's value and back-propagates that share (the router statistics are summed over cp_tp).
+        Its value is scaled by tp, gradient unchanged, so that, like the token losses (whole on every tp
+        rank, split over cp), the returned losses sum over the loss group (dp_cp) to the step's loss."""
+        if self.dims.tp == 1:
+            return aux_loss
+        return aux_loss + (aux_loss * (self.dims.tp - 1)).detach()
 
     def forward_backward_logprobs(
         self, batch: PackedBatch, loss_fn: Callable, forward_only: bool = False, temperature: float = 1.0,
@@ -251,9 +285,8 @@ class Runtime:
         self.optim.zero_grad()
 
     def optimizer_step(self) -> tuple[float, bool]:
-        """Clip and update. Returns (grad norm before clipping, skipped); a non-finite norm skips the update."""
-        if self.loss_group is not None:
-            self._sync_gradients()
+        """Clip and update. Returns (grad norm before clipping, skipped); a non-finite norm skips the update.
+        Several ranks: FSDP2 has reduced the gradients; the norm is taken over every mesh (`grad_norm`)."""
         return self.optim.step()
 
     def close(self) -> None:
@@ -341,6 +374,52 @@ class Runtime:
 
         for name, tensor in iter_hf_weights(self.model):
             yield name, (tensor.to(dtype) if dtype is not None else tensor)
+
+
+def refuse_inapplicable_keys(job: JobConfig, dims: ParallelDims, device_type: str) -> None:
+    """Keys that would do nothing in this run are refused, one line naming the key and the fix."""
+    backend = job.optimizer.backend
+    if backend == "dist_opt":
+        try:
+            import megatron.core  # noqa: F401
+
+            has_megatron = True
+        except ImportError:
+            has_megatron = False
+        if not has_megatron or device_type != "cuda":
+            raise MliteError("optimizer.backend dist_opt needs megatron-core and CUDA GPUs; use fsdp2 on CPU")
+        raise MliteError(
+            "optimizer.backend dist_opt: Megatron-Core's DistributedOptimizer is not wired into the runtime yet "
+            "(only its parallel state is, mlite.runtime.parallel.megatron); use optimizer.backend: fsdp2"
+        )
+    precision = job.precision
+    if precision.master == "bf16" and device_type != "cuda":
+        raise MliteError(
+            "precision.master: bf16 keeps parameters and Adam state in bf16 on GPUs, but this run computes in "
+            "fp32 on the CPU; set precision.master: fp32 (or run on GPUs)"
+        )
+    if precision.grad_reduce != "fp32" and dims.world_size == 1:
+        raise MliteError(
+            f"precision.grad_reduce: {precision.grad_reduce} sets the dtype of the gradient reduction across "
+            "ranks, and this run has one process; remove it or start several ranks (torchrun)"
+        )
+    offload = job.offload
+    if offload.params or offload.grads or offload.optimizer:
+        if device_type != "cuda":
+            raise MliteError("offload.* moves GPU state to host memory, but this run is on the CPU; remove offload")
+        if dims.world_size == 1:
+            raise MliteError(
+                "offload.* runs through FSDP2's CPUOffloadPolicy, which needs several ranks; start them with "
+                "torchrun, or remove offload"
+            )
+        if (offload.params or offload.grads) and not (
+            offload.params and offload.grads and offload.optimizer and offload.optimizer_fraction == 1.0
+        ):
+            raise MliteError(
+                "offload.params / offload.grads: FSDP2 moves a unit's parameters, gradients and optimizer state "
+                "to the host together; set all three (optimizer_fraction 1.0), or offload.optimizer alone with a "
+                "fraction (those layers' parameters and gradients move with their optimizer state)"
+            )
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:

@@ -113,12 +113,31 @@ class LocalAdamW:
             self.zero_grad()
             return float(norm), True
         if self.cfg.clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.clip_grad, norm, foreach=True)
+            _clip_grads_with_norm_(self.params, self.cfg.clip_grad, norm)
         self.optimizer.step()
         return float(norm), False
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+
+def _clip_grads_with_norm_(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """torch's clip_grads_with_norm_, scaling each gradient's local part: sharded layouts mix DTensors of
+    several meshes (dense over dp_cp, experts over edp), which one foreach call cannot take."""
+    from torch.distributed.tensor import DTensor
+
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    for device, group in _by_device(local).items():
+        torch._foreach_mul_(group, coef.to(device))
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return groups
 
 
 def _local_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -138,14 +138,16 @@ def apply_fsdp(
     mesh: ParallelMesh,
     compute_dtype: torch.dtype = torch.float32,
     offload_fraction: float = 0.0,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> None:
-    """FSDP2: fp32 sharded parameters (the master copy, so the optimizer state is sharded too), gathered in
-    `compute_dtype` for compute, gradients reduced in fp32. Dense parameters shard over dp_cp, experts over
-    edp, a MoE block's router over all the ranks of a stage (each sees different tokens).
+    """FSDP2: sharded parameters (the master copy, so the optimizer state is sharded too), gathered in
+    `compute_dtype` for compute, gradients reduced in `reduce_dtype` (precision.grad_reduce). Dense
+    parameters shard over dp_cp, experts over edp, a MoE block's router over all the ranks of a stage (each
+    sees different tokens). A tied LM head and its embedding are one unit (one shared matrix).
 
     `offload_fraction`: the share of layers whose sharded parameters, gradients and therefore optimizer
     state (and step) live on the host (FSDP2's CPUOffloadPolicy per layer unit); 1.0 offloads everything."""
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     layers = list(model.layers.values())
     offloaded = round(offload_fraction * len(layers))
 
@@ -163,7 +165,10 @@ def apply_fsdp(
             groups.append(shard(layer.mlp, "dp_cp_tp", offload))  # the router
         groups.append(shard(layer, "dp_cp", offload))
     everything = offload_fraction >= 1.0
-    if model.output is not None:  # the LM head runs in the loss, outside the decoder's forward
+    tied = model.output is not None and model.embed is not None and model.output.weight is model.embed.weight
+    if tied:  # one unit over both modules of the shared matrix: gathered for either one's forward
+        groups.append(shard([model.embed, model.output], "dp_cp", everything)[0])  # one state for both
+    elif model.output is not None:  # the LM head runs in the loss, outside the decoder's forward
         groups.append(shard(model.output, "dp_cp", everything))
     groups.append(shard(model, "dp_cp", everything))
     for module in groups:
@@ -173,10 +178,10 @@ def apply_fsdp(
 
 def check_model_fits_layout(arch, dims) -> None:
     """What this module cannot do with a model, refused before any weight is touched."""
-    if dims.world_size > 1 and arch.tie_embeddings:
+    if arch.tie_embeddings and (dims.tp > 1 or dims.pp > 1):
         raise MliteError(
-            "tied embeddings (tie_word_embeddings) are not supported in multi-rank layouts yet; "
-            "run on one process or use a model with an untied LM head"
+            f"tied embeddings (tie_word_embeddings) with tp={dims.tp}, pp={dims.pp} are not supported yet; "
+            "use tp=1 and pp=1 (data, context and expert parallel work) or a model with an untied LM head"
         )
     if dims.tp > 1 and (arch.num_kv_heads % dims.tp or arch.num_heads % dims.tp):
         raise MliteError(
@@ -196,12 +201,13 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: "JobConfig", de
     apply_recompute(model, rc.granularity, rc.method, rc.num_layers)
     apply_context_parallel(model, mesh)
     apply_expert_parallel(model, mesh)
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[job.precision.compute]
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     apply_fsdp(
         model,
         mesh,
-        compute_dtype=compute if device_type == "cuda" else torch.float32,  # CPU runs (tests) stay fp32
+        compute_dtype=dtypes[job.precision.compute] if device_type == "cuda" else torch.float32,  # CPU: fp32
         offload_fraction=job.offload.optimizer_fraction if job.offload.optimizer else 0.0,
+        reduce_dtype=dtypes[job.precision.grad_reduce],
     )
     return model
 
@@ -218,6 +224,15 @@ def clip_grad_norm_(params, max_norm: float, mesh: ParallelMesh) -> torch.Tensor
     """Global gradient norm over every rank (each shard counted once, replicas not again); scales the
     gradients down to max_norm when above it (0: no clipping). Returns the norm before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
+    norm = grad_norm(grads)
+    if max_norm > 0 and norm > max_norm:
+        for grad in grads:
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(max_norm / (norm + 1e-6))
+    return norm
+
+
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of gradients sharded and replicated over any meshes, summed over every rank once."""
     # offloaded shards live on the host: sum on the accelerator when there is one (NCCL reduces there)
     device = next((g.device for g in grads if g.device.type != "cpu"), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -230,11 +245,7 @@ def clip_grad_norm_(params, max_norm: float, mesh: ParallelMesh) -> torch.Tensor
         total += (local.double().pow(2).sum() / copies).to(device)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
-    norm = total.sqrt().float()
-    if max_norm > 0 and norm > max_norm:
-        for grad in grads:
-            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(max_norm / (norm + 1e-6))
-    return norm
+    return total.sqrt().float()
 
 
 def apply_recompute(
