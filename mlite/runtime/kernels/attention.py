@@ -222,6 +222,11 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Causal attention within each packed sequence -> [T, hq, d]."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if q.is_cuda and torch.is_autocast_enabled("cuda"):
+        # under autocast the norms and RoPE hand over fp32 q/k next to a bf16 v; the fused kernels take one
+        # 16-bit dtype (SDPA would cast by itself, varlen/cuDNN/flash-attn do not)
+        dtype = torch.get_autocast_dtype("cuda")
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     return ATTENTION_BACKENDS[backend](q, k, v, cu_seqlens, int(max_seqlen), scale)
 
 
