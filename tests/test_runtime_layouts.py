@@ -1,0 +1,230 @@
+"""`mlite sft` under every sharded layout the runtime runs, against the one-process run.
+
+Each layout is the real CLI under `torchrun --nproc-per-node 2` (gloo, CPU, fp32) on a tiny untied Qwen3
+(dense) or Qwen3-MoE trained on the demo data: the loss and grad norm of every step equal the one-process
+run within 1e-5 relative, with the same token counts. A checkpoint saved under tp2 continues on one
+process. Every precision / recompute / offload / optimizer key either changes the run (shown here) or is
+refused with one line naming it (exit 2). The GPU test runs tp2 and fsdp2 dp2 in bf16 on NCCL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mlite.config import job_from_dict
+from mlite.runtime.ckpt.checkpoint import CheckpointManager
+from mlite.trainers.metrics import read_metrics
+from mlite.trainers.sft import train_sft
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+STEPS = 4
+RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread, as in the subprocesses (OMP_NUM_THREADS=1): same kernels, and no spin-waiting
+    on the two shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """Demo data, a tokenizer trained on it, and tiny dense and MoE configs sized to the tokenizer (untied
+    LM heads: tensor parallel splits embedding and head differently)."""
+    from mlite.runtime.data.demo import write_demo_data
+    from mlite.runtime.data.tokenizer import train_demo_tokenizer
+
+    root = tmp_path_factory.mktemp("layout_assets")
+    files = write_demo_data(root / "data", train=64, val=8, seed=2)
+    tokenizer = train_demo_tokenizer(root / "tokenizer", seed=2, vocab_size=256, rows=200)
+    common = {"vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "tie_word_embeddings": False, "max_position_embeddings": 256}
+    configs = {
+        "dense": {"model_type": "qwen3", "intermediate_size": 128, **common},
+        "moe": {"model_type": "qwen3_moe", "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
+                "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "router_aux_loss_coef": 0.1, **common},
+    }
+    for name, config in configs.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+    return {"train": str(files["train.jsonl"]), "tokenizer": str(root / "tokenizer"), "root": root}
+
+
+def job_dict(assets, model: str, out: Path, **sections) -> dict:
+    job = {
+        "job": "sft",
+        "model": {"path": str(assets["root"] / model), "load_weights": False},
+        "cluster": {"gpu": "cpu", "gpus_per_node": 1},
+        "optimizer": {"lr": 2e-3, "warmup_steps": 1, "clip_grad": 1.0},
+        "precision": {"compute": "fp32"},
+        "data": {"train_files": [assets["train"]], "tokenizer": assets["tokenizer"], "seq_len": 128,
+                 "global_batch_size": 8, "max_tokens_per_micro_batch": 160},
+        "trainer": {"steps": STEPS, "seed": 5, "output_dir": str(out), "save_every": 2, "log_every": 1,
+                    "device": "cpu", "tensorboard": False},
+    }
+    if model == "moe":
+        # one sequence per micro-batch: the balance loss pools router statistics per micro-batch, so the
+        # micro-batches must be the same under every data-parallel degree for the numbers to be
+        job["data"] |= {"dynamic_batch": False, "micro_batch_size": 1, "max_tokens_per_micro_batch": None}
+    for name, values in sections.items():
+        job[name] = {**job.get(name, {}), **values}
+    return job
+
+
+def records(out: Path) -> list[dict]:
+    return [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def one_process(assets, tmp_path_factory):
+    """The reference curve of each model: the same job on one process (in this process)."""
+    runs = {}
+    for model in ("dense", "moe"):
+        out = tmp_path_factory.mktemp(f"one_{model}")
+        train_sft(job_from_dict(job_dict(assets, model, out)), show_progress=False)
+        runs[model] = records(out)
+    return runs
+
+
+def mlite_sft(tmp_path: Path, job: dict, ranks: int, *overrides: str) -> subprocess.CompletedProcess:
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(job))
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    return subprocess.run([sys.executable, *launcher, "-m", "mlite", "sft", str(config), "--no-progress", *sets],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, check=False)
+
+
+def assert_same_curve(got: list[dict], want: list[dict], rtol: float = RTOL) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for ours, ref in zip(got, want):
+        assert (ours["tokens"], ours["target_tokens"]) == (ref["tokens"], ref["target_tokens"]), ours["step"]
+        assert ours["loss"] == pytest.approx(ref["loss"], rel=rtol), f"step {ours['step']}: loss"
+        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=rtol), f"step {ours['step']}: grad norm"
+
+
+LAYOUTS = [
+    ("dense", ["parallel.cp=2"]),
+    ("dense", []),  # fsdp2 over dp2
+    ("moe", ["parallel.ep=2"]),  # experts split over 2 ranks, dense parts fsdp2 over dp2
+]
+
+
+@pytest.mark.parametrize("model,overrides", LAYOUTS, ids=["cp2", "fsdp2-dp2", "ep2"])
+def test_sft_cli_on_two_ranks_matches_one_process(assets, one_process, tmp_path, model, overrides):
+    out = tmp_path / "run"
+    done = mlite_sft(tmp_path, job_dict(assets, model, out), 2, *overrides)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_curve(records(out), one_process[model])
+    assert CheckpointManager(out).steps() == [4, 2]
+
+
+def test_tp2_matches_one_process_and_its_checkpoint_resumes_on_one_process(assets, one_process, tmp_path):
+    """Checkpoints name and shape every tensor as the whole model: tp2's step 2 continues on one process."""
+    saved = tmp_path / "tp2"
+    done = mlite_sft(tmp_path, job_dict(assets, "dense", saved), 2, "parallel.tp=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_curve(records(saved), one_process["dense"])
+    out = tmp_path / "one"
+    resume = str(CheckpointManager(saved).path_for(2))
+    train_sft(job_from_dict(job_dict(assets, "dense", out, trainer={"resume": resume})), show_progress=False)
+    assert_same_curve(records(out), one_process["dense"][2:])
+
+
+# ------------------------------------------------------------------------------- keys with an effect
+def test_grad_reduce_bf16_reduces_gradients_in_bf16(assets, one_process, tmp_path):
+    """precision.grad_reduce: bf16 rounds the reduced gradients: the curve moves off the fp32 one by bf16
+    rounding, no further."""
+    out = tmp_path / "run"
+    done = mlite_sft(tmp_path, job_dict(assets, "dense", out), 2, "precision.grad_reduce=bf16")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got, want = records(out), one_process["dense"]
+    assert [r["grad_norm"] for r in got] != pytest.approx([r["grad_norm"] for r in want], rel=1e-6)
+    assert_same_curve(got, want, rtol=2e-2)
+
+
+def test_recompute_keeps_the_numbers_and_saves_activations(assets, tmp_path):
+    """recompute.* applies on one process too: same loss and gradients, fewer tensors kept for backward."""
+    from mlite.runtime.engine import Runtime
+    from mlite.runtime.loss import sft_loss
+    from mlite.runtime.data.sft import build_sft_data
+
+    def run(recompute):
+        job = job_from_dict(job_dict(assets, "dense", tmp_path / "unused", recompute=recompute))
+        rt = Runtime(job)
+        micro_batches, targets = build_sft_data(job).next_step()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            outs = rt.forward_backward(micro_batches, sft_loss(targets))
+        grads = [p.grad.clone() for p in rt.model.parameters()]
+        return sum(o["loss"] for o in outs), grads, sum(saved)
+
+    loss, grads, kept = run({"granularity": "none"})
+    for recompute in ({"granularity": "selective"}, {"granularity": "full"}):
+        loss_rc, grads_rc, kept_rc = run(recompute)
+        assert loss_rc == loss and all(torch.equal(a, b) for a, b in zip(grads, grads_rc)), recompute
+        assert kept_rc < kept, f"{recompute}: {kept_rc} saved elements, {kept} without recompute"
+
+
+# --------------------------------------------------------------------------- keys refused, one line
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("optimizer.backend=dist_opt", "optimizer.backend dist_opt needs megatron-core and CUDA GPUs; use fsdp2 on CPU"),
+        ("precision.compute=bf16", None),  # accepted: logged as fp32 on CPU (test_engine)
+        ("precision.grad_reduce=bf16", "precision.grad_reduce: bf16 sets the dtype of the gradient reduction"),
+        ("offload.optimizer=true", "offload.* moves GPU state to host memory, but this run is on the CPU"),
+    ],
+    ids=["dist_opt", "compute-bf16", "grad_reduce-one-process", "offload-on-cpu"],
+)
+def test_keys_that_cannot_apply_are_one_line_exit_2(assets, tmp_path, override, message):
+    job = job_dict(assets, "dense", tmp_path / "run", trainer={"steps": 1})
+    done = mlite_sft(tmp_path, job, 1, override)
+    if message is None:
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "precision.compute bf16 applies on GPUs; this CPU run computes in fp32" in done.stderr
+        return
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(f"mlite sft: error: {message}")
+    assert "Traceback" not in done.stderr
+
+
+def test_bf16_master_weights_on_cpu_are_refused(assets, tmp_path):
+    from mlite.errors import MliteError
+    from mlite.runtime.engine import Runtime
+
+    job = job_dict(assets, "dense", tmp_path / "run", precision={"compute": "bf16", "master": "bf16"})
+    with pytest.raises(MliteError, match="precision.master: bf16 keeps parameters and Adam state in bf16 on GPUs"):
+        Runtime(job_from_dict(job))
+
+
+# ------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("overrides", [["parallel.tp=2"], []], ids=["tp2", "fsdp2-dp2"])
+def test_sft_on_two_gpus_in_bf16_matches_one_gpu(assets, tmp_path, overrides):
+    if torch.cuda.device_count() < 2:
+        pytest.fail(f"this test needs 2 GPUs, {torch.cuda.device_count()} visible")
+    gpu = {"cluster": {"gpu": "h100", "gpus_per_node": 2}, "precision": {"compute": "bf16"},
+           "trainer": {"device": "cuda"}}
+    one = tmp_path / "one"
+    done = mlite_sft(tmp_path, job_dict(assets, "dense", one, **gpu), 1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = tmp_path / "two"
+    done = mlite_sft(tmp_path, job_dict(assets, "dense", two, **gpu), 2, *overrides)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_curve(records(two), records(one), rtol=2e-2)
