@@ -62,7 +62,8 @@ def assets(tmp_path_factory):
     for name, config in configs.items():
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(config))
-    return {"train": str(files["train.jsonl"]), "tokenizer": str(root / "tokenizer"), "root": root}
+    return {"train": str(files["train.jsonl"]), "val": str(files["val.jsonl"]), "tokenizer": str(root / "tokenizer"),
+            "root": root}
 
 
 def job_dict(assets, model: str, out: Path, **sections) -> dict:
@@ -72,9 +73,10 @@ def job_dict(assets, model: str, out: Path, **sections) -> dict:
         "cluster": {"gpu": "cpu", "gpus_per_node": 1},
         "optimizer": {"lr": 2e-3, "warmup_steps": 1, "clip_grad": 1.0},
         "precision": {"compute": "fp32"},
-        "data": {"train_files": [assets["train"]], "tokenizer": assets["tokenizer"], "seq_len": 128,
+        "data": {"train_files": [assets["train"]], "val_files": [assets["val"]], "tokenizer": assets["tokenizer"],
+                 "seq_len": 128,
                  "global_batch_size": 8, "max_tokens_per_micro_batch": 160},
-        "trainer": {"steps": STEPS, "seed": 5, "output_dir": str(out), "save_every": 2, "log_every": 1,
+        "trainer": {"steps": STEPS, "seed": 5, "output_dir": str(out), "save_every": 2, "log_every": 1, "eval_every": 2,
                     "device": "cpu", "tensorboard": False},
     }
     if model == "moe":
@@ -90,6 +92,11 @@ def records(out: Path) -> list[dict]:
     return [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
 
 
+def held_out(out: Path) -> list[float]:
+    """The held-out losses (forward-only passes: log-probs as the trainer receives them)."""
+    return [r["val_loss"] for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r]
+
+
 @pytest.fixture(scope="module")
 def one_process(assets, tmp_path_factory):
     """The reference curve of each model: the same job on one process (in this process)."""
@@ -98,6 +105,7 @@ def one_process(assets, tmp_path_factory):
         out = tmp_path_factory.mktemp(f"one_{model}")
         train_sft(job_from_dict(job_dict(assets, model, out)), show_progress=False)
         runs[model] = records(out)
+        runs[model, "val"] = held_out(out)
     return runs
 
 
@@ -119,18 +127,21 @@ def assert_same_curve(got: list[dict], want: list[dict], rtol: float = RTOL) -> 
 
 
 LAYOUTS = [
+    ("dense", ["parallel.pp=2"]),  # 1F1B for training, the forward-only schedule for evaluation
     ("dense", ["parallel.cp=2"]),
     ("dense", []),  # fsdp2 over dp2
     ("moe", ["parallel.ep=2"]),  # experts split over 2 ranks, dense parts fsdp2 over dp2
 ]
 
 
-@pytest.mark.parametrize("model,overrides", LAYOUTS, ids=["cp2", "fsdp2-dp2", "ep2"])
+@pytest.mark.parametrize("model,overrides", LAYOUTS, ids=["pp2", "cp2", "fsdp2-dp2", "ep2"])
 def test_sft_cli_on_two_ranks_matches_one_process(assets, one_process, tmp_path, model, overrides):
     out = tmp_path / "run"
     done = mlite_sft(tmp_path, job_dict(assets, model, out), 2, *overrides)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_curve(records(out), one_process[model])
+    assert len(held_out(out)) == 2
+    assert held_out(out) == pytest.approx(one_process[model, "val"], rel=RTOL)
     assert CheckpointManager(out).steps() == [4, 2]
 
 
@@ -140,6 +151,7 @@ def test_tp2_matches_one_process_and_its_checkpoint_resumes_on_one_process(asset
     done = mlite_sft(tmp_path, job_dict(assets, "dense", saved), 2, "parallel.tp=2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_curve(records(saved), one_process["dense"])
+    assert held_out(saved) == pytest.approx(one_process["dense", "val"], rel=RTOL)
     out = tmp_path / "one"
     resume = str(CheckpointManager(saved).path_for(2))
     train_sft(job_from_dict(job_dict(assets, "dense", out, trainer={"resume": resume})), show_progress=False)
@@ -202,6 +214,14 @@ def test_keys_that_cannot_apply_are_one_line_exit_2(assets, tmp_path, override, 
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1].startswith(f"mlite sft: error: {message}")
     assert "Traceback" not in done.stderr
+
+
+def test_pipeline_parallel_moe_is_refused_on_every_rank(assets, tmp_path):
+    job = job_dict(assets, "moe", tmp_path / "run", trainer={"steps": 1})
+    done = mlite_sft(tmp_path, job, 2, "parallel.pp=2")
+    assert done.returncode != 0
+    line = "mlite sft: error: parallel.pp=2 with a MoE model: the runtime does not weight the pipelined balance loss"
+    assert done.stderr.count(line) == 2, done.stderr[-3000:]
 
 
 def test_bf16_master_weights_on_cpu_are_refused(assets, tmp_path):

@@ -27,6 +27,7 @@ TP and CP: `forward_backward` and mlite.runtime.parallel.step.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -55,7 +56,15 @@ from mlite.runtime.models import build_model
 from mlite.runtime.optim import LocalAdamW, LRSchedule
 from mlite.runtime.parallel.mesh import ParallelDims
 from mlite.runtime.parallel.parallelize import apply_recompute, grad_norm, parallelize_model, set_gradient_sync
-from mlite.runtime.parallel.step import gather_stream, local_share, real_tokens, vocab_parallel_logprobs
+from mlite.runtime.parallel.pipeline import PipelineRunner, keep_chunk, one_f_one_b, split_layers, stage_view
+from mlite.runtime.parallel.pipeline import forward_only as forward_only_schedule
+from mlite.runtime.parallel.step import (
+    broadcast_outputs,
+    gather_stream,
+    local_share,
+    real_tokens,
+    vocab_parallel_logprobs,
+)
 
 log = logging.getLogger(__name__)
 LossFn = Callable[..., tuple[torch.Tensor, dict]]
@@ -139,7 +148,11 @@ class Runtime:
 
             load_hf_weights(self.model, job.model.path, torch.float32)
         self.model.to(master)
-        if self.mesh is not None:
+        self.pipeline = None
+        if self.dims.pp > 1:
+            self.pipeline, self.chunks = self._build_pipeline(master)
+            self.model = stage_view(self.chunks)  # this rank's parameters under the whole model's names
+        elif self.mesh is not None:
             parallelize_model(self.model, self.mesh, job, self.device.type)
         else:
             rc = job.recompute
@@ -162,13 +175,28 @@ class Runtime:
         self.mesh, self.loss_group = None, None  # loss group: where the loss's token counts are summed
         if world == 1:
             return
-        if self.dims.pp > 1:
+        if self.dims.pp > 1 and self.arch.moe is not None:
             raise MliteError(
-                f"parallel.pp={self.dims.pp}: the runtime does not run pipeline parallel yet (the pipeline "
-                "schedules are tested on their own); set parallel.pp: 1 and use tp, cp, ep or data parallel"
+                f"parallel.pp={self.dims.pp} with a MoE model: the runtime does not weight the pipelined balance "
+                "loss yet; set parallel.pp: 1 and use ep, tp, cp or data parallel for MoE models"
             )
         self.mesh = self.dims.build(self.device.type)
         self.loss_group = self.mesh.group("dp_cp")
+
+    def _build_pipeline(self, dtype: torch.dtype):
+        """This pp rank's chunks of the model (chunk c of pp*vpp lives on rank c % pp), each parallelized
+        like a whole model, and the runner that moves activations between them."""
+        dims, par = self.dims, self.job.parallel
+        split = split_layers(self.arch.num_layers, dims.pp, dims.vpp, par.pp_first_stage_layers,
+                             par.pp_last_stage_layers)
+        pp_rank = self.mesh.rank_in("pp")
+        chunks = {}
+        for c in range(pp_rank, dims.pp * dims.vpp, dims.pp):
+            chunk = keep_chunk(copy.deepcopy(self.model), split[c], c == 0, c == len(split) - 1)
+            chunks[c] = parallelize_model(chunk, self.mesh, self.job, self.device.type)
+        runner = PipelineRunner(chunks, dims.pp * dims.vpp, dist.get_process_group_ranks(self.mesh.group("pp")))
+        runner.activation_dtype = COMPUTE_DTYPES[self.job.precision.compute] if self.device.type == "cuda" else dtype
+        return runner, chunks
 
     @property
     def dp_rank(self) -> int:
@@ -218,6 +246,8 @@ class Runtime:
         of IGNORE labels are 0. With loss_fn None (forward_only), only the log-probs are computed."""
         if loss_fn is None and not forward_only:
             raise ValueError("forward_backward needs a loss_fn unless forward_only")
+        if self.pipeline is not None:
+            return self._forward_backward_pipeline(micro_batches, loss_fn, forward_only, with_entropy, temperature)
         outputs = []
         for i, full in enumerate(micro_batches):
             full = full.to(self.device)
@@ -248,6 +278,58 @@ class Runtime:
             })
         return outputs
 
+    def _forward_backward_pipeline(self, micro_batches, loss_fn, forward_only, with_entropy, temperature):
+        """pp > 1: the 1F1B schedule (interleaved with vpp > 1) for training, the forward-only schedule
+        otherwise. The last stage computes log-probs and the loss; its per-micro-batch outputs are then
+        broadcast over `pp`, so every rank returns the same outputs as without a pipeline."""
+        dims, chunks = self.dims, self.chunks
+        fulls = [b.to(self.device) for b in micro_batches]
+        shares = [local_share(b, self.mesh) for b in fulls]
+        last_chunk = dims.pp * dims.vpp - 1
+        computed = {}  # micro-batch -> (loss, metrics, logprobs, entropy), on the last stage
+        index = {id(b): m for m, b in enumerate(shares)}
+        no_aux = torch.zeros((), device=self.device)  # refused for MoE: dense models have no balance loss
+
+        def last_stage(chunk, hidden, batch):
+            logprobs, entropy = self._token_logprobs(hidden, batch.labels, temperature, with_entropy,
+                                                     chunk.compute_logits)
+            loss, metrics = loss_fn(batch, logprobs, entropy, no_aux) if loss_fn else (None, {})
+            computed[index[id(batch)]] = (loss, metrics, logprobs.detach(), entropy)
+            return loss
+
+        pp_rank = self.mesh.rank_in("pp")
+        with self._autocast(), self._vocab_parallel():
+            if forward_only:
+                with torch.no_grad():
+                    actions = forward_only_schedule(dims.pp, dims.vpp, pp_rank, len(shares))
+                    result = self.pipeline.run(actions, shares, dtype=self.pipeline.activation_dtype)
+                    if last_chunk in chunks:
+                        for m, hidden in result["outputs"].items():
+                            last_stage(chunks[last_chunk], hidden, shares[m])
+            else:
+                for chunk in chunks.values():
+                    set_gradient_sync(chunk, False)
+                self.pipeline.run(
+                    one_f_one_b(dims.pp, dims.vpp, pp_rank, len(shares)), shares, loss_fn=last_stage,
+                    before_backward=lambda c, last: set_gradient_sync(chunks[c], last),
+                    dtype=self.pipeline.activation_dtype,
+                )
+        outputs = []
+        for m, (full, share) in enumerate(zip(fulls, shares)):
+            loss, metrics, logprobs, entropy = broadcast_outputs(
+                computed.get(m), share.num_tokens, with_entropy, self.mesh, self.device
+            )
+            if dims.cp > 1:
+                group = self.mesh.group("cp")
+                logprobs = gather_stream(logprobs, share, full, group)
+                entropy = gather_stream(entropy, share, full, group) if entropy is not None else None
+            elif share.num_tokens != full.num_tokens:
+                logprobs = logprobs[: full.num_tokens]
+                entropy = entropy[: full.num_tokens] if entropy is not None else None
+            outputs.append({"loss": loss, "metrics": metrics, "logprobs": logprobs, "entropy": entropy,
+                            "num_tokens": real_tokens(share, full)})
+        return outputs
+
     def _vocab_parallel(self):
         """Under tp the LM head's logits are split by vocabulary: the loss and its backward run under
         loss_parallel (mlite.runtime.parallel.step.vocab_parallel_logprobs)."""
@@ -257,10 +339,11 @@ class Runtime:
 
         return loss_parallel()
 
-    def _token_logprobs(self, hidden, labels, temperature, with_entropy):
+    def _token_logprobs(self, hidden, labels, temperature, with_entropy, compute_logits=None):
+        compute_logits = compute_logits or self.model.compute_logits
         if self.dims.tp > 1:
-            return vocab_parallel_logprobs(hidden, labels, self.model.compute_logits, temperature, with_entropy)
-        return token_logprobs(hidden, labels, self.model.compute_logits, temperature, with_entropy)
+            return vocab_parallel_logprobs(hidden, labels, compute_logits, temperature, with_entropy)
+        return token_logprobs(hidden, labels, compute_logits, temperature, with_entropy)
 
     def _aux_share(self, aux_loss: torch.Tensor) -> torch.Tensor:
         """The MoE balance loss as the loss_fn sees it. Under cp x tp each rank holds 1/(cp*tp) of the
@@ -371,6 +454,12 @@ class Runtime:
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named tensors one at a time (never the whole state at once)."""
         from mlite.runtime.ckpt.hf import iter_hf_weights
+
+        if self.pipeline is not None:
+            raise MliteError(
+                f"exporting weights from a running pp={self.dims.pp} job: each rank holds only its stages; "
+                "export the saved checkpoint instead (mlite export), or run rollouts with parallel.pp: 1"
+            )
 
         for name, tensor in iter_hf_weights(self.model):
             yield name, (tensor.to(dtype) if dtype is not None else tensor)

@@ -10,6 +10,7 @@
   all-reduce of max and sum per token; the full [T, vocab] logits never exist on one rank). The result is
   replicated over tp. The caller runs the backward under `loss_parallel()` too.
 - `gather_stream`: per-token outputs of the local share back into the whole stream, on every cp rank.
+- `broadcast_outputs`: under pipeline parallel, the last stage's per-micro-batch outputs to every stage.
 """
 
 from __future__ import annotations
@@ -100,3 +101,23 @@ def gather_stream(values: torch.Tensor, share: PackedBatch, full: PackedBatch, g
     stream = values.new_zeros(index.numel(), *values.shape[1:])
     stream[index] = torch.cat(parts)
     return stream[: full.num_tokens]
+
+
+def broadcast_outputs(computed, num_tokens: int, with_entropy: bool, mesh: ParallelMesh, device):
+    """(loss float, metrics, logprobs [t], entropy [t] or None) of one micro-batch from the last pipeline
+    stage (where `computed` is not None) to every rank of its `pp` group."""
+    group = mesh.group("pp")
+    last = dist.get_process_group_ranks(group)[-1]
+    rows = 2 if with_entropy else 1
+    values = torch.empty(rows, num_tokens, dtype=torch.float32, device=device)
+    header = [None]
+    if computed is not None:
+        loss, metrics, logprobs, entropy = computed
+        values[0] = logprobs.detach().float()
+        if with_entropy:
+            values[1] = entropy.detach().float()
+        header = [(float(loss.detach()) if loss is not None else None, metrics)]
+    dist.broadcast(values, src=last, group=group)
+    dist.broadcast_object_list(header, src=last, group=group, device=device)
+    loss, metrics = header[0]
+    return loss, metrics, values[0], values[1] if with_entropy else None
