@@ -10,19 +10,17 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from mlite.config import job_from_dict
 from mlite.config.arch import ModelArch, arch_from_hf_config
 from mlite.config.catalog import PRESETS
-from mlite.runtime.data.packed import IGNORE, PackedBatch
+from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.models import build_model
-from mlite.runtime.parallel.context import split_for_context_parallel
 from mlite.runtime.parallel.mesh import ParallelDims
 from mlite.runtime.parallel.parallelize import clip_grad_norm_, parallelize_model, set_gradient_sync
 from mlite.runtime.parallel.pipeline import PipelineRunner, keep_chunk, one_f_one_b, split_layers
+from mlite.runtime.parallel.step import local_share, vocab_parallel_logprobs
 
 # the catalog's tiny models, untied (a tied LM head is not split across stages yet) and 4 layers (pp2 x vpp2)
 ARCH_OVERRIDES = dict(tie_word_embeddings=False, num_hidden_layers=4, router_aux_loss_coef=0.1)
@@ -102,6 +100,9 @@ def launch(world: int, fn, *args, backend: str = "gloo"):
 
 
 # ------------------------------------------------------------------ training, the same under every layout
+# The pieces of a step the runtime uses too (mlite.runtime.parallel.step: each rank's share of a micro-batch,
+# log-probs from vocab-parallel logits); the loop itself stays here so that chunks and schedules can be
+# driven directly (mlite.runtime.engine.Runtime runs the same step from a job: tests/test_runtime_layouts).
 MAX_STEPS, MICRO_BATCHES, LR, CLIP = 4, 4, 1e-3, 1.0
 
 
@@ -109,7 +110,6 @@ def _train_one_stage(model, mesh, opt, steps) -> list[tuple[float, float]]:
     """(loss, grad norm) per step. Without a mesh: one process, all micro-batches accumulated."""
     dims = mesh.dims if mesh else ParallelDims(1)
     dp_rank = mesh.rank_in("dp") if mesh else 0
-    cp_rank = mesh.rank_in("cp") if mesh else 0
     params = [p for p in model.parameters()]
     batches = [b.to(device()) for b in make_batches(MAX_STEPS * MICRO_BATCHES)]
     history = []
@@ -121,8 +121,7 @@ def _train_one_stage(model, mesh, opt, steps) -> list[tuple[float, float]]:
         for i, batch in enumerate(mine):
             if mesh:
                 set_gradient_sync(model, i == len(mine) - 1)
-            if dims.cp > 1:
-                batch = split_for_context_parallel(batch, dims.cp, cp_rank)
+            batch = local_share(batch, mesh)
             with _reference_autocast(mesh):
                 out = model(batch)
             hidden, aux = out.hidden, out.aux_loss
@@ -149,10 +148,10 @@ def _reference_autocast(mesh):
 
 
 def ce_loss(model, hidden, batch, targets):
-    """Summed cross-entropy over the step's target count; call under loss_parallel() (vocab split over tp)."""
-    logits = model.output(hidden)
-    ce = F.cross_entropy(logits, batch.labels, ignore_index=IGNORE, reduction="sum") / targets
-    return ce.to_local() if isinstance(ce, DTensor) else ce  # replicated over tp: each rank holds the whole
+    """Summed cross-entropy over the step's target count; call under loss_parallel() (vocab split over tp).
+    Replicated over tp: each rank holds the whole."""
+    logprobs, _ = vocab_parallel_logprobs(hidden, batch.labels, model.output)
+    return -logprobs.sum() / targets
 
 
 def _train_pipeline(chunks: dict, mesh, opt, steps) -> list[tuple[float, float]]:
@@ -166,9 +165,7 @@ def _train_pipeline(chunks: dict, mesh, opt, steps) -> list[tuple[float, float]]
     for step in steps:
         step_batches = batches[step * MICRO_BATCHES : (step + 1) * MICRO_BATCHES]
         targets = total_targets(step_batches)
-        mine = step_batches[mesh.rank_in("dp") :: dims.dp]
-        if dims.cp > 1:
-            mine = [split_for_context_parallel(b, dims.cp, mesh.rank_in("cp")) for b in mine]
+        mine = [local_share(b, mesh) for b in step_batches[mesh.rank_in("dp") :: dims.dp]]
         for chunk in chunks.values():
             set_gradient_sync(chunk, False)
         actions = one_f_one_b(dims.pp, dims.vpp, mesh.rank_in("pp"), len(mine))
