@@ -172,9 +172,9 @@ def test_grad_reduce_bf16_reduces_gradients_in_bf16(assets, one_process, tmp_pat
 
 def test_recompute_keeps_the_numbers_and_saves_activations(assets, tmp_path):
     """recompute.* applies on one process too: same loss and gradients, fewer tensors kept for backward."""
+    from mlite.runtime.data.sft import build_sft_data
     from mlite.runtime.engine import Runtime
     from mlite.runtime.loss import sft_loss
-    from mlite.runtime.data.sft import build_sft_data
 
     def run(recompute):
         job = job_from_dict(job_dict(assets, "dense", tmp_path / "unused", recompute=recompute))
@@ -197,7 +197,7 @@ def test_recompute_keeps_the_numbers_and_saves_activations(assets, tmp_path):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("optimizer.backend=dist_opt", "optimizer.backend dist_opt needs megatron-core and CUDA GPUs; use fsdp2 on CPU"),
+        ("optimizer.backend=dist_opt", "optimizer.backend dist_opt needs megatron-core and CUDA GPUs"),
         ("precision.compute=bf16", None),  # accepted: logged as fp32 on CPU (test_engine)
         ("precision.grad_reduce=bf16", "precision.grad_reduce: bf16 sets the dtype of the gradient reduction"),
         ("offload.optimizer=true", "offload.* moves GPU state to host memory, but this run is on the CPU"),
@@ -235,7 +235,9 @@ def test_bf16_master_weights_on_cpu_are_refused(assets, tmp_path):
 
 # ------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("overrides", [["parallel.tp=2"], []], ids=["tp2", "fsdp2-dp2"])
+@pytest.mark.parametrize(
+    "overrides", [["parallel.tp=2"], [], ["offload.optimizer=true"]], ids=["tp2", "fsdp2-dp2", "fsdp2-dp2-offload"]
+)
 def test_sft_on_two_gpus_in_bf16_matches_one_gpu(assets, tmp_path, overrides):
     if torch.cuda.device_count() < 2:
         pytest.fail(f"this test needs 2 GPUs, {torch.cuda.device_count()} visible")
@@ -248,3 +250,28 @@ def test_sft_on_two_gpus_in_bf16_matches_one_gpu(assets, tmp_path, overrides):
     done = mlite_sft(tmp_path, job_dict(assets, "dense", two, **gpu), 2, *overrides)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_curve(records(two), records(one), rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_bf16_master_weights_on_gpu_keep_parameters_and_adam_state_in_bf16(assets, tmp_path):
+    from mlite.runtime.data.sft import build_sft_data
+    from mlite.runtime.engine import Runtime
+    from mlite.runtime.loss import sft_loss
+
+    if not torch.cuda.is_available():
+        pytest.fail("this test needs a CUDA GPU, none visible")
+    gpu = {"cluster": {"gpu": "h100"}, "trainer": {"device": "cuda"}}
+    job = job_from_dict(job_dict(assets, "dense", tmp_path / "bf16", precision={"compute": "bf16", "master": "bf16"},
+                                 **gpu))
+    rt = Runtime(job)
+    micro_batches, targets = build_sft_data(job).next_step()
+    rt.forward_backward(micro_batches, sft_loss(targets))
+    rt.optimizer_step()
+    assert rt.autocast_dtype is None and {p.dtype for p in rt.model.parameters()} == {torch.bfloat16}
+    moments = [s["exp_avg"] for s in rt.optim.optimizer.state.values()]
+    assert moments and {m.dtype for m in moments} == {torch.bfloat16}
+
+    fp32 = train_sft(job_from_dict(job_dict(assets, "dense", tmp_path / "fp32", precision={"compute": "bf16"}, **gpu)),
+                     show_progress=False)
+    bf16 = train_sft(job, show_progress=False)
+    assert bf16.losses == pytest.approx(fp32.losses, rel=5e-2)

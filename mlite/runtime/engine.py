@@ -55,7 +55,12 @@ from mlite.runtime.loss import token_logprobs
 from mlite.runtime.models import build_model
 from mlite.runtime.optim import LocalAdamW, LRSchedule
 from mlite.runtime.parallel.mesh import ParallelDims
-from mlite.runtime.parallel.parallelize import apply_recompute, grad_norm, parallelize_model, set_gradient_sync
+from mlite.runtime.parallel.parallelize import (
+    apply_recompute,
+    grad_norm,
+    parallelize_model,
+    set_gradient_sync,
+)
 from mlite.runtime.parallel.pipeline import PipelineRunner, keep_chunk, one_f_one_b, split_layers, stage_view
 from mlite.runtime.parallel.pipeline import forward_only as forward_only_schedule
 from mlite.runtime.parallel.step import (
