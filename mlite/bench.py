@@ -393,16 +393,17 @@ def run_parallel_case(case: BenchCase, device: str, steps: int = 8, warmup: int 
         step, keep = make_step()
         dist.barrier()
         timing = time_steps(step, warmup, steps, device)
-        peak = torch.tensor(_peak_gb(device), dtype=torch.float64)
+        peak = torch.tensor(_peak_gb(device), dtype=torch.float64, device=device)  # NCCL reduces on the GPU
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the fullest GPU is what must fit
         del step, keep
         return timing, peak.tolist()
 
     single, single_peak = measure(lambda: mlite_step_fn(arch, sequences, device, False, case.accum))
-    single_tps = torch.tensor(sum(seq_lens) * case.accum / (single.median_ms / 1e3), dtype=torch.float64)
+    single_tps = torch.tensor(sum(seq_lens) * case.accum / (single.median_ms / 1e3), dtype=torch.float64,
+                              device=device)
     dist.all_reduce(single_tps)  # N x one GPU, measured side by side
     par, par_peak = measure(lambda: parallel_step_fn(case, arch, sequences, device))
-    slowest = torch.tensor(par.median_ms, dtype=torch.float64)
+    slowest = torch.tensor(par.median_ms, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     replicas = world // case.cp  # dp replicas; each one's tokens are split over cp ranks
     tokens = sum(seq_lens) * case.accum * replicas
