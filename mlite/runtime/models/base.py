@@ -19,6 +19,12 @@ class ModelOutput:
     aux_loss: torch.Tensor  # scalar: MoE load-balancing loss times its coefficient (0 for dense models)
 
 
+# FSDP2 finds a module's output tensors by pytree flattening, to unshard its parameters again before their
+# backward; an unregistered dataclass hides them and the root's weights (final norm, embedding) would be
+# read after being freed (an illegal memory access on GPUs).
+torch.utils._pytree.register_dataclass(ModelOutput)
+
+
 @dataclass
 class KVCache:
     """Keys and values per layer for decoding a padded batch; slot p of row b holds position p of sequence b."""
