@@ -67,7 +67,7 @@ from mlite.runtime.parallel.step import (
     broadcast_outputs,
     gather_stream,
     local_share,
-    real_tokens,
+    real_token_mask,
     vocab_parallel_logprobs,
 )
 
@@ -259,9 +259,11 @@ class Runtime:
             if self.mesh is not None and not forward_only:  # one gradient reduction per step, on the last
                 set_gradient_sync(self.model, i == len(micro_batches) - 1)
             batch = local_share(full, self.mesh)
+            real = real_token_mask(batch, full)
             with torch.set_grad_enabled(not forward_only), self._autocast(), self._vocab_parallel():
                 out = self.model(batch)
-                logprobs, entropy = self._token_logprobs(out.hidden, batch.labels, temperature, with_entropy)
+                logprobs, entropy = self._token_logprobs(out.hidden, batch.labels, temperature, with_entropy,
+                                                         real=real)
                 loss, metrics = (
                     loss_fn(batch, logprobs, entropy, self._aux_share(out.aux_loss)) if loss_fn else (None, {})
                 )
@@ -279,7 +281,7 @@ class Runtime:
                 "metrics": metrics,
                 "logprobs": logprobs.detach(),
                 "entropy": entropy.detach() if entropy is not None else None,
-                "num_tokens": real_tokens(batch, full),
+                "num_tokens": int(real.sum()),
             })
         return outputs
 
@@ -296,10 +298,11 @@ class Runtime:
         no_aux = torch.zeros((), device=self.device)  # refused for MoE: dense models have no balance loss
 
         def last_stage(chunk, hidden, batch):
+            m = index[id(batch)]
             logprobs, entropy = self._token_logprobs(hidden, batch.labels, temperature, with_entropy,
-                                                     chunk.compute_logits)
+                                                     real_token_mask(batch, fulls[m]), chunk.compute_logits)
             loss, metrics = loss_fn(batch, logprobs, entropy, no_aux) if loss_fn else (None, {})
-            computed[index[id(batch)]] = (loss, metrics, logprobs.detach(), entropy)
+            computed[m] = (loss, metrics, logprobs.detach(), entropy)
             return loss
 
         pp_rank = self.mesh.rank_in("pp")
@@ -332,7 +335,7 @@ class Runtime:
                 logprobs = logprobs[: full.num_tokens]
                 entropy = entropy[: full.num_tokens] if entropy is not None else None
             outputs.append({"loss": loss, "metrics": metrics, "logprobs": logprobs, "entropy": entropy,
-                            "num_tokens": real_tokens(share, full)})
+                            "num_tokens": int(real_token_mask(share, full).sum())})
         return outputs
 
     def _vocab_parallel(self):
@@ -344,11 +347,16 @@ class Runtime:
 
         return loss_parallel()
 
-    def _token_logprobs(self, hidden, labels, temperature, with_entropy, compute_logits=None):
+    def _token_logprobs(self, hidden, labels, temperature, with_entropy, real, compute_logits=None):
+        """Log-probs (0 where IGNORE, padding included) and entropy (0 on padding) of a share's tokens."""
         compute_logits = compute_logits or self.model.compute_logits
         if self.dims.tp > 1:
-            return vocab_parallel_logprobs(hidden, labels, compute_logits, temperature, with_entropy)
-        return token_logprobs(hidden, labels, compute_logits, temperature, with_entropy)
+            logprobs, entropy = vocab_parallel_logprobs(hidden, labels, compute_logits, temperature, with_entropy)
+        else:
+            logprobs, entropy = token_logprobs(hidden, labels, compute_logits, temperature, with_entropy)
+        if entropy is not None and not bool(real.all()):
+            entropy = entropy * real
+        return logprobs, entropy
 
     def _aux_share(self, aux_loss: torch.Tensor) -> torch.Tensor:
         """The MoE balance loss as the loss_fn sees it. Under cp x tp each rank holds 1/(cp*tp) of the

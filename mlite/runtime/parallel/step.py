@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.parallel.context import TOKEN_INDEX, split_for_context_parallel
@@ -56,11 +56,12 @@ def local_share(batch: PackedBatch, mesh: ParallelMesh | None) -> PackedBatch:
     return split_for_context_parallel(pad_to_multiple(batch, 2 * cp * tp), cp, mesh.rank_in("cp"))
 
 
-def real_tokens(share: PackedBatch, full: PackedBatch) -> int:
-    """How many of the share's tokens are the micro-batch's own (not padding): sums to it over cp."""
-    if TOKEN_INDEX not in share.extras:
-        return min(share.num_tokens, full.num_tokens)
-    return int((share.extras[TOKEN_INDEX] < full.num_tokens).sum())
+def real_token_mask(share: PackedBatch, full: PackedBatch) -> torch.Tensor:
+    """[t] True where the share's token is the micro-batch's own, False on padding (over cp, the Trues add
+    up to the micro-batch). The runtime zeroes the entropy of padding before a loss_fn sees it."""
+    if TOKEN_INDEX in share.extras:
+        return share.extras[TOKEN_INDEX] < full.num_tokens
+    return torch.arange(share.num_tokens, device=share.input_ids.device) < full.num_tokens
 
 
 def vocab_parallel_logprobs(
@@ -79,9 +80,35 @@ def vocab_parallel_logprobs(
     logprobs = -_local(nll)
     if not with_entropy:
         return logprobs, None
-    logp = F.log_softmax(logits, dim=-1)
-    entropy = -(logp.exp() * logp).sum(-1)  # partial sums per vocabulary slice
-    return logprobs, _local(entropy.redistribute(placements=[Replicate()]) if isinstance(entropy, DTensor) else entropy)
+    if not isinstance(logits, DTensor):
+        logp = F.log_softmax(logits, dim=-1)
+        return logprobs, -(logp.exp() * logp).sum(-1)
+    return logprobs, VocabParallelEntropy.apply(logits.to_local(), logits.device_mesh.get_group())
+
+
+class VocabParallelEntropy(torch.autograd.Function):
+    """Entropy [t] of softmax over logits split by vocabulary ([t, V/tp] here), the whole value on every tp
+    rank. Not through loss_parallel's log_softmax: its backward is a pass-through that only the fused
+    cross-entropy backward completes. dH/dx_v = -p_v (log p_v + H) needs only this slice's p and the whole H,
+    so each rank writes its slice's gradient (the loss, replicated over tp, is back-propagated once)."""
+
+    @staticmethod
+    def forward(ctx, local_logits, group):
+        top = local_logits.detach().max(-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        sum_exp = (local_logits - top[:, None]).exp().sum(-1)
+        dist.all_reduce(sum_exp, group=group)
+        logp = local_logits - (top + sum_exp.log())[:, None]  # this slice's log-probs
+        p = logp.exp()
+        entropy = -(p * logp).sum(-1)
+        dist.all_reduce(entropy, group=group)
+        ctx.save_for_backward(p, logp, entropy)
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, logp, entropy = ctx.saved_tensors
+        return -grad[:, None] * p * (logp + entropy[:, None]), None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
