@@ -229,6 +229,7 @@ def test_sft_on_cuda_in_bf16_learns_and_resumes(assets, tmp_path):
     job["cluster"]["gpu"] = "h100"
     job["precision"]["compute"] = "bf16"
     full = train_sft(job_from_dict(job), show_progress=False)
+    assert (full.stopped_by, full.last_step, full.total_steps) == (None, 30, 30)
     from mlite.runtime.engine import Runtime
 
     rt = Runtime(job_from_dict(job))
