@@ -174,7 +174,8 @@ def test_context_split_keeps_positions_labels_and_sequence_of_every_token():
 @pytest.mark.parametrize(
     "preset,dims,words",
     [
-        ("tiny-qwen3", ParallelDims(2, dp=2), "tied embeddings"),
+        ("tiny-qwen3", ParallelDims(2, tp=2), "tied embeddings \\(tie_word_embeddings\\) with tp=2, pp=1"),
+        ("tiny-qwen3", ParallelDims(2, pp=2), "tied embeddings \\(tie_word_embeddings\\) with tp=1, pp=2"),
         (
             "tiny-qwen3-moe",
             ParallelDims(4, tp=4),
@@ -192,3 +193,4 @@ def test_what_the_layouts_cannot_do_yet_is_refused_before_any_group_exists(prese
     check_model_fits_layout(
         preset_arch("tiny-qwen3-moe"), ParallelDims(2, tp=2, ep=2)
     )  # and a good one passes
+    check_model_fits_layout(preset_arch("tiny-qwen3"), ParallelDims(2, dp=2))  # tied: one FSDP2 unit
