@@ -226,15 +226,19 @@ def clip_grad_norm_(params, max_norm: float, mesh: ParallelMesh) -> torch.Tensor
     grads = [p.grad for p in params if p.grad is not None]
     norm = grad_norm(grads)
     if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
         for grad in grads:
-            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(max_norm / (norm + 1e-6))
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            local.mul_(scale.to(local.device))  # offloaded shards live on the host
     return norm
 
 
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of gradients sharded and replicated over any meshes, summed over every rank once."""
-    # offloaded shards live on the host: sum on the accelerator when there is one (NCCL reduces there)
-    device = next((g.device for g in grads if g.device.type != "cpu"), torch.device("cpu"))
+    # offloaded shards live on the host while their mesh is on the accelerator: sum where the mesh is
+    # (NCCL reduces CUDA tensors only)
+    kinds = {g.device_mesh.device_type if isinstance(g, DTensor) else g.device.type for g in grads}
+    device = torch.device("cuda", torch.cuda.current_device()) if "cuda" in kinds else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for grad in grads:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
