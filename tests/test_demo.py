@@ -1,5 +1,7 @@
 """`mlite demo` as a user runs it (shortened): generated data, tokenizer, model config, a falling loss,
-checkpoint, metrics, TensorBoard events and the plot; the checkpoint exports to a model transformers runs."""
+checkpoint, metrics, TensorBoard events and the plot; the checkpoint exports to a model transformers runs;
+the GRPO stage runs on the SFT result and the summary reports it. (That GRPO raises the reward is
+tests/test_grpo_demo.py.)"""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from mlite.trainers.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two pytest workers share two cores
 SHORT = ["--set", "trainer.steps=60", "--set", "trainer.eval_every=30", "--set", "trainer.save_every=0",
-         "--set", "trainer.log_every=2"]
+         "--set", "trainer.log_every=2",
+         "--grpo-set", "trainer.steps=2", "--grpo-set", "rollout.prompts_per_step=2", "--grpo-set", "rollout.n=4"]
 
 
 def mlite(*args, timeout=600) -> subprocess.CompletedProcess:
@@ -54,6 +57,26 @@ def test_demo_learns_and_writes_everything(demo):
     assert f"-> {losses[-1]:.4f} (step 60)" in log and "tokens/s" in log and "loss curve" in log
     assert "held-out questions answered right (greedy): " in log and "/64" in log
 
+    assert "1/4 data:" in log and "3/4 sft: 60 steps" in log and "4/4 grpo: 2 steps of 2 prompts x 4 responses" in log
+    grpo = read_metrics(out / "grpo" / "metrics.jsonl")
+    assert [r["step"] for r in grpo] == [0, 1, 2] and "eval/reward_mean" in grpo[0] and "eval/reward_mean" in grpo[-1]
+    assert (out / "sft_hf" / "config.json").is_file() and (out / "grpo" / "checkpoints" / "latest").is_file()
+    assert (out / "grpo" / "grpo.png").stat().st_size > 1000
+    before, after = grpo[0]["eval/reward_mean"], grpo[-1]["eval/reward_mean"]
+    assert f"held-out reward (greedy) {before:.3f} before -> {after:.3f} after" in log
+    first, last = grpo[1]["reward/mean"], grpo[2]["reward/mean"]
+    assert f"train reward {first:.3f} (steps 1-1) -> {last:.3f} (steps 2-2)" in log
+    assert f"plots       {out / 'grpo' / 'grpo.png'}" in log
+
+
+def test_demo_refuses_bad_grpo_overrides_before_training(tmp_path):
+    done = mlite("demo", "--out", str(tmp_path), "--grpo-set", "rollout.nn=4", timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "unknown key 'rollout.nn'" in done.stderr
+    assert not (tmp_path / "sft").exists()  # refused before SFT spent minutes
+    done = mlite("demo", "--out", str(tmp_path), "--no-grpo", "--grpo-set", "trainer.steps=2", timeout=120)
+    assert done.returncode == 2 and "--no-grpo" in done.stderr and "Traceback" not in done.stderr
+
 
 def test_demo_checkpoint_exports_to_transformers(demo, tmp_path):
     import torch
@@ -69,6 +92,14 @@ def test_demo_checkpoint_exports_to_transformers(demo, tmp_path):
     with torch.no_grad():
         logits = model(ids).logits
     assert torch.isfinite(logits).all() and logits.shape[-1] == model.config.vocab_size
+
+
+def test_no_grpo_stops_after_sft(tmp_path):
+    done = mlite("demo", "--out", str(tmp_path), "--no-grpo", "--set", "trainer.steps=2", "--set", "trainer.save_every=0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = done.stderr.replace(str(tmp_path), "OUT")  # the folder's name holds "grpo"
+    assert "3/3 sft: 2 steps" in log and "grpo" not in log and "held-out reward" not in log
+    assert (tmp_path / "sft" / "checkpoints" / "latest").is_file() and not (tmp_path / "grpo").exists()
 
 
 def test_prepare_only_prints_a_runnable_sft_command(tmp_path):

@@ -7,8 +7,11 @@ Stages, each writing under the output folder:
    byte-level BPE tokenizer trained on them (`data/`, `tokenizer/`);
 2. model: a tiny Qwen3-shaped config sized to that tokenizer (`model/config.json`, random init);
 3. sft: SFT on packed sequences with the `demo_sft` job preset (`sft/`: checkpoints, metrics.jsonl,
-   tensorboard/, loss.png);
-then a short summary. The RL issue adds a GRPO stage after SFT (see `STAGES_AFTER_SFT`).
+   tensorboard/, loss.png), then greedy answers to held-out questions;
+4. grpo: GRPO from the SFT checkpoint with the built-in rollout and the arithmetic reward, with the
+   `demo_grpo` preset (`grpo/`: checkpoint, metrics.jsonl, tensorboard/, grpo.png; see
+   `mlite.trainers.grpo.demo`), held-out reward before and after;
+then a short summary. Stages after SFT are `STAGES_AFTER_SFT`.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from mlite.config import load_job
 from mlite.config.schema import JobConfig
+from mlite.errors import MliteError
+from mlite.trainers.grpo import demo as grpo_demo
 from mlite.trainers.sft import SFTResult, train_sft
 
 # Big enough to learn the answer format and the easy sums within the demo's budget, small enough for
@@ -76,29 +82,51 @@ def demo_job(out: Path, paths: dict[str, Path], device: str = "auto", overrides:
     return load_job("demo_sft", [*demo_overrides(out, paths, device), *overrides])
 
 
-# Stages that run after SFT on its result: (name, fn(demo_dir, sft_result, device, console) -> result).
-# The GRPO issue appends its stage here.
-STAGES_AFTER_SFT: list[tuple[str, Callable]] = []
+class DemoStage(NamedTuple):
+    """A stage that runs after SFT on its result."""
+
+    name: str
+    # (demo dir, SFT result, device, console, overrides, show_progress, label) -> result; prints one line
+    # starting with `label` ("4/4 grpo") that says what it runs
+    run: Callable
+    check: Callable[[tuple[str, ...]], None]  # refuses bad overrides (MliteError) before SFT starts
+
+
+STAGES_AFTER_SFT: list[DemoStage] = [DemoStage("grpo", grpo_demo.grpo_stage, grpo_demo.check_overrides)]
 
 
 def run_demo(output_dir: str | Path = "runs/demo", device: str = "auto", overrides: tuple[str, ...] = (),
-             console=None, train_rows: int = DEMO_TRAIN_ROWS, show_progress: bool = True) -> DemoResult:
+             console=None, train_rows: int = DEMO_TRAIN_ROWS, show_progress: bool = True,
+             stage_overrides: dict[str, tuple[str, ...]] | None = None,
+             skip: frozenset[str] = frozenset()) -> DemoResult:
+    """`overrides` change the SFT job; `stage_overrides[name]` the job of a stage after SFT (e.g. "grpo");
+    stages named in `skip` do not run."""
     began = time.perf_counter()
     out = Path(output_dir)
     say = console.print if console is not None else (lambda *a, **k: None)
+    stage_overrides = stage_overrides or {}
+    unknown = sorted((set(skip) | set(stage_overrides)) - {stage.name for stage in STAGES_AFTER_SFT})
+    if unknown:
+        raise MliteError(f"no demo stage named {', '.join(unknown)}; "
+                         f"the stages after SFT are: {', '.join(stage.name for stage in STAGES_AFTER_SFT)}")
+    after_sft = [stage for stage in STAGES_AFTER_SFT if stage.name not in skip]
+    for stage in after_sft:
+        stage.check(stage_overrides.get(stage.name, ()))
+    total = 3 + len(after_sft)
     say(f"[bold]mlite demo[/bold] -> {out}")
-    say("1/3 data: generating arithmetic and word problems, training a tokenizer")
+    say(f"1/{total} data: generating arithmetic and word problems, training a tokenizer")
     paths = prepare_demo(out, train_rows=train_rows)
     job = demo_job(out, paths, device, overrides)
     if Path(job.trainer.output_dir).exists():  # the demo always trains from scratch: drop the previous run
         shutil.rmtree(job.trainer.output_dir)
-    say(f"2/3 model: Qwen3-shaped, hidden {DEMO_MODEL['hidden_size']}, {DEMO_MODEL['num_hidden_layers']} layers "
+    say(f"2/{total} model: Qwen3-shaped, hidden {DEMO_MODEL['hidden_size']}, {DEMO_MODEL['num_hidden_layers']} layers "
         f"({paths['model'] / 'config.json'})")
-    say(f"3/3 sft: {job.trainer.steps} steps of {job.data.global_batch_size} sequences")
+    say(f"3/{total} sft: {job.trainer.steps} steps of {job.data.global_batch_size} sequences")
     sft = train_sft(job, console=console, show_progress=show_progress)
     stages = {"sft": sft, "sft_eval": held_out_accuracy(job, sft.checkpoint, paths["val"])}
-    for name, stage in STAGES_AFTER_SFT:
-        stages[name] = stage(out, sft, device, console)
+    for number, stage in enumerate(after_sft, start=4):
+        stages[stage.name] = stage.run(out, sft, device, console, stage_overrides.get(stage.name, ()), show_progress,
+                                       label=f"{number}/{total} {stage.name}")
     return DemoResult(out, job, sft, time.perf_counter() - began, stages)
 
 
@@ -127,9 +155,11 @@ def held_out_accuracy(job: JobConfig, checkpoint: Path, val_file: Path, question
 
 
 def print_demo_summary(result: DemoResult, console) -> None:
+    from mlite.trainers.grpo.trainer import print_summary as print_grpo_summary
     from mlite.trainers.sft import print_summary
 
     console.print(f"\n[bold]demo finished in {result.seconds:.0f} s[/bold] ({result.output_dir})")
+    console.print("[bold]sft[/bold]")
     print_summary(result.sft, console)
     evaluation = result.stages.get("sft_eval")
     if evaluation:
@@ -137,3 +167,7 @@ def print_demo_summary(result: DemoResult, console) -> None:
                       highlight=False)
         for question, answer, ok in evaluation["examples"]:
             console.print(f"  {'ok ' if ok else 'no '} Q: {question}\n      A: {answer}", highlight=False)
+    grpo = result.stages.get("grpo")
+    if grpo:
+        console.print("[bold]grpo[/bold] (from the SFT checkpoint)")
+        print_grpo_summary(grpo, console)

@@ -14,6 +14,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -453,16 +454,29 @@ def train_grpo(job: JobConfig, console=None, show_progress: bool = True, tokeniz
     )
 
 
+def reward_curve(
+    steps: Sequence[int], rewards: Sequence[float], parts: int = 5
+) -> list[tuple[int, int, float]]:
+    """(first step, last step, mean reward) of `parts` consecutive slices of the run (fewer when shorter)."""
+    parts = max(1, min(parts, len(rewards)))
+    bounds = [round(i * len(rewards) / parts) for i in range(parts + 1)]
+    return [(steps[lo], steps[hi - 1], sum(rewards[lo:hi]) / (hi - lo)) for lo, hi in pairwise(bounds)]
+
+
 def print_summary(result: GRPOResult, console) -> None:
-    rewards = result.rewards
+    records = [r for r in read_metrics(result.metrics_path) if "reward/mean" in r]
     if result.stopped_by:
         console.print(
             f"[yellow]stopped by {result.stopped_by} after step {result.last_step}/{result.total_steps}; "
             "checkpoint saved, rerun the same command (trainer.resume=auto) to continue[/yellow]"
         )
-    if rewards:
+    if records:
+        # one step's reward is noisy (a few prompts): compare the first and last fifths of the run
+        curve = reward_curve([r["step"] for r in records], [r["reward/mean"] for r in records])
+        (lo0, hi0, first), (lo1, hi1, last) = curve[0], curve[-1]
         console.print(
-            f"train reward {rewards[0]:.3f} (first step) -> {rewards[-1]:.3f} (step {result.last_step})",
+            f"train reward {first:.3f} (steps {lo0}-{hi0}) -> {last:.3f} (steps {lo1}-{hi1}); "
+            f"by fifth of the run: {' '.join(f'{mean:.3f}' for _, _, mean in curve)}",
             highlight=False,
         )
     if result.eval_before is not None or result.eval_after is not None:
