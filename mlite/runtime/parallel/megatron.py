@@ -1,12 +1,12 @@
-"""Megatron-Core behind one adapter (the `dist_opt` backend's home).
+"""Megatron-Core's parallel state from our layout (the first half of the `dist_opt` adapter).
 
 Megatron-Core keeps its process groups in module-level state (`megatron.core.parallel_state`); its
 DistributedDataParallel and DistributedOptimizer read them from there. `init_parallel_state` creates them
 from our `ParallelDims`, in the rank order our meshes use (`tp-cp-ep-dp-pp`), so a rank belongs to the
-same tensor, context, pipeline, data and expert groups in both. Nothing else in mlite imports megatron.
+same tensor, context, pipeline, data and expert groups in both. This module and `dist_opt.py` (the DDP +
+DistributedOptimizer wrapper, CUDA only) are the only ones in mlite that import megatron.
 
-Status: the parallel state runs on CPU with gloo and is tested against our meshes; wrapping the model in
-Megatron-Core's DDP + DistributedOptimizer needs CUDA and is not written yet (docs/PARALLEL.md).
+The parallel state runs on CPU with gloo and is tested against our meshes (test_parallel_megatron.py).
 """
 
 from __future__ import annotations
@@ -16,21 +16,40 @@ import torch.distributed as dist
 from mlite.errors import MliteError
 from mlite.runtime.parallel.mesh import ParallelDims
 
+# the one line for a run that asks for dist_opt where it cannot run (dist_opt.py adds the reason)
+NEEDS_MEGATRON = (
+    "optimizer.backend dist_opt needs megatron-core and CUDA GPUs: pip install 'mlite[megatron]', "
+    "or use optimizer.backend fsdp2"
+)
+
 
 def _parallel_state():
     try:
         from megatron.core import parallel_state
-    except ImportError:
-        raise MliteError(
-            "optimizer.backend dist_opt needs megatron-core: pip install 'mlite[megatron]' "
-            "(or use backend fsdp2)"
-        ) from None
+    except ImportError as exc:
+        raise MliteError(f"{NEEDS_MEGATRON} (import failed: {exc})") from None
     return parallel_state
 
 
 def init_parallel_state(dims: ParallelDims) -> None:
-    """Megatron-Core's process groups for this layout (collective: every rank calls it once)."""
+    """Megatron-Core's process groups for this layout (collective: every rank calls it once). Already
+    initialised for the same degrees (a second model in one process): kept; for other degrees: refused."""
     ps = _parallel_state()
+    if ps.model_parallel_is_initialized():
+        theirs = {
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "cp": ps.get_context_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(),
+        }
+        ours = {"tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp, "ep": dims.ep}
+        if theirs != ours:
+            raise MliteError(
+                f"Megatron-Core's parallel state is already set up for {theirs}, this layout is {ours}; "
+                "one process runs one layout (call destroy_parallel_state() first)"
+            )
+        return
     ps.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,

@@ -1,0 +1,309 @@
+"""The `dist_opt` backend: Megatron-Core's DDP + DistributedOptimizer around our model.
+
+CPU (no CUDA, megatron-core 0.16.1): what the adapter refuses before anything is built (model-parallel
+degrees, precision and offload keys it cannot honour, a missing megatron-core, no GPU), each one line;
+the TransformerConfig built from our arch.
+
+GPU (`-m gpu`, 2 GPUs, NCCL, bf16 compute, megatron-core 0.19.2):
+- dp2 with dist_opt: 3 AdamW steps (4 micro-batches each, gradient accumulation with `no_sync`, several
+  reduce-scatter buckets) give the loss and grad norm of the fsdp2 dp2 run (the parallel harness path,
+  same launch) and of one GPU under autocast, within bf16 rounding (2e-2 relative); the LR set through
+  `LRSchedule(backend.optimizer, ...)` reaches every inner AdamW group.
+- deterministic mode: two dist_opt runs (fresh processes) give bitwise-identical losses, grad norms,
+  bf16 weights and fp32 master shards, and both ranks hold the same weights after each all-gather.
+
+Run on a 2-GPU machine:  . scripts/gpu_env.sh && pytest -m gpu tests/test_dist_opt.py -q -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from parallel_harness import (
+    CLIP,
+    LR,
+    MAX_STEPS,
+    MICRO_BATCHES,
+    build_layout,
+    ce_loss,
+    device,
+    launch,
+    make_batches,
+    make_model,
+    make_optimizer,
+    reference,
+    tiny_arch,
+    total_targets,
+    train,
+)
+
+from mlite.config import job_from_dict
+from mlite.errors import MliteError
+from mlite.runtime.optim import LRSchedule
+from mlite.runtime.parallel.dist_opt import build_dist_opt, check_dist_opt_job, megatron_transformer_config
+from mlite.runtime.parallel.megatron import NEEDS_MEGATRON, destroy_parallel_state
+from mlite.runtime.parallel.mesh import ParallelDims
+
+STEPS = 3
+BF16_RTOL = 2e-2
+BUCKET = 40_000  # parameters per bucket: 5 buckets for the dense tiny model, so bucketing and overlap run
+
+
+def dist_opt_job(**sections):
+    """The harness's optimizer (AdamW, lr 1e-3, betas (0.9, 0.999), weight decay 0.01, clip 1.0) as a job."""
+    optimizer = {
+        "backend": "dist_opt",
+        "lr": LR,
+        "weight_decay": 0.01,
+        "betas": [0.9, 0.999],
+        "eps": 1e-8,
+        "clip_grad": CLIP,
+        "schedule": "constant",
+    }
+    return job_from_dict(
+        {
+            "model": {"name": "tiny-qwen3"},
+            "precision": {"compute": "bf16"},
+            "optimizer": optimizer,
+            **sections,
+        }
+    )
+
+
+# --------------------------------------------------------------------------------------------- CPU
+def test_transformer_config_describes_our_arch_and_sums_gradients():
+    arch = tiny_arch(moe=False)
+    config = megatron_transformer_config(arch, ParallelDims(2, dp=2), "bf16")
+    assert (config.num_layers, config.hidden_size, config.ffn_hidden_size) == (
+        arch.num_layers,
+        arch.hidden,
+        arch.ffn,
+    )
+    assert (config.num_attention_heads, config.num_query_groups, config.kv_channels) == (
+        arch.num_heads,
+        arch.num_kv_heads,
+        arch.head_dim,
+    )
+    assert config.normalization == "RMSNorm" and config.layernorm_epsilon == arch.rms_norm_eps
+    assert config.bf16 and not config.fp16 and config.params_dtype == torch.bfloat16
+    # our loss is normalised by the global target count: Megatron's DDP must sum, not average
+    assert config.calculate_per_token_loss
+    assert config.tensor_model_parallel_size == config.pipeline_model_parallel_size == 1
+
+    fp32 = megatron_transformer_config(arch, ParallelDims(2, dp=2), "fp32")
+    assert not fp32.bf16 and fp32.params_dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "layout,named",
+    [
+        ({"tp": 2}, "tp=2"),
+        ({"pp": 2}, "pp=2"),
+        ({"pp": 2, "vpp": 2}, "vpp=2"),
+        ({"dp": 2, "ep": 2}, "ep=2"),
+    ],
+    ids=["tp2", "pp2", "vpp2", "ep2"],
+)
+def test_model_parallel_degrees_are_refused_with_every_degree_named(layout, named):
+    dims = ParallelDims(2, **layout)
+    # refused before megatron, CUDA or the model are looked at (the model argument is never touched)
+    with pytest.raises(MliteError) as err:
+        build_dist_opt(None, dims, dist_opt_job())
+    message = str(err.value)
+    assert named in message and "tp=" in message and "pp=" in message and "ep=" in message
+    assert "data parallel (dp x cp) only" in message and "optimizer.backend fsdp2" in message
+    assert "\n" not in message
+
+
+def test_data_and_context_parallel_layouts_pass_the_checks():
+    for layout in ({"dp": 2}, {"cp": 2}, {"dp": 2, "cp": 2}):
+        world = 4 if len(layout) == 2 else 2
+        check_dist_opt_job(dist_opt_job(), ParallelDims(world, **layout))  # no error
+
+
+@pytest.mark.parametrize(
+    "sections,key",
+    [
+        ({"precision": {"compute": "fp16"}}, "precision.compute fp16"),
+        ({"precision": {"compute": "bf16", "master": "bf16"}}, "precision.master bf16"),
+        ({"precision": {"compute": "fp32", "grad_reduce": "bf16"}}, "precision.grad_reduce bf16"),
+        ({"offload": {"optimizer": True}}, "offload.*"),
+    ],
+    ids=["fp16", "bf16-master", "bf16-reduce-of-fp32-grads", "offload"],
+)
+def test_keys_dist_opt_cannot_honour_are_refused(sections, key):
+    with pytest.raises(MliteError, match=key.replace(".", r"\.").replace("*", r"\*")):
+        check_dist_opt_job(dist_opt_job(**sections), ParallelDims(2, dp=2))
+
+
+def test_without_a_gpu_it_is_one_clear_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on GPU machines
+    with pytest.raises(MliteError) as err:
+        build_dist_opt(make_model(False), ParallelDims(1), dist_opt_job())
+    assert str(err.value) == f"{NEEDS_MEGATRON} (no CUDA GPU is visible)"
+
+
+def test_without_megatron_core_it_is_one_clear_line(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_megatron(name, *args, **kwargs):
+        if name.startswith("megatron"):
+            raise ImportError(f"No module named '{name}'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_megatron)
+    with pytest.raises(MliteError) as err:
+        build_dist_opt(make_model(False), ParallelDims(1), dist_opt_job())
+    assert str(err.value).startswith(NEEDS_MEGATRON + " (import failed: No module named 'megatron")
+    assert "pip install 'mlite[megatron]'" in str(err.value)
+
+
+# --------------------------------------------------------------------------------------------- GPU
+def train_dist_opt(model, backend, schedule, rank, world, steps) -> list[tuple[float, float]]:
+    """The harness's training steps (its batches, loss and split of micro-batches over dp ranks) through
+    the dist_opt backend: `no_sync` for all but the last micro-batch, then backend.step()."""
+    batches = [b.to(device()) for b in make_batches(MAX_STEPS * MICRO_BATCHES)]
+    history = []
+    for step in steps:
+        step_batches = batches[step * MICRO_BATCHES : (step + 1) * MICRO_BATCHES]
+        targets = total_targets(step_batches)
+        mine = step_batches[rank::world]
+        ce_total, aux_total = torch.zeros((), device=device()), torch.zeros((), device=device())
+        for i, batch in enumerate(mine):
+            with backend.no_sync() if i < len(mine) - 1 else contextlib.nullcontext():
+                out = model(batch)
+                ce = ce_loss(model, out.hidden, batch, targets)
+                (ce + out.aux_loss).backward()
+            ce_total += ce.detach()
+            aux_total += out.aux_loss.detach()
+        dist.all_reduce(ce_total)
+        dist.all_reduce(aux_total)
+        norm, skipped = backend.step()
+        assert not skipped, f"rank {rank} step {step}: update skipped (non-finite gradient), norm {norm}"
+        backend.zero_grad()
+        schedule.step()
+        history.append((float(ce_total + aux_total), norm))
+    return history
+
+
+def _parity_worker(rank, world, moe, out):
+    dims = ParallelDims(world, dp=world)
+    mesh = dims.build("cuda")
+    chunks = build_layout(moe, mesh)
+    fsdp2 = train(chunks, mesh, make_optimizer(chunks), range(STEPS))
+
+    job = dist_opt_job()
+    model = make_model(moe)
+    backend = build_dist_opt(model, dims, job, bucket_size=BUCKET)
+    schedule = LRSchedule(backend.optimizer, job.optimizer, total_steps=10)
+    dist_opt = train_dist_opt(model, backend, schedule, rank, world, range(STEPS))
+
+    # the lr path: a warmup schedule's first lr must land in every inner AdamW group on this rank
+    LRSchedule(backend.optimizer, job.optimizer.model_copy(update={"warmup_steps": 4}), total_steps=10)
+    inner_lrs = [g["lr"] for o in backend.optimizer.chained_optimizers for g in o.optimizer.param_groups]
+    facts = {
+        "buckets": sum(len(b.buckets) for b in backend.ddp_model.buffers),
+        "param dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "inner lrs": inner_lrs,
+        "weight decays": sorted({g["weight_decay"] for g in backend.optimizer.param_groups}),
+    }
+    destroy_parallel_state()
+    if rank == 0:
+        torch.save({"fsdp2": fsdp2, "dist_opt": dist_opt, "facts": facts}, out)
+
+
+def _determinism_worker(rank, world, out):
+    torch.use_deterministic_algorithms(True)
+    dims = ParallelDims(world, dp=world)
+    job = dist_opt_job()
+    model = make_model(False)
+    backend = build_dist_opt(model, dims, job, bucket_size=BUCKET)
+    schedule = LRSchedule(backend.optimizer, job.optimizer, total_steps=10)
+    history = train_dist_opt(model, backend, schedule, rank, world, range(STEPS))
+    torch.save(
+        {
+            "history": history,
+            "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
+            "shards": [s.detach().cpu() for s in backend.main_shards],
+        },
+        f"{out}.{rank}",
+    )
+    destroy_parallel_state()
+
+
+def need_gpus(n: int) -> None:
+    if torch.cuda.device_count() < n:
+        pytest.fail(f"this test needs {n} GPUs, {torch.cuda.device_count()} visible")
+
+
+def table(runs: dict[str, list]) -> str:
+    """Every run's (loss, grad norm) per step, printed on failure so one look says what differs."""
+    lines = ["(loss, grad norm) per step", "step  " + "  ".join(f"{name:>34}" for name in runs)]
+    for step in range(STEPS):
+        cells = [
+            f"{run[step][0]:16.9g} {run[step][1]:16.9g}" if step < len(run) else " " * 33
+            for run in runs.values()
+        ]
+        lines.append(f"{step:>4}  " + "  ".join(f"{c:>34}" for c in cells))
+    return "\n".join(lines)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_dist_opt_dp2_matches_fsdp2_and_one_gpu_in_bf16(tmp_path, monkeypatch, moe):
+    need_gpus(2)
+    monkeypatch.setenv("MLITE_TEST_COMPUTE", "bf16")  # the fsdp2 ranks and the one-GPU reference
+    monkeypatch.setenv("MLITE_TEST_DEVICE", "cuda:0")  # the one-GPU reference; each rank picks its own
+    out = tmp_path / "runs.pt"
+    launch(2, _parity_worker, moe, str(out), backend="nccl")
+    result = torch.load(out)
+    runs = {
+        "one GPU": reference(moe)[:STEPS],
+        "fsdp2 dp2": result["fsdp2"],
+        "dist_opt dp2": result["dist_opt"],
+    }
+    facts = result["facts"]
+    report = f"\n{table(runs)}\nfacts (rank 0): {facts}"
+
+    assert facts["buckets"] > 1, report  # the overlapped per-bucket reduce-scatter really ran
+    assert facts["param dtypes"] == ["torch.bfloat16"], report
+    assert facts["inner lrs"] and all(lr == pytest.approx(LR / 4) for lr in facts["inner lrs"]), report
+    assert facts["weight decays"] == [0.0, 0.01], report  # none on norms, 0.01 on matrices
+    assert len(result["dist_opt"]) == STEPS, report
+    for name in ("one GPU", "fsdp2 dp2"):
+        for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(runs["dist_opt dp2"], runs[name])):
+            if loss != pytest.approx(want_loss, rel=BF16_RTOL) or norm != pytest.approx(
+                want_norm, rel=BF16_RTOL
+            ):
+                pytest.fail(f"moe={moe}: dist_opt differs from {name} at step {step}{report}")
+
+
+@pytest.mark.gpu
+def test_two_deterministic_dist_opt_runs_are_bitwise_identical(tmp_path, monkeypatch):
+    need_gpus(2)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts in the spawned ranks
+    monkeypatch.setenv("NCCL_ALGO", "Ring")  # one reduction order for every collective
+    runs = []
+    for name in ("a", "b"):
+        launch(2, _determinism_worker, str(tmp_path / name), backend="nccl")  # fresh processes each time
+        runs.append([torch.load(tmp_path / f"{name}.{rank}") for rank in range(2)])
+    first, second = runs
+    report = "\n" + table({"run a (rank 0)": first[0]["history"], "run b (rank 0)": second[0]["history"]})
+
+    for rank in range(2):
+        assert first[rank]["history"] == second[rank]["history"], f"rank {rank}: histories differ{report}"
+        differing = [
+            n for n, p in first[rank]["params"].items() if not torch.equal(p, second[rank]["params"][n])
+        ]
+        assert not differing, f"rank {rank}: weights differ between runs: {differing}{report}"
+        shards = zip(first[rank]["shards"], second[rank]["shards"])
+        assert len(first[rank]["shards"]) == len(second[rank]["shards"]), report
+        assert all(torch.equal(a, b) for a, b in shards), f"rank {rank}: fp32 master shards differ{report}"
+    # the all-gather after each step leaves both replicas with the same weights
+    replicas = [n for n, p in first[0]["params"].items() if not torch.equal(p, first[1]["params"][n])]
+    assert not replicas, f"ranks 0 and 1 hold different weights: {replicas}{report}"
+    assert first[0]["history"] == first[1]["history"], report  # loss and norm are reduced over both ranks
