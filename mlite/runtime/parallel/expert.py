@@ -12,7 +12,7 @@ function either way. DeepEP plugs in at the same place on GPUs (`deep_ep` import
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ def moe_dispatch_combine(
     weights: torch.Tensor,  # [N, k] routing weight of each choice
     experts: ExpertsFn,
     num_experts: int,
-    ep_group: Optional[dist.ProcessGroup] = None,
+    ep_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """sum_j weights[n, j] * expert_{ids[n, j]}(hidden[n]) for every token n -> [N, H]."""
     n, k = expert_ids.shape

@@ -49,7 +49,15 @@ class ParallelDims:
     vpp: int = 1
 
     def __post_init__(self):
-        degrees = dict(pp=self.pp, dp=self.dp, cp=self.cp, tp=self.tp, ep=self.ep, etp=self.etp, vpp=self.vpp)
+        degrees = {
+            "pp": self.pp,
+            "dp": self.dp,
+            "cp": self.cp,
+            "tp": self.tp,
+            "ep": self.ep,
+            "etp": self.etp,
+            "vpp": self.vpp,
+        }
         described = ", ".join(f"{k}={v}" for k, v in degrees.items()) + f", world={self.world_size}"
         if any(v < 1 for v in degrees.values()):
             raise MliteError(f"parallel degrees must be >= 1 ({described})")
@@ -62,7 +70,7 @@ class ParallelDims:
             )
 
     @classmethod
-    def from_job(cls, job: "JobConfig", world_size: int) -> "ParallelDims":
+    def from_job(cls, job: JobConfig, world_size: int) -> ParallelDims:
         par = job.parallel
         per_replica = par.pp * par.cp * par.tp
         if world_size % per_replica:
@@ -80,7 +88,7 @@ class ParallelDims:
     def dp_cp(self) -> int:
         return self.dp * self.cp
 
-    def build(self, device_type: str = "cpu") -> "ParallelMesh":
+    def build(self, device_type: str = "cpu") -> ParallelMesh:
         """Create every mesh and process group (collective: all ranks call it, once)."""
         if not dist.is_initialized():
             raise MliteError("torch.distributed is not initialised; start the run with torchrun or srun")

@@ -19,8 +19,8 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn as nn
 import torch.utils.checkpoint
+from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -193,7 +193,7 @@ def check_model_fits_layout(arch, dims) -> None:
         raise MliteError(f"etp={dims.etp}: expert tensor parallel is not supported yet; set parallel.etp: 1")
 
 
-def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: "JobConfig", device_type: str) -> nn.Module:
+def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, device_type: str) -> nn.Module:
     """The whole layout for the runtime, in its fixed order: TP+SP, recompute, CP, EP, FSDP2."""
     check_model_fits_layout(model.arch, mesh.dims)
     apply_tensor_parallel(model, mesh)

@@ -18,18 +18,19 @@ blocking receives. Any order consistent with the data dependencies runs without 
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 from mlite.errors import MliteError
 
 
 def split_layers(
-    num_layers: int, pp: int, vpp: int = 1, first: Optional[int] = None, last: Optional[int] = None
+    num_layers: int, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None
 ) -> list[list[int]]:
     """Global layer indices of each of the pp*vpp chunks, in model order."""
     chunks = pp * vpp
@@ -55,7 +56,7 @@ def split_layers(
     bounds = [0]
     for size in sizes:
         bounds.append(bounds[-1] + size)
-    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+    return [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
 
 
 def keep_chunk(model: nn.Module, layer_ids: Sequence[int], first: bool, last: bool) -> nn.Module:
@@ -168,7 +169,7 @@ class PipelineRunner:
         prob_sum = torch.stack([s.prob_sum for s in stats]).sum(0)
         return torch.cat([counts, rows[None]]), prob_sum, stats[0].shards
 
-    def _balance_term(self, totals: torch.Tensor, prob_sum, shards: int) -> Optional[torch.Tensor]:
+    def _balance_term(self, totals: torch.Tensor, prob_sum, shards: int) -> torch.Tensor | None:
         if prob_sum is None:
             return None
         from mlite.runtime.models.moe import RouterStats, load_balancing_loss
@@ -181,8 +182,8 @@ class PipelineRunner:
         self,
         actions: list[Action],
         batches: Sequence,
-        loss_fn: Optional[Callable] = None,
-        before_backward: Optional[Callable[[int, bool], None]] = None,
+        loss_fn: Callable | None = None,
+        before_backward: Callable[[int, bool], None] | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> dict:
         """Execute. Returns this rank's summed loss (last chunk) and balance-loss terms, and with no loss_fn
