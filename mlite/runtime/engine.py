@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import json
 import logging
 import os
@@ -480,19 +481,14 @@ class Runtime:
 
 def refuse_inapplicable_keys(job: JobConfig, dims: ParallelDims, device_type: str) -> None:
     """Keys that would do nothing in this run are refused, one line naming the key and the fix."""
-    backend = job.optimizer.backend
-    if backend == "dist_opt":
-        try:
-            import megatron.core  # noqa: F401
+    if job.optimizer.backend == "dist_opt":
+        from mlite.runtime.parallel.megatron import NEEDS_MEGATRON
 
-            has_megatron = True
-        except ImportError:
-            has_megatron = False
-        if not has_megatron or device_type != "cuda":
-            raise MliteError("optimizer.backend dist_opt needs megatron-core and CUDA GPUs; use fsdp2 on CPU")
+        if device_type != "cuda" or importlib.util.find_spec("megatron.core") is None:
+            raise MliteError(NEEDS_MEGATRON)
         raise MliteError(
-            "optimizer.backend dist_opt: Megatron-Core's DistributedOptimizer is not wired into the runtime yet "
-            "(only its parallel state is, mlite.runtime.parallel.megatron); use optimizer.backend: fsdp2"
+            "optimizer.backend dist_opt: the Megatron-Core adapter (mlite.runtime.parallel.dist_opt) has no "
+            "checkpoints through DCP yet, so the runtime does not run it; use optimizer.backend fsdp2"
         )
     precision = job.precision
     if precision.master == "bf16" and device_type != "cuda":
