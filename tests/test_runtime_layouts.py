@@ -277,7 +277,8 @@ def write_untied_model(tmp_path: Path) -> None:
     from mlite.config.catalog import PRESETS
 
     (tmp_path / "untied").mkdir()
-    (tmp_path / "untied" / "config.json").write_text(json.dumps({**PRESETS["tiny-qwen3"], "tie_word_embeddings": False}))
+    config = {**PRESETS["tiny-qwen3"], "tie_word_embeddings": False, "num_hidden_layers": 4}  # 4: pp2 x vpp2
+    (tmp_path / "untied" / "config.json").write_text(json.dumps(config))
 
 
 def rl_job(tmp_path: Path, layout: dict) -> dict:
@@ -329,7 +330,9 @@ def _rl_worker(rank, world, tmp_path, layout, out):
     torch.save(result, f"{out}.{rank}")
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"cp": 2}, {"pp": 2}], ids=["tp2", "cp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout", [{"tp": 2}, {"cp": 2}, {"pp": 2}, {"pp": 2, "vpp": 2}], ids=["tp2", "cp2", "pp2", "pp2+vpp2"]
+)
 def test_rl_outputs_and_gradients_through_logprobs_and_entropy_match_one_process(tmp_path, layout):
     """forward_backward's contract on 2 gloo ranks: the loss_fn's gradients through log-probs and entropy,
     extras split with their tokens, and every rank's returned whole-stream log-probs and entropy (training
