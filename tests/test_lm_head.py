@@ -60,8 +60,8 @@ def test_token_logprobs_fused_path_equals_the_autograd_path():
         logp.sum().backward()
         grads.append((logp.detach(), hidden.grad.clone(), head.weight.grad.clone()))
         hidden.grad = head.weight.grad = None
-    for plain, fused in zip(*grads):
-        torch.testing.assert_close(fused.double(), plain.double(), rtol=1e-6, atol=1e-7)
+    for plain, fused in zip(*grads):  # both paths take log-softmax in fp32: equal to fp32 rounding
+        torch.testing.assert_close(fused.double(), plain.double(), rtol=1e-5, atol=1e-6)
     assert grads[1][0][0] == 0 and grads[1][0][5] == 0  # IGNORE positions give 0, as on the plain path
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mlite.runtime.kernels import grouped_gemm
 from mlite.runtime.parallel.expert import moe_dispatch_combine
@@ -57,9 +58,12 @@ class MoE(nn.Module):
 
     @property
     def first_expert(self) -> int:
-        """Global index of this rank's first expert (expert parallel keeps a contiguous slice)."""
-        local = self.experts.down.shape[0]
-        return dist.get_rank(self.ep_group) * local if self.ep_group is not None else 0
+        """Global index of the first expert in the stacked tensors. Expert parallel makes them DTensors of
+        the global shape (checkpoints and exports see every expert, gathered), so only a plain local slice
+        starts past 0."""
+        if self.ep_group is None or isinstance(self.experts.down, DTensor):
+            return 0
+        return dist.get_rank(self.ep_group) * self.experts.down.shape[0]
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]. `batch` is unused here; hash-routed families read token ids from it."""

@@ -119,7 +119,6 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
                     f"{param.shape[0]} experts do not split over ep={ep.size()}; choose ep dividing them"
                 )
             experts.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), ep, [Shard(0)])))
-        experts.first_expert = ep.get_local_rank() * (layer.mlp.num_experts // ep.size())
         experts.forward = functools.partial(_forward_on_local_shards, experts, type(experts).forward)
         layer.mlp.ep_group = ep.get_group()
 
