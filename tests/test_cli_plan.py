@@ -103,3 +103,23 @@ def test_invoke_test_selects_the_cpu_suite():
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "tests/test_cli_plan.py::test_invoke_plan_passes_arguments_and_exit_status" in result.stdout
     assert "deselected" in result.stdout
+
+
+def test_invoke_test_keeps_an_xdist_group_on_one_worker(tmp_path):
+    """`invoke test` runs 2 workers with --dist loadgroup; the slurm tests share one local cluster and rely
+    on xdist_group("slurm") to run on one worker (pytest 9 with xdist 3.8 silently dropped the groups and
+    two workers started and stopped the cluster under each other)."""
+    (tmp_path / "test_grouped.py").write_text(
+        "import os, pytest\n"
+        "pytestmark = [pytest.mark.xdist_group('together')]\n"
+        "@pytest.mark.parametrize('i', range(6))\n"
+        "def test_where(i):\n"
+        "    print('worker', os.environ['PYTEST_XDIST_WORKER'])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "invoke", "test", "--workers=2", f"--extra={tmp_path} -p no:cacheprovider -s -v"],
+        capture_output=True, text=True, cwd=ROOT, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    workers = {line.split()[0] for line in result.stdout.splitlines() if "PASSED" in line}
+    assert len(workers) == 1 and "6 passed" in result.stdout, result.stdout[-2000:]

@@ -350,3 +350,42 @@ def test_rl_outputs_and_gradients_through_logprobs_and_entropy_match_one_process
         for name in ("logprobs", "entropy"):
             for ours, ref in zip(got[name], want[name]):
                 torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
+
+
+ROLLOUT_PROMPTS = ([[5, 17, 33]], [[40, 2, 9, 77, 12], [8]])  # rank 0, rank 1: different work per rank
+
+
+def rollouts(tmp_path: Path, layout: dict, ranks=(0, 1)) -> dict:
+    """Greedy completions from Runtime.rollout_model(); each rank decodes its own prompts for its own
+    number of steps (no collective may hide in decode), and a second rollout reuses the replica."""
+    from mlite.runtime.engine import Runtime
+    from mlite.trainers.grpo.rollout import SamplingParams, generate
+
+    rt = Runtime(job_from_dict(rl_job(tmp_path, layout)))
+    out = {}
+    for rank in ranks:
+        params = SamplingParams(max_new_tokens=3 + 6 * rank, temperature=0.0)
+        first = generate(rt.rollout_model(), ROLLOUT_PROMPTS[rank], params)
+        again = generate(rt.rollout_model(), ROLLOUT_PROMPTS[rank], params)
+        out[rank] = ([c.response_ids for c in first], [c.response_ids for c in again])
+    return out
+
+
+def _rollout_worker(rank, world, tmp_path, layout, out):
+    torch.save(rollouts(Path(tmp_path), layout, ranks=(rank,))[rank], f"{out}.{rank}")
+
+
+@pytest.mark.parametrize("layout", [{}, {"tp": 2}, {"ep": 1, "cp": 2}], ids=["fsdp2-dp2", "tp2", "cp2"])
+def test_native_rollout_on_two_ranks_decodes_like_one_process(tmp_path, layout):
+    """GRPO's native sampler on a sharded model (FSDP2 / TP DTensors): the gathered replica decodes the
+    same greedy tokens as one process, though each rank stops after a different number of steps."""
+    from parallel_harness import launch
+
+    write_untied_model(tmp_path)
+    want = rollouts(tmp_path, {})
+    out = tmp_path / "rollout.pt"
+    launch(2, _rollout_worker, str(tmp_path), layout, str(out))
+    for rank in range(2):
+        first, again = torch.load(f"{out}.{rank}")
+        assert first == again == want[rank][0], rank
+        assert [len(r) for r in first] == [3 + 6 * rank] * len(ROLLOUT_PROMPTS[rank])  # no stop token given

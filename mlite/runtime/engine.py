@@ -58,6 +58,7 @@ from mlite.runtime.optim import LocalAdamW, LRSchedule
 from mlite.runtime.parallel.mesh import ParallelDims
 from mlite.runtime.parallel.parallelize import (
     apply_recompute,
+    full_tensor,
     grad_norm,
     parallelize_model,
     set_gradient_sync,
@@ -155,6 +156,7 @@ class Runtime:
             load_hf_weights(self.model, job.model.path, torch.float32)
         self.model.to(master)
         self.pipeline = None
+        self._rollout_replica = None  # built on the first rollout_model() of a parallelized model
         if self.dims.pp > 1:
             self.pipeline, self.chunks = self._build_pipeline(master)
             self.model = stage_view(self.chunks)  # this rank's parameters under the whole model's names
@@ -413,6 +415,26 @@ class Runtime:
 
     def eval(self) -> None:
         self.model.eval()
+
+    def rollout_model(self) -> torch.nn.Module:
+        """The model the native sampler decodes with (mlite.trainers.grpo.rollout). A parallelized model
+        holds DTensor shards behind FSDP hooks that expect the whole model's forward, while decode calls
+        the embedding and layers itself and each rank stops at its own step, so gathering per call would
+        pair collectives unevenly. Instead the current weights are gathered once per rollout into a plain
+        replica: one collective per parameter, the same on every rank. The replica costs one unsharded
+        copy of the model per rank: large models roll out with vLLM (rollout.engine=vllm). Pipeline stages
+        hold part of the model, and decode refuses them."""
+        if self.mesh is None or self.pipeline is not None:
+            return self.model
+        if self._rollout_replica is None:
+            self._rollout_replica = build_model(
+                self.arch, self.job.model.attention_backend, dtype=torch.float32, device=self.device
+            )
+        replica = dict(self._rollout_replica.named_parameters())
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                replica[name].data = full_tensor(param.detach()).to(self.device)
+        return self._rollout_replica.eval()
 
     def to(self, device: str | torch.device, model: bool = True, optimizer: bool = True) -> None:
         """Move parameters (and their grads) and/or optimizer state, e.g. to the CPU while vLLM generates."""

@@ -147,7 +147,7 @@ def held_out_accuracy(job: JobConfig, checkpoint: Path, val_file: Path, question
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"] for r in rows]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
-    completions = generate(runtime.model, prompts, params, pad_id=tokenizer.pad_token_id or 0)
+    completions = generate(runtime.rollout_model(), prompts, params, pad_id=tokenizer.pad_token_id or 0)
     answers = [tokenizer.decode(c.response_ids, skip_special_tokens=True).strip() for c in completions]
     correct = [check_answer(a, r["answer"]) for a, r in zip(answers, rows)]
     examples = [(r["prompt"], a, ok) for r, a, ok in zip(rows, answers, correct)][:3]

@@ -152,13 +152,11 @@ def load_hf_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | Non
 def iter_hf_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (HF name, tensor) for every parameter, one parameter's tensors at a time (views, no copies
     unless `dtype` converts). FSDP-sharded parameters are gathered one at a time."""
-    from torch.distributed.tensor import DTensor
+    from mlite.runtime.parallel.parallelize import full_tensor
 
     params = dict(model.named_parameters())
     for entry in model.hf_layout():
-        tensor = params[entry.param].detach()
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
+        tensor = full_tensor(params[entry.param].detach())
         for name, piece in zip(entry.hf_names, entry.split(tensor)):
             yield name, piece if dtype is None else piece.to(dtype)
 

@@ -251,6 +251,29 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return total.sqrt().float()
 
 
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a parameter, gathered over its mesh when it is a DTensor. Offloaded shards
+    live on the host while their mesh's collectives run on the accelerator (NCCL gathers CUDA tensors
+    only), so they travel to the mesh's device first; the result is on the mesh's device."""
+    if not isinstance(param, DTensor):
+        return param
+    mesh_type = param.device_mesh.device_type
+    if param.to_local().device.type != mesh_type:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if mesh_type == "cuda"
+            else torch.device(mesh_type)
+        )
+        param = DTensor.from_local(
+            param.to_local().to(device),
+            param.device_mesh,
+            param.placements,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+    return param.full_tensor()
+
+
 def apply_recompute(
     model: nn.Module, granularity: str, method: str | None = None, num_layers: int | None = None
 ) -> None:

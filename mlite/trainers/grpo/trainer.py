@@ -144,7 +144,7 @@ class GRPOTrainer:
         generator = torch.Generator(device=device).manual_seed(self.job.trainer.seed * 1_000_003 + step)
         self.runtime.eval()
         completions = generate(
-            self.runtime.model, [p.ids for p in prompts], self.sampling_params(), generator
+            self.runtime.rollout_model(), [p.ids for p in prompts], self.sampling_params(), generator
         )
         texts = [self.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
         scores, failures = score_responses(self.reward_fn, texts, [p.sample for p in prompts])
@@ -310,12 +310,11 @@ class GRPOTrainer:
     def evaluate(self, prompts: Sequence[Prompt], batch_size: int = 64) -> dict[str, float]:
         """Greedy answers to held-out prompts: mean reward (accuracy for 0/1 rewards)."""
         self.runtime.eval()
+        model = self.runtime.rollout_model()
         scores: list[float] = []
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
-            completions = generate(
-                self.runtime.model, [p.ids for p in chunk], self.sampling_params(greedy=True)
-            )
+            completions = generate(model, [p.ids for p in chunk], self.sampling_params(greedy=True))
             texts = [self.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
             chunk_scores, _ = score_responses(self.reward_fn, texts, [p.sample for p in chunk])
             scores.extend(chunk_scores)
