@@ -145,6 +145,14 @@ def test_cuda_backends_agree_with_the_torch_path_in_bf16(backend):
 
 
 @pytest.mark.gpu
+def test_packed_backend_takes_fp32_on_cuda():
+    """compute: fp32 on a GPU (the demo's preset) reaches auto's `packed` with fp32 q/k/v: no half-only kernel."""
+    q, k, v, cu = packed_qkv(dtype=torch.float32, device="cuda")
+    ref = varlen_attention(q, k, v, cu, max(LENS), backend="torch")
+    torch.testing.assert_close(varlen_attention(q, k, v, cu, max(LENS), backend="packed"), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
 def test_auto_picks_a_fused_backend_on_cuda():
     assert resolve_attention_backend("auto", "cuda") == "packed"
 

@@ -112,7 +112,11 @@ def cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale):
 
 
 def packed_cuda_attention(q, k, v, cu_seqlens, max_seqlen, scale):
-    """One sequence: cuDNN; several packed sequences: one varlen call (no host sync, no loop of small kernels)."""
+    """One sequence: cuDNN; several packed sequences: one varlen call (no host sync, no loop of small kernels).
+    fp32 (compute: fp32 without autocast, as the demo runs): the flash kernel behind varlen takes fp16/bf16
+    only, so SDPA per sequence picks its fp32 kernel."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return sdpa_attention(q, k, v, cu_seqlens, max_seqlen, scale)
     if cu_seqlens.numel() == 2:
         return cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale)
     return varlen_torch_attention(q, k, v, cu_seqlens, max_seqlen, scale)
