@@ -1,7 +1,7 @@
 """Invoke tasks: thin wrappers over the `mlite` CLI and the test runner. Logic lives in the package.
 
     invoke --list          every task
-    invoke demo            tiny SFT (+GRPO) run on CPU with generated data
+    invoke demo            tiny SFT + GRPO run on CPU with generated data (--no-grpo: SFT only)
     invoke test            the CPU test suite (what CI runs); --gpu for the GPU suite
 """
 
@@ -93,12 +93,17 @@ def grpo(c, config, set_=None, no_progress=False):
 @task(
     help={"out": "output folder (default runs/demo)", "device": "auto, cpu or cuda",
           "set_": "override a key of the demo's SFT job, key.sub=value (repeatable)",
+          "grpo_set": "override a key of the demo's GRPO job, key.sub=value (repeatable)",
+          "no_grpo": "stop after SFT",
           "no_progress": "plain log lines instead of a progress bar"},
-    iterable=["set_"],
+    iterable=["set_", "grpo_set"],
+    auto_shortflags=False,  # --no-grpo and --no-progress would both want -n
 )
-def demo(c, out="runs/demo", device="auto", set_=None, no_progress=False):
-    """Generate data and a tokenizer, train a tiny Qwen3-style model with SFT (a few minutes on 2 CPU cores)."""
-    _mlite(c, "demo", "--out", out, "--device", device, *_overrides(set_), *(["--no-progress"] if no_progress else []))
+def demo(c, out="runs/demo", device="auto", set_=None, grpo_set=None, no_grpo=False, no_progress=False):
+    """Generate data and a tokenizer, train a tiny Qwen3-style model with SFT, then GRPO from it (CPU: minutes)."""
+    _mlite(c, "demo", "--out", out, "--device", device, *_overrides(set_),
+           *[f"--grpo-set={item}" for item in (grpo_set or [])],
+           *(["--no-grpo"] if no_grpo else []), *(["--no-progress"] if no_progress else []))
 
 
 @task(

@@ -4,6 +4,7 @@ for bad input, 3 when valid but too big; JSON output; no torch imported; `invoke
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,20 @@ def test_invoke_test_keeps_an_xdist_group_on_one_worker(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     workers = {line.split()[0] for line in result.stdout.splitlines() if "PASSED" in line}
     assert len(workers) == 1 and "6 passed" in result.stdout, result.stdout[-2000:]
+
+
+def test_invoke_demo_passes_the_demo_flags_through():
+    """`invoke demo` forwards both jobs' overrides and --no-grpo to `mlite demo` (invoke --dry prints the
+    command instead of running it)."""
+    dry = subprocess.run(
+        [sys.executable, "-m", "invoke", "--dry", "demo", "--no-grpo", "--grpo-set", "rollout.n=4",
+         "--set", "trainer.steps=3", "--out", "/tmp/nowhere"],
+        capture_output=True, text=True, cwd=ROOT, check=False,
+    )
+    assert dry.returncode == 0, dry.stderr
+    line = next(x for x in dry.stdout.splitlines() if "-m mlite demo" in x)
+    line = re.sub(r"\x1b\[[0-9;]*m", "", line)  # invoke colours the echoed command
+    assert line.split("-m mlite ", 1)[1].split() == [
+        "demo", "--out", "/tmp/nowhere", "--device", "auto", "--set=trainer.steps=3", "--grpo-set=rollout.n=4",
+        "--no-grpo",
+    ]
