@@ -159,3 +159,12 @@ def test_recommend_prefers_no_offload_and_needs_it_for_deepseek_v3():
 
 def test_recommend_finds_nothing_when_nothing_fits():
     assert recommend(load_job("deepseek_v3_sft", ["cluster.nodes=1"])) == []
+
+
+def test_dist_opt_jobs_say_the_trainers_do_not_run_them_yet():
+    """The plan sizes dist_opt layouts, but the runtime refuses dist_opt: the report says so up front."""
+    notes = plan_job(load_job("qwen3_30b_a3b_sft")).memory.notes
+    assert len(notes) == 1 and "dist_opt is planned, not trained" in notes[0] and "ep=8" in notes[0], notes
+    assert "optimizer.backend fsdp2" in notes[0]
+    fsdp2 = load_job("qwen3_30b_a3b_sft", ["optimizer.backend=fsdp2"])
+    assert plan_job(fsdp2).memory.notes == []

@@ -30,6 +30,24 @@ SUPPORT: dict[str, tuple[str, ...]] = {
     "offload.optimizer (+ fraction)": ("fsdp2", "dist_opt"),
     "precision.compute fp16": ("dist_opt",),
 }
+
+
+def runtime_notes(job: JobConfig) -> list[str]:
+    """What the plan sizes but the bundled trainers do not run yet. SUPPORT is what each backend's design
+    carries and the memory model sizes it; the runtime refuses the rest in one line at start-up."""
+    if job.optimizer.backend != "dist_opt":
+        return []
+    p, o = job.parallel, job.offload
+    beyond = [f"{k}={v}" for k, v in (("tp", p.tp), ("pp", p.pp), ("vpp", p.vpp), ("ep", p.ep), ("etp", p.etp))
+              if v > 1]
+    beyond += [f"offload.{k}" for k in ("params", "grads", "optimizer") if getattr(o, k)]
+    beyond += ["precision.compute fp16"] if job.precision.compute == "fp16" else []
+    adapter = "dp x cp only" + (f", not this job's {', '.join(beyond)}" if beyond else "")
+    return [f"optimizer.backend dist_opt is planned, not trained, by mlite so far: its Megatron-Core adapter "
+            f"runs {adapter} and has no checkpoints, so the trainers refuse it at start-up; to train this "
+            "layout with mlite set optimizer.backend fsdp2 (docs/PARALLEL.md)"]
+
+
 # Model families whose attention mlite does not split by tensor parallel.
 NO_TP_MODELS = {"deepseek_v4": "its one shared KV head and grouped low-rank output projection are not split by tp"}
 
