@@ -60,6 +60,11 @@ def test_contradictions_are_refused(overrides, message):
     assert message in error_of("demo_sft", overrides)
 
 
+def test_held_out_sampling_needs_a_temperature():
+    msg = error_of("demo_grpo", ["rollout.val_n=4", "rollout.val_temperature=0"])
+    assert "rollout.val_n=4 with rollout.val_temperature 0 repeats one greedy answer" in msg
+
+
 def test_overrides_are_parsed_and_validated_like_the_file():
     job = load_job("demo_sft", ["parallel.tp=1", "data.seq_len=256", "optimizer.betas=[0.9, 0.99]"])
     assert job.data.seq_len == 256 and job.optimizer.betas == (0.9, 0.99)

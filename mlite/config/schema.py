@@ -242,6 +242,18 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # 0: off
     gpu_memory_utilization: float = Field(0.5, gt=0, lt=1)  # vLLM only
+    # held-out prompts (data.val_files): val_n responses each at val_temperature (0: greedy), mean reward
+    val_n: int = Field(1, ge=1)
+    val_temperature: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _val_sampling(self):
+        if self.val_n > 1 and self.val_temperature == 0:
+            raise ValueError(
+                f"rollout.val_n={self.val_n} with rollout.val_temperature 0 repeats one greedy answer "
+                f"{self.val_n} times; set rollout.val_temperature > 0 (e.g. the rollout's) or rollout.val_n 1"
+            )
+        return self
 
 
 class GRPOConfig(Section):

@@ -42,7 +42,7 @@ def runtime_notes(job: JobConfig) -> list[str]:
               if v > 1]
     beyond += [f"offload.{k}" for k in ("params", "grads", "optimizer") if getattr(o, k)]
     beyond += ["precision.compute fp16"] if job.precision.compute == "fp16" else []
-    adapter = "dp x cp only" + (f", not this job's {', '.join(beyond)}" if beyond else "")
+    adapter = "dp x cp only" + (f" (not this job's {', '.join(beyond)})" if beyond else "")
     return [f"optimizer.backend dist_opt is planned, not trained, by mlite so far: its Megatron-Core adapter "
             f"runs {adapter} and has no checkpoints, so the trainers refuse it at start-up; to train this "
             "layout with mlite set optimizer.backend fsdp2 (docs/PARALLEL.md)"]

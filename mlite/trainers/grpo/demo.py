@@ -58,6 +58,11 @@ def demo_grpo_job(
     )
 
 
+def held_out_sampling(job: JobConfig) -> str:
+    r = job.rollout
+    return "greedily" if r.val_temperature == 0 else f"{r.val_n} times each at temperature {r.val_temperature:g}"
+
+
 def check_overrides(overrides: tuple[str, ...]) -> None:
     """Refuse unknown keys or bad values in the GRPO overrides (MliteError) before SFT spends minutes."""
     load_job(PRESET, list(overrides))
@@ -88,6 +93,6 @@ def grpo_stage(
         console.print(
             f"{label}: {job.trainer.steps} steps of {r.prompts_per_step} prompts x {r.n} responses "
             f"({KIND} problems), reward '{job.grpo.reward}', "
-            f"{HELD_OUT} held-out prompts answered greedily before and after"
+            f"{HELD_OUT} held-out prompts answered {held_out_sampling(job)} before and after"
         )
     return train_grpo(job, console=console, show_progress=show_progress and console is not None)

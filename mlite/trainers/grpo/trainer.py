@@ -127,11 +127,11 @@ class GRPOTrainer:
             chosen.append(self.prompts[order[pos]])
         return chosen
 
-    def sampling_params(self, greedy: bool = False) -> SamplingParams:
+    def sampling_params(self, held_out: bool = False) -> SamplingParams:
         r = self.rollout_cfg
         return SamplingParams(
             max_new_tokens=r.max_response_length,
-            temperature=0.0 if greedy else r.temperature,
+            temperature=r.val_temperature if held_out else r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
             stop_token_ids=self.stop_ids,
@@ -308,17 +308,24 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------------------------- evaluate
     def evaluate(self, prompts: Sequence[Prompt], batch_size: int = 64) -> dict[str, float]:
-        """Greedy answers to held-out prompts: mean reward (accuracy for 0/1 rewards)."""
+        """Held-out prompts answered rollout.val_n times each at rollout.val_temperature (0: greedy): the
+        mean reward. The sampler's seed is the same at every evaluation, so before and after draw the same
+        random numbers and their difference is the policy's, not the dice's."""
         self.runtime.eval()
         model = self.runtime.rollout_model()
+        params, n = self.sampling_params(held_out=True), self.rollout_cfg.val_n
+        generator = None
+        if params.temperature > 0:
+            generator = torch.Generator(device=self.runtime.device).manual_seed(self.job.trainer.seed * 1_000_003 - 1)
+        asked = [p for p in prompts for _ in range(n)]
         scores: list[float] = []
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start : start + batch_size]
-            completions = generate(model, [p.ids for p in chunk], self.sampling_params(greedy=True))
+        for start in range(0, len(asked), batch_size):
+            chunk = asked[start : start + batch_size]
+            completions = generate(model, [p.ids for p in chunk], params, generator)
             texts = [self.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
             chunk_scores, _ = score_responses(self.reward_fn, texts, [p.sample for p in chunk])
             scores.extend(chunk_scores)
-        return {"eval/reward_mean": sum(scores) / max(len(scores), 1), "eval/prompts": float(len(scores))}
+        return {"eval/reward_mean": sum(scores) / max(len(scores), 1), "eval/prompts": float(len(prompts))}
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
@@ -347,6 +354,7 @@ class GRPOResult:
     eval_after: Optional[float]
     stopped_by: Optional[str] = None
     reward_failures: list[str] = field(default_factory=list)  # the first few, each with its sample
+    eval_sampling: str = "greedy"  # how the held-out prompts were answered, e.g. "4 samples at T=0.7"
 
     @property
     def rewards(self) -> list[float]:
@@ -448,8 +456,11 @@ def train_grpo(job: JobConfig, console=None, show_progress: bool = True, tokeniz
     plot = None
     if first_rank() and stopped_by is None:
         plot = plot_metrics(writer.path, out / "grpo.png", keys=PLOT_KEYS, title=f"GRPO ({out.name})")
+    r = job.rollout
+    sampling = "greedy" if r.val_temperature == 0 else f"{r.val_n} per prompt at temperature {r.val_temperature:g}"
     return GRPOResult(
-        out, start, step, total, last_saved, writer.path, plot, eval_before, eval_after, stopped_by, failures
+        out, start, step, total, last_saved, writer.path, plot, eval_before, eval_after, stopped_by, failures,
+        sampling,
     )
 
 
@@ -481,7 +492,8 @@ def print_summary(result: GRPOResult, console) -> None:
     if result.eval_before is not None or result.eval_after is not None:
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         console.print(
-            f"held-out reward (greedy) {fmt(result.eval_before)} before -> {fmt(result.eval_after)} after",
+            f"held-out reward ({result.eval_sampling}) {fmt(result.eval_before)} before -> "
+            f"{fmt(result.eval_after)} after",
             highlight=False,
         )
     for line in result.reward_failures:
