@@ -60,6 +60,14 @@ def test_contradictions_are_refused(overrides, message):
     assert message in error_of("demo_sft", overrides)
 
 
+def test_exponent_numbers_without_a_dot_are_floats(tmp_path):
+    """YAML 1.1 reads 1e-4 as a string; a job file and an override both take it as the number users mean."""
+    job = load_job(write(tmp_path, "model: {name: qwen3-8b}\noptimizer: {lr: 1e-4, min_lr: 2E-6}\n"))
+    assert (job.optimizer.lr, job.optimizer.min_lr) == (1e-4, 2e-6)
+    assert load_job("demo_sft", ["optimizer.lr=3e-3", "optimizer.min_lr=3e-5"]).optimizer.min_lr == 3e-5
+    assert "trainer.output_dir" in error_of("demo_sft", ["trainer.output_dir=1e5"])  # a number is not a path
+
+
 def test_held_out_sampling_needs_a_temperature():
     msg = error_of("demo_grpo", ["rollout.val_n=4", "rollout.val_temperature=0"])
     assert "rollout.val_n=4 with rollout.val_temperature 0 repeats one greedy answer" in msg

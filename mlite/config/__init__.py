@@ -5,6 +5,7 @@ Light by design: importing this module must not import torch (the planner and `m
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, get_args
@@ -31,6 +32,20 @@ def preset_path(name: str) -> Path:
     return path
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """YAML 1.1's float rule wants a dot (1.0e-4); users write 1e-4 and get a string. Numbers in exponent
+    form without a dot are floats here, as in YAML 1.2 and Python."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader with one more float form)
+
+
 def load_job(source: str | Path | None = None, overrides: Iterable[str] = ()) -> JobConfig:
     """Read a job file (a path, or the name of a packaged preset), apply overrides, validate."""
     data: dict[str, Any] = {}
@@ -42,7 +57,7 @@ def load_job(source: str | Path | None = None, overrides: Iterable[str] = ()) ->
             raise MliteError(f"config file not found: {source}; pass an existing YAML file or a preset name "
                              f"({', '.join(list_presets())})")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = _load_yaml(path.read_text()) or {}
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
@@ -69,7 +84,7 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
         if not sep or not key or any(not part for part in key.split(".")):
             raise MliteError(f"override '{item}' is not key.sub=value (e.g. parallel.tp=4)")
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = _load_yaml(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
         parsed.append((key, value))
