@@ -189,6 +189,64 @@ def test_grpo_through_ray_is_driven_from_node_zero(tmp_path):
     assert bad.returncode == 2 and "TRAINER=trl; use mlite or verl" in bad.stderr
 
 
+def test_verl_grpo_dry_run_resolves_main_ppo_with_the_mlite_engine_and_rollout():
+    env = {"DRY_RUN": "1", "MODEL_PATH": "/ckpt/m", "TRAIN_FILES": "a.parquet,b.parquet", "TP": "2", "EP": "4",
+           "ROLLOUT_N": "4", "LR": "2e-6", "OFFLOAD_OPTIMIZER": "true", "STEPS": "9", "GPUS_PER_NODE": "4"}
+    done = run(["launchers/verl_grpo.sh"], env)
+    assert done.returncode == 0, done.stderr
+    command = done.stdout.strip().splitlines()[-1]
+    for part in (
+        "-m verl.trainer.main_ppo",
+        r"hydra.searchpath=\[pkg://mlite.integrations.verl.config\]",
+        "model_engine=mlite",
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.model.path=/ckpt/m",
+        r"data.train_files=\[a.parquet\,b.parquet\]",
+        "actor_rollout_ref.actor.mlite.tensor_parallel_size=2",
+        "actor_rollout_ref.actor.mlite.expert_parallel_size=4",
+        "actor_rollout_ref.actor.mlite.optimizer_offload=true",
+        "actor_rollout_ref.actor.optim.lr=2e-6",
+        "actor_rollout_ref.rollout.name=mlite",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.calculate_log_probs=false",
+        "integrations/verl/reward.py",
+        "trainer.total_training_steps=9",
+        "trainer.n_gpus_per_node=4",
+    ):
+        assert part in command, f"{part!r} not in {command}"
+    assert "VERL_PLATFORM" not in done.stdout and "num_gpus" not in command
+
+    cpu = run(["launchers/verl_grpo.sh"], {**env, "DEVICE": "cpu", "GPUS_PER_NODE": "2"})
+    assert cpu.returncode == 0, cpu.stderr
+    assert cpu.stdout.startswith("VERL_PLATFORM=cpu")
+    assert "-m mlite.integrations.verl.main_ppo" in cpu.stdout and "+ray_kwargs.ray_init.num_gpus=2" in cpu.stdout
+
+    vllm = run(["launchers/verl_grpo.sh"], {**env, "ROLLOUT_ENGINE": "vllm", "ROLLOUT_TP": "2"})
+    assert "actor_rollout_ref.rollout.name=vllm" in vllm.stdout and "calculate_log_probs" not in vllm.stdout
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"ROLLOUT_TP": "2"}, "ROLLOUT_TP=2 with ROLLOUT_ENGINE=builtin"),
+        ({"ROLLOUT_ENGINE": "hf"}, "ROLLOUT_ENGINE=hf; use builtin, vllm or sglang"),
+        ({"DEVICE": "tpu"}, "DEVICE=tpu; use cuda or cpu"),
+        ({"DRY_RUN": "0", "MODEL_PATH": ""}, "set MODEL_PATH"),
+    ],
+)
+def test_verl_grpo_refuses_bad_knobs_in_one_line(knobs, message):
+    done = run(["launchers/verl_grpo.sh"], {"DRY_RUN": "1", "MODEL_PATH": "/m", "TRAIN_FILES": "t.parquet", **knobs})
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_grpo_with_trainer_verl_hands_over_to_verl_grpo():
+    env = {"DRY_RUN": "1", "TRAINER": "verl", "MODEL_PATH": "/ckpt/m", "TRAIN_FILES": "p.parquet", "ROLLOUT_N": "3"}
+    done = run(["launchers/grpo.sh"], env)
+    assert done.returncode == 0, done.stderr
+    assert "-m verl.trainer.main_ppo" in done.stdout and "actor_rollout_ref.rollout.n=3" in done.stdout
+    other = run(["launchers/grpo.sh"], {**env, "NODE_RANK": "1"})
+    assert other.returncode == 0 and other.stdout == "" and "node 0 only" in other.stderr
+
 def test_shared_env_defaults_and_overrides():
     script = (
         'source launchers/env.sh; echo "$CUDA_DEVICE_MAX_CONNECTIONS $NCCL_NVLS_ENABLE $PYTHONUNBUFFERED '

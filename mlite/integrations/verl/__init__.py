@@ -2,10 +2,13 @@
 
 `import verl` imports `mlite.integrations.verl.plugin` (our `verl.plugins` entry point), which calls
 `register`: it registers the
-`mlite` backend for language models in verl's `EngineRegistry` and a `cpu` platform (selected only with
-`VERL_PLATFORM=cpu`). The Hydra config ships in `mlite/integrations/verl/config`:
+`mlite` backend for language models in verl's `EngineRegistry`, the built-in rollout as verl's `mlite`
+rollout (`rollout.py`) and a `cpu` platform (selected only with `VERL_PLATFORM=cpu`). The Hydra config
+ships in `mlite/integrations/verl/config`:
 
     python -m verl.trainer.sft_trainer hydra.searchpath=[pkg://mlite.integrations.verl.config] engine=mlite ...
+    python -m verl.trainer.main_ppo hydra.searchpath=[pkg://mlite.integrations.verl.config] model_engine=mlite \
+        actor_rollout_ref.rollout.name=mlite ...
 
 Nothing here patches verl: its registries are its extension points.
 """
@@ -36,7 +39,21 @@ def register() -> None:
     EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "cpu"])(
         MliteEngineWithLMHead
     )
+
+    # the built-in rollout (rollout.name=mlite): the replica (server side) in verl's replica registry, the
+    # adapter (training side) in verl's rollout-class table, a plain dict that has no register function
+    from verl.workers.rollout import base as rollout_base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    RolloutReplicaRegistry.register(BACKEND, _load_replica)
+    rollout_base._ROLLOUT_REGISTRY[(BACKEND, "async")] = "mlite.integrations.verl.rollout.MliteServerAdapter"
     _registered = True
+
+
+def _load_replica():
+    from mlite.integrations.verl.rollout import MliteReplica
+
+    return MliteReplica
 
 
 def is_registered() -> bool:

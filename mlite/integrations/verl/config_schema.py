@@ -6,9 +6,10 @@ under verl and under `mlite sft` / `mlite grpo`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from verl.workers.config import ActorConfig
 from verl.workers.config.engine import EngineConfig
 
 
@@ -28,6 +29,19 @@ class MliteEngineConfig(EngineConfig):
         super().__post_init__()
         if self.strategy != "mlite":
             raise ValueError(f"MliteEngineConfig.strategy must be 'mlite' (got {self.strategy!r})")
+
+
+@dataclass
+class MliteActorConfig(ActorConfig):
+    """The actor (and reference) section of main_ppo with model_engine=mlite: verl's actor fields plus the
+    `mlite:` engine section, which verl's engine workers read as `.engine`."""
+
+    strategy: str = "mlite"
+    mlite: MliteEngineConfig = field(default_factory=MliteEngineConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.engine = self.mlite
 
 
 _COMPUTE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp32": "fp32"}

@@ -105,7 +105,13 @@ class MliteEngine(BaseEngine):
         return self.runtime.dp_size if self.runtime is not None else self._coords()["dp_size"]
 
     def get_data_parallel_group(self):
-        return self.runtime.dp_group if self.runtime is not None and self.runtime.dp_size > 1 else None
+        if self.runtime is None:
+            return None
+        if self.runtime.mesh is not None:
+            return self.runtime.dp_group
+        # one rank: verl's workers still gather per-rank metrics over a group when a process group exists
+        # (main_ppo's workers always join one), and the whole one-rank world is the dp group
+        return torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
 
     def is_mp_src_rank_with_outputs(self):
         if self.runtime is not None:

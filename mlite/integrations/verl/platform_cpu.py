@@ -2,7 +2,8 @@
 
 Registered under the name `cpu` in verl's platform registry; verl selects it only when asked
 (`VERL_PLATFORM=cpu`), so nothing changes for GPU runs. With it, verl's trainers run on gloo: the CPU
-tests of the plug-in and small debugging runs on a laptop.
+tests of the plug-in and small debugging runs on a laptop. Under Ray (main_ppo) each training rank takes
+one "GPU" slot that the CPU run's Ray cluster declares (`+ray_kwargs.ray_init.num_gpus=N`).
 """
 
 from __future__ import annotations
@@ -105,7 +106,9 @@ class PlatformCPU(PlatformBase):
         return None
 
     def ray_resource_name(self) -> str:
-        return "CPU"
+        # verl's resource pools count "GPU" (or "NPU") slots, one per training rank; on the CPU the Ray
+        # cluster declares that many slots (`ray_init.num_gpus=N`) and nothing touches a device
+        return "GPU"
 
     def ray_noset_envvars(self) -> list[str]:
         return []
