@@ -1,10 +1,25 @@
 #!/usr/bin/env bash
 # Prepare a bare GPU machine (torch preinstalled, no network) to run mlite from this checkout:
-# install the wheels carried in .whl/ (pydantic, invoke, megatron-core, ...) into /tmp/site and put the
-# checkout on PYTHONPATH. Source it: `. scripts/gpu_env.sh`.
+# install the wheels carried in .whl/ (pydantic, invoke, megatron-core, ...) that the machine lacks into
+# /tmp/site (what it has already, numpy or transformers say, stays: a carried copy would shadow it) and put
+# the checkout on PYTHONPATH. Source it: `. scripts/gpu_env.sh`.
 set -euo pipefail
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  missing=$(python3 - .whl/*.whl <<'PY'
+import importlib.metadata as md, re, sys
+for wheel in sys.argv[1:]:
+    name = re.sub(r"[-_.]+", "-", wheel.rsplit("/", 1)[-1].split("-")[0]).lower()
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        print(wheel)
+PY
+)
+  if [ -n "$missing" ]; then
+    echo "gpu_env: installing carried wheels: $(echo "$missing" | xargs -n1 basename | tr '\n' ' ')"
+    # shellcheck disable=SC2086  # one wheel path per word
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $missing
+  fi
 fi
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1

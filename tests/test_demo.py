@@ -1,7 +1,7 @@
 """`mlite demo` as a user runs it (shortened): generated data, tokenizer, model config, a falling loss,
 checkpoint, metrics, TensorBoard events and the plot; the checkpoint exports to a model transformers runs;
-the GRPO stage runs on the SFT result and the summary reports it. (That GRPO raises the reward is
-tests/test_grpo_demo.py.)"""
+the GRPO stage runs on the SFT result and the summary reports it. (That the full demo's GRPO raises the
+held-out reward is tests/test_grpo_demo.py.)"""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_demo_learns_and_writes_everything(demo):
     assert (out / "sft_hf" / "config.json").is_file() and (out / "grpo" / "checkpoints" / "latest").is_file()
     assert (out / "grpo" / "grpo.png").stat().st_size > 1000
     before, after = grpo[0]["eval/reward_mean"], grpo[-1]["eval/reward_mean"]
-    assert f"held-out reward (greedy) {before:.3f} before -> {after:.3f} after" in log
+    assert f"held-out reward (8 per prompt at temperature 0.7) {before:.3f} before -> {after:.3f} after" in log
     first, last = grpo[1]["reward/mean"], grpo[2]["reward/mean"]
     assert f"train reward {first:.3f} (steps 1-1) -> {last:.3f} (steps 2-2)" in log
     assert f"plots       {out / 'grpo' / 'grpo.png'}" in log

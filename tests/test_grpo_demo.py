@@ -1,11 +1,16 @@
 """The demo's GRPO stage, shortened: SFT checkpoint -> HF export -> GRPO on the generated prompts with the
-arithmetic reward, held-out reward before and after, metrics and plot. (The full demo, where the reward
-rises, is `invoke demo`, run once in CI.)"""
+arithmetic reward, held-out reward before and after, metrics and plot; and the full demo, whose GRPO stage
+raises the held-out reward (slow: about 5 minutes on one core)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
+
+import pytest
 
 from mlite.runtime.ckpt.checkpoint import CheckpointManager
 from mlite.runtime.engine import Runtime
@@ -54,3 +59,22 @@ def test_reward_curve_compares_equal_slices_of_the_run():
     assert [(lo, hi) for lo, hi, _ in curve] == [(1, 2), (3, 4), (5, 6), (7, 8), (9, 10)]
     assert [round(mean, 6) for _, _, mean in curve] == [0.1, 0.2, 0.3, 0.45, 0.7]
     assert reward_curve([3, 4], [0.5, 1.0], parts=5) == [(3, 3, 0.5), (4, 4, 1.0)]  # fewer steps than parts
+
+
+@pytest.mark.slow
+def test_full_demo_raises_the_held_out_reward(tmp_path):
+    """`invoke demo` as the README runs it (500 SFT steps, then the demo_grpo preset): GRPO raises the reward
+    on held-out questions it never trains on, not only on its training prompts. Measured 0.400 -> 0.495."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two pytest workers share two cores
+    done = subprocess.run([sys.executable, "-m", "mlite", "demo", "--out", str(tmp_path), "--no-progress"],
+                          env=env, capture_output=True, text=True, check=False, timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_metrics(tmp_path / "grpo" / "metrics.jsonl")
+    held_out = [(r["step"], r["eval/reward_mean"]) for r in records if "eval/reward_mean" in r]
+    assert [step for step, _ in held_out] == [0, 40, 80, 120]
+    before, after = held_out[0][1], held_out[-1][1]
+    assert after >= before + 0.05, held_out  # 128 questions x 8 samples: a gain of 0.05 is ~3 standard errors
+    rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
+    fifth = len(rewards) // 5
+    assert sum(rewards[-fifth:]) / fifth > sum(rewards[:fifth]) / fifth, rewards  # the training reward rises too
+    assert f"held-out reward (8 per prompt at temperature 0.7) {before:.3f} before -> {after:.3f} after" in done.stderr

@@ -111,13 +111,21 @@ def to_row(task: dict[str, Any], system: str | None = None) -> dict[str, Any]:
 
 
 def demo_rows(
-    count: int, seed: int = 0, system: str | None = None, exclude: frozenset[str] = frozenset()
+    count: int,
+    seed: int = 0,
+    system: str | None = None,
+    exclude: frozenset[str] = frozenset(),
+    kind: str | None = None,
+    level: int | None = None,
 ) -> list[dict]:
-    """`count` rows with distinct questions (none of them in `exclude`), the same for the same seed."""
+    """`count` rows with distinct questions (none of them in `exclude`; only `kind` / `level` when given),
+    the same for the same arguments."""
     rng = random.Random(seed)
     rows, seen = [], set(exclude)
-    for _ in range(count * 100):  # the question space (~10^6) is far larger than any demo set
+    for _ in range(count * 1000):  # the question space (~10^6) is far larger than any demo set
         task = demo_task(rng)
+        if (kind or task["kind"]) != task["kind"] or (level or task["level"]) != task["level"]:
+            continue
         if task["question"] not in seen:
             seen.add(task["question"])
             rows.append(to_row(task, system))
