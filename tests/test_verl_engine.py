@@ -7,7 +7,7 @@ from functools import partial
 
 import pytest
 import torch
-from grpo_helpers import char_tokenizer
+from grpo_helpers import tiny_hf_qwen3
 
 from mlite.integrations.verl.platform_cpu import PlatformCPU
 
@@ -15,24 +15,7 @@ from mlite.integrations.verl.platform_cpu import PlatformCPU
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny Qwen3 written by transformers (safetensors) with its tokenizer next to it."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny_qwen3")
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    Qwen3ForCausalLM(config).save_pretrained(folder)
-    char_tokenizer(folder)
-    return folder
+    return tiny_hf_qwen3(tmp_path_factory.mktemp("tiny_qwen3"))
 
 
 def verl_cpu():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpo_helpers import char_tokenizer
+from grpo_helpers import char_tokenizer, tiny_hf_qwen3
 
 from mlite.integrations.verl import CONFIG_SEARCHPATH
 
@@ -73,6 +73,8 @@ def overrides(root: Path, out: Path) -> list[str]:
         "ray_kwargs.ray_init.num_cpus=16",  # Ray's scheduling units, not cores: verl starts ~8 actors
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         "+ray_kwargs.ray_init.num_gpus=1",  # one training-rank slot (platform_cpu.py)
+        # a Ray of its own: never join a cluster another test (the Slurm Ray job) has running on this machine
+        "+ray_kwargs.ray_init.address=local",
     ]
 
 
@@ -80,25 +82,10 @@ def overrides(root: Path, out: Path) -> list[str]:
 def setup(tmp_path_factory):
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     root = tmp_path_factory.mktemp("verl_grpo")
     tokenizer = char_tokenizer(root / "model")
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    Qwen3ForCausalLM(config).save_pretrained(root / "model")
+    tiny_hf_qwen3(root / "model", tokenizer)
     rows = [
         {
             "data_source": "grpo_helpers:text_reward",  # dense: an untrained model still gets signal

@@ -24,6 +24,9 @@ RAY_READY_TIMEOUT_S=${RAY_READY_TIMEOUT_S:-180}  # every node must join Ray with
 DRY_RUN=${DRY_RUN:-0}                     # 1: print the srun commands and the resolved launch, start nothing
 
 export OUTPUT_ROOT RESUME
+# the launch environment (NCCL, allocator, Ray health checks and auth): Ray's daemons start here, not in a launcher
+# shellcheck source=launchers/env.sh
+source "$MLITE_ROOT/launchers/env.sh"
 
 log() { echo "[mlite $(date -u +%H:%M:%S)] $*"; }
 fail() { echo "[mlite $(date -u +%H:%M:%S)] error: $*" >&2; exit 1; }
@@ -379,12 +382,12 @@ stop_ray() {
 run_on_ray() {
   local role=$1 step_pid rc=0 pid
   RAY_PIDS=()
+  [[ $DRY_RUN == 1 ]] || trap stop_ray EXIT  # before the head starts: a failed bring-up must not leave it running
   start_ray
   if [[ $DRY_RUN == 1 ]]; then
     step_srun --nodes=1 --ntasks=1 --overlap -w "$HEAD_NODE" -- "$MLITE_ROOT/slurm/lib/node.sh" "$role"
     return 0
   fi
-  trap stop_ray EXIT
   log "driver: launchers/$role.sh on $HEAD_NODE through Ray (LAUNCHER=${LAUNCHER:-ray})"
   # the driver runs on the head only; node.sh's node rank is 0 there
   step_srun_bg --nodes=1 --ntasks=1 --overlap -w "$HEAD_NODE" --kill-on-bad-exit=1 -- \
