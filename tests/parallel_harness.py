@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import tempfile
 import traceback
 
 import torch
@@ -70,13 +71,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, errors, backend):
+def _entry(rank, world, port, rendezvous, fn, args, errors, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if backend == "nccl":
         os.environ.update(MLITE_TEST_DEVICE=f"cuda:{rank}")
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    # rendezvous through a file, not a TCP port: a port picked free here can be taken by another test's
+    # process before rank 0 binds it (two pytest workers, Ray, Slurm), and init then fails on every rank
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     except BaseException:
@@ -90,13 +93,16 @@ def launch(world: int, fn, *args, backend: str = "gloo"):
     """Run fn(rank, world, *args) on `world` ranks; re-raise the first rank's failure readably."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(
-            _entry, args=(world, free_port(), fn, args, errors, backend), nprocs=world, start_method="spawn"
-        )
-    except Exception:
-        rank, tb = errors.get() if not errors.empty() else (-1, "")
-        raise AssertionError(f"rank {rank} failed:\n{tb}") from None
+    with tempfile.TemporaryDirectory() as folder:
+        rendezvous = os.path.join(folder, "rendezvous")
+        try:
+            mp.start_processes(
+                _entry, args=(world, free_port(), rendezvous, fn, args, errors, backend), nprocs=world,
+                start_method="spawn",
+            )
+        except Exception as err:
+            rank, tb = errors.get() if not errors.empty() else (-1, str(err))  # -1: failed outside fn
+            raise AssertionError(f"rank {rank} failed:\n{tb}") from None
 
 
 # ------------------------------------------------------------------ training, the same under every layout
