@@ -19,6 +19,7 @@ from mlite.errors import MliteError
 from mlite.runtime.ckpt.hf import (
     hf_config_from_arch,
     iter_hf_weights,
+    load_hf_tensors,
     load_hf_weights,
     save_hf_checkpoint,
 )
@@ -195,6 +196,20 @@ def test_wrong_expert_shape_names_the_per_expert_tensor(checkpoint):
     name = "model.layers.0.mlp.experts.3.up_proj.weight"
     rewrite(checkpoint, lambda t: t.__setitem__(name, torch.zeros(8, 32)))
     expect_error(checkpoint, f"tensor '{name}' has shape [8, 32]", "expects [16, 32]")
+
+
+def test_in_memory_weight_stream_fills_another_model(checkpoint):
+    """What a rollout replica does with a weight update: the HF-named stream of one model into another."""
+    source = loaded(checkpoint)
+    target = build_model(load_hf_arch(checkpoint), attention_backend="torch").to(torch.bfloat16)
+    tensors = dict(iter_hf_weights(source))
+    load_hf_tensors(target, tensors)
+    for (name, a), b in zip(source.named_parameters(), target.parameters()):
+        assert b.dtype == torch.bfloat16 and torch.equal(a.to(torch.bfloat16), b), name
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"
+    tensors.pop(name)
+    with pytest.raises(MliteError, match=f"tensor '{name}' is missing from the weight update"):
+        load_hf_tensors(target, tensors)
 
 
 def test_missing_tensor_is_named(checkpoint):

@@ -20,15 +20,7 @@ import ray
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-
-def join_gloo() -> None:
-    """Join the worker group's process group with gloo (Ray's worker group set RANK, WORLD_SIZE, MASTER_*)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend="gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
-        )
+from mlite.integrations.verl.platform_cpu import join_gloo
 
 
 class CpuActorRolloutRefWorker(ActorRolloutRefWorker):

@@ -118,3 +118,13 @@ class PlatformCPU(PlatformBase):
 
     def cudart(self):
         return None
+
+
+def join_gloo() -> None:
+    """Join the process group with plain gloo (rank and world from the environment: torchrun's, or Ray's
+    worker group's RANK / WORLD_SIZE / MASTER_*). verl itself joins "cpu:gloo,cpu:gloo", which torch refuses
+    ("Duplicate device type cpu"); once a group exists verl uses it."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo")

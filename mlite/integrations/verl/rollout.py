@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 from collections import defaultdict
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from verl.utils.device import get_resource_name
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
+from mlite.runtime.ckpt.hf import load_hf_tensors
 from mlite.trainers.grpo.rollout import SamplingParams, generate
 
 NAME = "mlite"
@@ -57,18 +57,6 @@ def check_rollout_layout(config) -> None:
             f"actor_rollout_ref.rollout.{key}={value} with rollout.name=mlite: the built-in rollout decodes a "
             f"whole model per rank; set actor_rollout_ref.rollout.{key}=1 (or use rollout.name=vllm)"
         )
-
-
-def load_hf_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy HF-named tensors (a full `Runtime.export_weights()` stream) into a plain mlite model."""
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for entry in model.hf_layout():
-            missing = [name for name in entry.hf_names if name not in tensors]
-            if missing:
-                raise ValueError(f"weight update lacks '{missing[0]}': the actor sent a different model")
-            param = params[entry.param]
-            param.copy_(entry.join([tensors[name] for name in entry.hf_names]).to(param.device, param.dtype))
 
 
 def stop_ids_of(model_config) -> tuple[int, ...]:

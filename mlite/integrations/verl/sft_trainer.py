@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 
+from mlite.integrations.verl.platform_cpu import join_gloo
+
 
 def join_process_group() -> None:
     import torch.distributed as dist
@@ -22,7 +24,7 @@ def join_process_group() -> None:
     if dist.is_initialized():
         return
     if get_device_name() == "cpu":
-        dist.init_process_group(backend="gloo")
+        join_gloo()
     else:
         from verl.utils.distributed import initialize_global_process_group
 

@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -149,6 +149,22 @@ def load_hf_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | Non
 
 
 # ---------------------------------------------------------------------------------------------- writing
+def load_hf_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Fill `model`'s parameters from HF-named tensors in memory (a whole `Runtime.export_weights()` stream,
+    e.g. a rollout replica's weight update), converted to each parameter's device and dtype."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for entry in model.hf_layout():
+            missing = [name for name in entry.hf_names if name not in tensors]
+            if missing:
+                raise MliteError(
+                    f"tensor '{missing[0]}' is missing from the weight update; the sender is not "
+                    f"{_describe(model.arch)}"
+                )
+            param = params[entry.param]
+            param.copy_(entry.join([tensors[name] for name in entry.hf_names]).to(param.device, param.dtype))
+
+
 def iter_hf_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (HF name, tensor) for every parameter, one parameter's tensors at a time (views, no copies
     unless `dtype` converts). FSDP-sharded parameters are gathered one at a time."""
