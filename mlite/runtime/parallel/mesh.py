@@ -80,6 +80,18 @@ class ParallelDims:
             )
         return cls(world_size, par.pp, world_size // per_replica, par.cp, par.tp, par.ep, par.etp, par.vpp)
 
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where global `rank` sits in the dense layout (Megatron order, tp fastest): its pp, dp, cp and tp
+        indices. Pure arithmetic, no process group: callers may ask before the meshes exist."""
+        if not 0 <= rank < self.world_size:
+            raise MliteError(f"rank {rank} is outside a world of {self.world_size}")
+        return {
+            "pp": rank // (self.dp * self.cp * self.tp),
+            "dp": rank // (self.cp * self.tp) % self.dp,
+            "cp": rank // self.tp % self.cp,
+            "tp": rank % self.tp,
+        }
+
     @property
     def edp(self) -> int:
         return self.dp * self.cp * self.tp // (self.ep * self.etp)
