@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlite.config import list_presets, load_job
+from mlite.config import job_from_dict, list_presets, load_job
 from mlite.errors import MliteError
 
 
@@ -113,3 +113,11 @@ def test_every_key_is_documented():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md").read_text()
     missing = [k for k in keys(JobConfig) if f"`{k}`" not in doc]
     assert not missing, f"keys missing from docs/CONFIG.md: {missing}"
+
+
+def test_one_path_for_a_list_key_is_a_one_element_list():
+    # as in verl and Hydra: `--set data.train_files=x.jsonl` is ["x.jsonl"], not a type error
+    job = load_job("demo_sft", ["data.train_files=x.jsonl", "data.val_files=[a.jsonl, b.parquet]"])
+    assert job.data.train_files == ["x.jsonl"] and job.data.val_files == ["a.jsonl", "b.parquet"]
+    assert job_from_dict({**job.model_dump(), "data": {**job.data.model_dump(), "train_files": "y.jsonl"}}
+                         ).data.train_files == ["y.jsonl"]

@@ -150,7 +150,7 @@ def test_left_out_rows_are_counted_and_reported(tokenizer, tmp_path):
     _, later = load_samples(files[2:], tokenizer, seq_len=64)  # a missing column names the file and the fix
     assert (
         later.malformed == 2
-        and "other_column.parquet: no column 'messages' (columns: text)" in later.first_malformed
+        and "other_column.parquet row 0: no column 'messages' (columns: text)" in later.first_malformed
     )
     _, roles = load_samples([str(tmp_path / "mixed.jsonl")], tokenizer, seq_len=1000)
     assert roles.too_long == 0 and roles.used == 3

@@ -1,7 +1,10 @@
 """The package imports downward only, and the light layers stay light.
 
 config -> plan -> runtime -> trainers -> integrations -> cli. A module may import its own layer or lower
-ones, never a higher one. `mlite.config`, `mlite.plan` and `mlite --help` never import torch or megatron.
+ones, never a higher one. The runtime has sub-layers of its own: kernels, data and optim -> models -> loss
+-> parallel -> ckpt -> layout, forward, state and the engine. So models know nothing of parallel code
+(parallel code reaches them only through their declared seams). `mlite.config`, `mlite.plan` and
+`mlite --help` never import torch or megatron.
 """
 
 from __future__ import annotations
@@ -24,6 +27,17 @@ LAYERS = {
     "mlite.images": 1,
     "mlite.plan": 2,
     "mlite.runtime": 3,
+    "mlite.runtime.kernels": 3.1,
+    "mlite.runtime.data": 3.1,
+    "mlite.runtime.optim": 3.1,
+    "mlite.runtime.models": 3.2,
+    "mlite.runtime.loss": 3.3,
+    "mlite.runtime.parallel": 3.4,
+    "mlite.runtime.ckpt": 3.5,
+    "mlite.runtime.layout": 3.6,
+    "mlite.runtime.forward": 3.6,
+    "mlite.runtime.state": 3.6,
+    "mlite.runtime.engine": 3.6,
     "mlite.trainers": 4,
     "mlite.bench": 4,
     "mlite.integrations": 5,
@@ -34,7 +48,7 @@ LAYERS = {
 HEAVY = ("torch", "megatron", "vllm", "verl", "transformers", "ray", "transformer_engine", "flash_attn")
 
 
-def layer_of(module: str) -> int:
+def layer_of(module: str) -> float:
     best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len, default=None)
     assert best is not None, f"{module} is in no layer: add it to LAYERS in {__file__}"
     return LAYERS[best]
@@ -102,3 +116,23 @@ def test_layer_rule_catches_an_upward_import(tmp_path):
     # the checker itself must be able to fail: a config module importing the runtime is flagged
     assert layer_of("mlite.config.schema") < layer_of("mlite.runtime.models")
     assert layer_of("mlite.plan.memory") < layer_of("mlite.trainers.sft")
+    # and inside the runtime: a model importing parallel code is flagged
+    assert layer_of("mlite.runtime.models.moe") < layer_of("mlite.runtime.parallel.expert")
+    assert layer_of("mlite.runtime.models.qwen3") < layer_of("mlite.runtime.parallel.parallelize")
+    assert layer_of("mlite.runtime.parallel.pipeline") < layer_of("mlite.runtime.engine")
+
+
+def test_models_are_changed_by_parallel_code_only_through_their_seams():
+    """Parallel code never assigns onto a model's modules: no `layer.attn.core = ...`, `mlp.ep_group = ...`
+    or replaced `forward`; it calls the seams the models declare (set_core, set_runner, set_parallel)."""
+    wrong = []
+    for path in sorted((ROOT / "runtime" / "parallel").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute):
+                    wrong.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} assigns {ast.unparse(target)}")
+                if isinstance(target, ast.Attribute) and target.attr == "forward":
+                    wrong.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} replaces a forward")
+    assert not wrong, "\n".join(wrong)

@@ -194,6 +194,12 @@ class DataConfig(Section):
     max_tokens_per_micro_batch: Optional[int] = Field(None, ge=8)
     shuffle: bool = True
 
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, value):
+        # `--set data.train_files=x.jsonl` (or `train_files: x.jsonl`) means [x.jsonl], as in verl and Hydra
+        return [value] if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _batches(self):
         if self.dynamic_batch:

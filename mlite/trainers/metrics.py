@@ -128,11 +128,11 @@ class ProgressDisplay:
         done = step - self.start
         return (time.perf_counter() - self.started) / done * (self.total - step) if done > 0 else float("nan")
 
-    def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "", label: str = "loss") -> None:
         if not self.enabled:
             return
         eta = self.eta(step)
-        status = f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  ETA {format_duration(eta) if math.isfinite(eta) else '?'}"
+        status = f"{label} {loss:.4f}  {tokens_per_s:,.0f} tok/s  ETA {format_duration(eta) if math.isfinite(eta) else '?'}"
         status += f"  {extra}" if extra else ""
         if self.live:
             self.progress.update(self.task, completed=step, status=status)

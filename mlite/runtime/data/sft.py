@@ -24,6 +24,8 @@ from mlite.config.schema import DataConfig, JobConfig
 from mlite.errors import MliteError
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.data.packing import Sample, StepBatcher
+from mlite.runtime.data.rows import read_rows
+from mlite.runtime.data.tokenizer import load_tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -59,45 +61,22 @@ class DataReport:
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def read_rows(path: Path, messages_key: str, report: DataReport) -> Iterator[tuple[str, Any]]:
+def read_messages(path: Path, messages_key: str, report: DataReport) -> Iterator[tuple[str, Any]]:
     """(where, the `messages_key` value) of every row of one file; unreadable rows are counted as malformed."""
-    if not path.is_file():
-        raise MliteError(f"data file not found: {path}; fix data.train_files / data.val_files")
-    before = report.rows
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+    before, malformed_before = report.rows, report.malformed
 
-        table = pq.read_table(path)
-        report.rows += table.num_rows
-        if table.num_rows and messages_key not in table.column_names:
-            _malformed(
-                report,
-                f"{path}: no column '{messages_key}' (columns: {', '.join(table.column_names)}); "
-                "set data.messages_key",
-                table.num_rows,
-            )
-        elif table.num_rows:
-            for i, messages in enumerate(table.column(messages_key).to_pylist()):
-                yield f"{path} row {i}", messages
-    elif path.suffix in (".jsonl", ".json"):
-        with path.open() as lines:
-            for line_no, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                report.rows += 1
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    _malformed(report, f"{path}:{line_no}: not JSON ({err.msg})")
-                    continue
-                if not isinstance(row, dict) or messages_key not in row:
-                    _malformed(report, f"{path}:{line_no}: no '{messages_key}' key; set data.messages_key")
-                    continue
-                yield f"{path}:{line_no}", row[messages_key]
-    else:
-        raise MliteError(f"{path}: data files must be .parquet or .jsonl")
+    def count(problem: str) -> None:
+        report.rows += 1
+        _malformed(report, problem)
+
+    for where, row in read_rows(path, count):
+        report.rows += 1
+        if messages_key not in row:
+            _malformed(report, f"{where}: no column '{messages_key}' (columns: {', '.join(row)}); set data.messages_key")
+            continue
+        yield where, row[messages_key]
     report.files += 1
-    if report.rows == before:
+    if report.rows == before and report.malformed == malformed_before:
         report.empty_files.append(str(path))
 
 
@@ -162,7 +141,7 @@ def load_samples(
     """Tokenised samples of every usable row, in file order, and the report of what was left out."""
     report, samples = DataReport(), []
     for name in files:
-        for where, messages in read_rows(Path(name), messages_key, report):
+        for where, messages in read_messages(Path(name), messages_key, report):
             problem = _problem(messages)
             if problem:
                 _malformed(report, f"{where}: {problem}")
@@ -180,16 +159,6 @@ def load_samples(
             report.target_tokens += sample.num_targets
             report.longest = max(report.longest, len(sample))
     return samples, report
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    if not Path(path, "tokenizer.json").is_file() and not Path(path, "tokenizer_config.json").is_file():
-        raise MliteError(
-            f"no tokenizer in {path} (tokenizer.json missing); set data.tokenizer to a tokenizer dir"
-        )
-    return AutoTokenizer.from_pretrained(path)
 
 
 # ------------------------------------------------------------------------------------------ the dataset

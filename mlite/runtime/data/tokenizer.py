@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from mlite.errors import MliteError
+
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
 
@@ -84,3 +86,16 @@ def train_demo_tokenizer(out_dir: str | Path, seed: int = 0, vocab_size: int = 2
 
     texts = [f"{m['role']}\n{m['content']}" for row in demo_rows(rows, seed) for m in row["messages"]]
     return train_tokenizer(texts, out_dir, vocab_size)
+
+
+def load_tokenizer(path: str | Path):
+    """The one tokenizer loader of every trainer: an HF tokenizer dir (data.tokenizer or model.path)."""
+    from transformers import AutoTokenizer
+
+    if not Path(path, "tokenizer.json").is_file() and not Path(path, "tokenizer_config.json").is_file():
+        raise MliteError(f"no tokenizer in {path} (tokenizer.json missing); set data.tokenizer to a tokenizer dir")
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as err:
+        raise MliteError(f"cannot load the tokenizer from {path} ({type(err).__name__}: {err}); point "
+                         "data.tokenizer at a dir with tokenizer.json") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from mlite.errors import MliteError
 class ModelOutput:
     hidden: torch.Tensor  # [T, H]: after the final norm on the last stage, the residual stream before it
     aux_loss: torch.Tensor  # scalar: MoE load-balancing loss times its coefficient (0 for dense models)
+    # per MoE layer of this model (or pipeline chunk): the sums the balance loss pools; a pipeline pools
+    # them across stages (mlite.runtime.parallel.pipeline)
+    router_stats: list = field(default_factory=list)
 
 
 # FSDP2 finds a module's output tensors by pytree flattening, to unshard its parameters again before their

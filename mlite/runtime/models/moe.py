@@ -1,26 +1,28 @@
 """The mixture-of-experts block shared by the MoE families: a top-k softmax router in fp32, experts stored
-as stacked [E, ...] parameters (expert parallel shards dim 0; the grouped GEMM needs no copies), tokens sent
-to their experts by `moe_dispatch_combine` (local for ep = 1, all-to-all otherwise), and the statistics for
-the load-balancing loss.
+as stacked [E, ...] parameters (expert parallel shards dim 0; the grouped GEMM needs no copies), and the
+statistics for the load-balancing loss.
+
+Parallel seams (the model imports no parallel code; mlite.runtime.parallel.parallelize sets them through
+`MoE.set_parallel`): `dispatch` routes (token, expert) pairs to the experts and back (`local_dispatch`
+here; expert parallel sends them across ranks), and `reduce_stats` sums the router statistics over the
+ranks that share one micro-batch's tokens (cp x tp).
 
 The load-balancing loss follows transformers' `load_balancing_loss_func` exactly, so the numbers match
 HF's `aux_loss`: the router choices of all MoE layers are pooled before the product,
 E * sum_e (tokens routed to e / pooled rows) * (mean router probability of e over pooled rows). A layer
-therefore records its sums (`router_stats`) and the model combines them after the last layer.
+therefore returns its sums (`RouterStats`) with its output and the model combines them after the last layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from mlite.runtime.kernels import grouped_gemm
-from mlite.runtime.parallel.expert import moe_dispatch_combine
 
 
 @dataclass
@@ -31,6 +33,40 @@ class RouterStats:
     shards: int = 1  # ranks the statistics were summed over (cp x tp); each holds the same loss
 
 
+# returned through FSDP2-wrapped modules: registered so FSDP finds prob_sum (which carries the router's
+# gradient) when it hooks a module's outputs for backward, as for ModelOutput
+torch.utils._pytree.register_dataclass(RouterStats)
+
+# experts(tokens [M, H] grouped by local expert, counts [E_local]) -> [M, H]
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# dispatch(hidden [N, H], expert_ids [N, k], weights [N, k], experts, num_experts) -> [N, H]
+DispatchFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertsFn, int], torch.Tensor]
+
+
+def group_by_expert(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
+    """(token, choice) pairs sorted by expert: (order, routed rows [N*k, H], counts [E])."""
+    k = expert_ids.shape[1]
+    flat_ids = expert_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    return order, hidden[order // k], torch.bincount(flat_ids, minlength=num_experts)
+
+
+def combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Expert outputs in expert order -> sum_j weights[n, j] * out of choice j, for every token n -> [N, H]."""
+    n, k = weights.shape
+    combined = torch.empty_like(out)
+    combined[order] = out  # back to (token, choice) order
+    return (combined.view(n, k, -1) * weights.unsqueeze(-1).to(combined.dtype)).sum(1)
+
+
+def local_dispatch(hidden, expert_ids, weights, experts: ExpertsFn, num_experts: int) -> torch.Tensor:
+    """Every expert on this rank: group the pairs by expert, run the experts, combine."""
+    order, routed, counts = group_by_expert(hidden, expert_ids, num_experts)
+    return combine(experts(routed, counts), order, weights)
+
+
+def local_stats(stats: RouterStats) -> RouterStats:
+    return stats
 class Experts(nn.Module):
     """E SwiGLU experts: gate and up fused as [E, 2*ffn, hidden], down as [E, hidden, ffn] (nn.Linear layout)."""
 
@@ -52,49 +88,31 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden, expert_ffn, act)
-        self.ep_group: dist.ProcessGroup | None = None  # expert parallel sets these
-        self.token_group: dist.ProcessGroup | None = None  # ranks sharing one micro-batch's tokens (cp x tp)
-        self.router_stats: RouterStats | None = None  # of the last forward
+        self.dispatch: DispatchFn = local_dispatch
+        self.reduce_stats: Callable[[RouterStats], RouterStats] = local_stats
 
-    @property
-    def first_expert(self) -> int:
-        """Global index of the first expert in the stacked tensors. Expert parallel makes them DTensors of
-        the global shape (checkpoints and exports see every expert, gathered), so only a plain local slice
-        starts past 0."""
-        if self.ep_group is None or isinstance(self.experts.down, DTensor):
-            return 0
-        return dist.get_rank(self.ep_group) * self.experts.down.shape[0]
+    def set_parallel(self, dispatch: DispatchFn, reduce_stats: Callable[[RouterStats], RouterStats]) -> None:
+        """The parallel seam: how pairs reach their experts, and how router statistics are summed over the
+        ranks sharing this micro-batch (mlite.runtime.parallel.parallelize calls it once)."""
+        self.dispatch, self.reduce_stats = dispatch, reduce_stats
 
-    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
-        """x [N, hidden] -> [N, hidden]. `batch` is unused here; hash-routed families read token ids from it."""
-        logits = F.linear(
-            x.float(), self.router.weight.float()
-        )  # [N, E] in fp32: routing is precision-sensitive
+    def forward(self, x: torch.Tensor, batch=None) -> tuple[torch.Tensor, RouterStats]:
+        """x [N, hidden] -> ([N, hidden], router statistics). `batch` is unused here; hash-routed families
+        read token ids from it."""
+        logits = F.linear(x.float(), self.router.weight.float())  # [N, E] in fp32: routing is precision-sensitive
         probs = logits.softmax(dim=-1)
         weights, expert_ids = probs.topk(self.top_k, dim=-1)  # [N, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = moe_dispatch_combine(
-            x, expert_ids, weights.to(x.dtype), self.experts, self.num_experts, self.ep_group
-        )
-        self.router_stats = router_stats(probs, expert_ids, self.num_experts, self.token_group)
-        return out
+        out = self.dispatch(x, expert_ids, weights.to(x.dtype), self.experts, self.num_experts)
+        return out, self.reduce_stats(router_stats(probs, expert_ids, self.num_experts))
 
 
-def router_stats(probs, expert_ids, num_experts, token_group=None) -> RouterStats:
-    """Sums over this rank's tokens, and over `token_group` when one micro-batch is spread across ranks."""
-    from torch.distributed.nn.functional import all_reduce
-
+def router_stats(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> RouterStats:
+    """Sums over this rank's tokens (`reduce_stats` adds the other ranks' under cp x tp)."""
     counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(probs.dtype)
-    prob_sum = probs.sum(0)
     rows = torch.tensor(float(probs.shape[0]), dtype=probs.dtype, device=probs.device)
-    shards = 1
-    if token_group is not None and dist.get_world_size(token_group) > 1:
-        dist.all_reduce(counts, group=token_group)
-        dist.all_reduce(rows, group=token_group)
-        prob_sum = all_reduce(prob_sum, group=token_group)
-        shards = dist.get_world_size(token_group)
-    return RouterStats(counts, prob_sum, rows, shards)
+    return RouterStats(counts, probs.sum(0), rows)
 
 
 def load_balancing_loss(stats: list[RouterStats], num_experts: int, coef: float) -> torch.Tensor:

@@ -7,7 +7,10 @@ the mapping to HF parameter names.
 Built for parallelism (see mlite.runtime.parallel.parallelize): `layers` is a ModuleDict keyed by global
 layer index, so a pipeline stage keeps global names; `embed`, `norm` and `output` are None on stages that
 do not hold them, and then forward takes / returns the residual stream. Heads are reshaped with -1 so
-tensor-parallel shards need no model change; `attn.core` is swappable (context parallel replaces it).
+tensor-parallel shards need no model change. The model imports no parallel code: parallel code changes how
+it computes only through three declared seams, `Attention.set_core` (context parallel, selective
+recompute), `Block.set_runner` (full recompute) and `MoE.set_parallel` (expert parallel, router statistics
+over cp x tp).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from mlite.runtime.models.base import (
     rope_inv_freq,
     same_tensor,
 )
-from mlite.runtime.models.moe import MoE, load_balancing_loss
+from mlite.runtime.models.moe import MoE, RouterStats, load_balancing_loss
 
 ACTIVATIONS = {"silu": F.silu, "gelu": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
 
@@ -60,7 +63,11 @@ class Attention(nn.Module):
         )
         self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
-        self.core = functools.partial(packed_attention, backend=backend)  # context parallel swaps this
+        self.core = functools.partial(packed_attention, backend=backend)
+
+    def set_core(self, core) -> None:
+        """The seam: `core(q, k, v, batch) -> out` replaces packed attention (context parallel, recompute)."""
+        self.core = core
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [T, H] -> q [T, heads, d], k/v [T, kv_heads, d] with rotary embeddings applied."""
@@ -111,8 +118,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(ffn, hidden, bias=False)
         self.act = act
 
-    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:  # batch: same call as the MoE block
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, batch=None) -> tuple[torch.Tensor, None]:  # the MoE block's call
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)), None
 
 
 class Block(nn.Module):
@@ -127,15 +134,28 @@ class Block(nn.Module):
             self.mlp = MoE(arch.hidden, m.num_experts, m.top_k, m.expert_ffn, m.norm_topk_prob, act)
         else:
             self.mlp = MLP(arch.hidden, arch.ffn, act)
+        self.runner = None
 
-    def forward(self, x, batch: PackedBatch, cos, sin) -> torch.Tensor:  # x [T, H]
+    def set_runner(self, runner) -> None:
+        """The seam: `runner(body, x, batch, cos, sin)` runs the block's body another way (recompute)."""
+        self.runner = runner
+
+    def forward(self, x, batch: PackedBatch, cos, sin) -> tuple[torch.Tensor, RouterStats | None]:
+        """x [T, H] -> (x, this block's router statistics, None for a dense MLP)."""
+        if self.runner is not None:
+            return self.runner(self.body, x, batch, cos, sin)
+        return self.body(x, batch, cos, sin)
+
+    def body(self, x, batch: PackedBatch, cos, sin) -> tuple[torch.Tensor, RouterStats | None]:
         x = x + self.attn(self.attn_norm(x), batch, cos, sin)
-        return x + self.mlp(self.mlp_norm(x), batch)
+        out, stats = self.mlp(self.mlp_norm(x), batch)
+        return x + out, stats
 
     def decode(self, x, cos, sin, cache_k, cache_v, positions) -> torch.Tensor:  # x [B, t, H]
         x = x + self.attn.decode(self.attn_norm(x), cos, sin, cache_k, cache_v, positions)
         h = self.mlp_norm(x)
-        return x + self.mlp(h.reshape(-1, h.shape[-1])).view_as(x)
+        out, _ = self.mlp(h.reshape(-1, h.shape[-1]))
+        return x + out.view_as(x)
 
 
 class Transformer(nn.Module):
@@ -175,15 +195,15 @@ class Transformer(nn.Module):
         cos, sin = self.rope(batch.position_ids, x.dtype)  # [T, head_dim]
         stats = []
         for layer in self.layers.values():
-            x = layer(x, batch, cos, sin)
-            if isinstance(layer.mlp, MoE):
-                stats.append(layer.mlp.router_stats)
+            x, layer_stats = layer(x, batch, cos, sin)
+            if layer_stats is not None:
+                stats.append(layer_stats)
         if self.norm is not None:
             x = self.norm(x)
         aux = torch.zeros((), device=x.device, dtype=torch.float32)
         if stats:  # pooled over this stage's MoE layers (all of them without pipeline parallel), as HF does
             aux = load_balancing_loss(stats, self.arch.moe.num_experts, self.arch.moe.router_aux_loss_coef)
-        return ModelOutput(hidden=x, aux_loss=aux)
+        return ModelOutput(hidden=x, aux_loss=aux, router_stats=stats)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, vocab]."""
@@ -262,8 +282,7 @@ def _hf_tensors(name: str, model: Transformer) -> HFTensors:
     _, index, rest = name.split(".", 2)  # layers.{i}.{rest}
     prefix = f"model.layers.{index}."
     if rest.startswith("mlp.experts."):
-        moe = model.layers[index].mlp
-        ids = range(moe.first_expert, moe.first_expert + moe.experts.down.shape[0])  # this rank's experts
+        ids = range(model.layers[index].mlp.experts.down.shape[0])  # global shape, also under ep (DTensor)
         if rest == "mlp.experts.gate_up":  # [E, 2F, H] <-> gate_proj [F, H] and up_proj [F, H] per expert
             names = [f"{prefix}mlp.experts.{e}.{p}.weight" for e in ids for p in ("gate_proj", "up_proj")]
             return HFTensors(

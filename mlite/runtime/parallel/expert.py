@@ -4,47 +4,59 @@ Capacity-free: every (token, expert) pair is computed, however unbalanced the ro
 the all-to-all are exchanged first, so nothing is padded or dropped. Experts are stacked [E, ...]
 parameters; ep rank r holds experts [r * E/ep, (r+1) * E/ep).
 
-The contract with the model's MoE block: an experts function `experts(tokens [M, H], counts [E_local])
--> [M, H]` computes tokens already grouped by local expert (counts[e] rows for expert e, in order).
-`moe_dispatch_combine` wraps it for any ep degree (ep = 1 is the plain local path), so the model calls one
-function either way. DeepEP plugs in at the same place on GPUs (`deep_ep` importable + NCCL group).
+The contract with the model's MoE block (mlite.runtime.models.moe): an experts function `experts(tokens
+[M, H], counts [E_local]) -> [M, H]` computes tokens already grouped by local expert (counts[e] rows for
+expert e, in order), and the block's `dispatch` seam takes `expert_parallel_dispatch(group)` in place of
+its local one. DeepEP plugs in at the same seam on GPUs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.nn.functional import all_to_all_single
 
-ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+from mlite.runtime.models.moe import ExpertsFn, RouterStats, combine, group_by_expert
 
 
-def moe_dispatch_combine(
-    hidden: torch.Tensor,  # [N, H] this rank's tokens
-    expert_ids: torch.Tensor,  # [N, k] global expert index of each choice
-    weights: torch.Tensor,  # [N, k] routing weight of each choice
-    experts: ExpertsFn,
-    num_experts: int,
-    ep_group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """sum_j weights[n, j] * expert_{ids[n, j]}(hidden[n]) for every token n -> [N, H]."""
-    n, k = expert_ids.shape
-    flat_ids = expert_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)  # group the (token, choice) pairs by expert
-    routed = hidden[order // k]  # [N*k, H]
-    counts = torch.bincount(flat_ids, minlength=num_experts)  # [E]
+def expert_parallel_dispatch(group: dist.ProcessGroup):
+    """The MoE block's `dispatch` under expert parallel over `group` (mlite.runtime.models.moe.DispatchFn)."""
 
-    ep = dist.get_world_size(ep_group) if ep_group is not None else 1
-    if ep == 1:
-        out = experts(routed, counts)
-    else:
-        out = _across_ranks(routed, counts, experts, num_experts, ep, ep_group)
+    def dispatch(hidden, expert_ids, weights, experts: ExpertsFn, num_experts: int) -> torch.Tensor:
+        order, routed, counts = group_by_expert(hidden, expert_ids, num_experts)
+        local_experts = functools.partial(_on_local_shards, experts)
+        out = _across_ranks(routed, counts, local_experts, num_experts, dist.get_world_size(group), group)
+        return combine(out, order, weights)
 
-    combined = torch.empty_like(out)
-    combined[order] = out  # back to (token, choice) order
-    return (combined.view(n, k, -1) * weights.unsqueeze(-1).to(combined.dtype)).sum(1)
+    return dispatch
+
+
+def token_group_stats(group: dist.ProcessGroup):
+    """The MoE block's `reduce_stats` when one micro-batch's tokens are spread over `group` (cp x tp): the
+    sums of every rank, the probability sums differentiably (each rank back-propagates its share)."""
+    from torch.distributed.nn.functional import all_reduce
+
+    def reduce_stats(stats: RouterStats) -> RouterStats:
+        counts, rows = stats.counts.clone(), stats.rows.clone()
+        dist.all_reduce(counts, group=group)
+        dist.all_reduce(rows, group=group)
+        return RouterStats(counts, all_reduce(stats.prob_sum, group=group), rows, dist.get_world_size(group))
+
+    return reduce_stats
+
+
+def _on_local_shards(experts: nn.Module, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Run the experts on this rank's slice of their DTensor parameters: the grouped GEMM knows nothing of
+    DTensor, and to_local keeps the autograd link to the sharded parameter."""
+    local = {
+        name: p.to_local() if isinstance(p, DTensor) else p for name, p in experts.named_parameters(recurse=False)
+    }
+    with torch.nn.utils.stateless._reparametrize_module(experts, local):
+        return experts(tokens, counts)
 
 
 def _across_ranks(routed, counts, experts, num_experts, ep, group):

@@ -1,12 +1,15 @@
-"""Apply a parallel layout to a decoder, in a fixed order: tensor (+sequence) parallel, context parallel,
-expert parallel, then FSDP2 sharding.
+"""Apply a parallel layout to a decoder, in a fixed order: tensor (+sequence) parallel, the attention core
+(context parallel and recompute), expert parallel, then FSDP2 sharding.
 
 The decoder contract (the runtime's model code keeps it): `embed`, `layers` (ModuleDict keyed by global
 layer index; entries may be absent on a pipeline stage), `norm`, `output` (any of these may be None on a
-pipeline stage). A layer has `attn_norm`, `attn` (`q_proj`, `k_proj`, `v_proj`, `o_proj`, a swappable
-`core(q, k, v, batch)`; heads reshaped with -1), `mlp_norm` and `mlp`, either dense (`gate_proj`,
-`up_proj`, `down_proj`) or MoE (`router`, `experts` with stacked [E, ...] parameters, `ep_group`,
-`token_group`).
+pipeline stage). A layer has `attn_norm`, `attn` (`q_proj`, `k_proj`, `v_proj`, `o_proj`; heads reshaped
+with -1), `mlp_norm` and `mlp`, either dense (`gate_proj`, `up_proj`, `down_proj`) or MoE (`router`,
+`experts` with stacked [E, ...] parameters). Beyond sharding parameters, this module changes how a model
+computes only through the model's declared seams, never by assigning onto its modules:
+`attn.set_core` (context parallel and selective recompute, composed in `apply_recompute`),
+`layer.set_runner` (full recompute) and `mlp.set_parallel` (expert parallel dispatch, router statistics
+summed over cp x tp).
 
 Gradient reduction: the loss each rank computes is its share of the global loss (its tokens' summed
 cross-entropy over the global number of target tokens), so gradients are summed over ranks, never
@@ -19,6 +22,7 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -32,7 +36,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from mlite.errors import MliteError
+from mlite.runtime.models.moe import local_dispatch, local_stats
 from mlite.runtime.parallel.context import context_parallel_attention
+from mlite.runtime.parallel.expert import expert_parallel_dispatch, token_group_stats
 from mlite.runtime.parallel.mesh import ParallelMesh
 
 if TYPE_CHECKING:
@@ -89,47 +95,24 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
         parallelize_module(layer, tp, plan)
 
 
-def apply_context_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
-    """Attention over the whole stream from a zigzag share of it (split_for_context_parallel cuts inputs)."""
-    cp = mesh["cp"]
-    if cp.size() == 1:
-        return
-    for layer in model.layers.values():
-        layer.attn.core = functools.partial(context_parallel_attention, group=cp.get_group())
-
-
 def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
     """Keep this ep rank's slice of the stacked experts; tokens reach them by all-to-all.
 
     The stacked parameters become DTensors split on dim 0 over `ep`: their global shape stays [E, ...], so
     checkpoints name and shape them the same under any ep (resume ep2 -> ep1). The experts' own forward
-    sees plain local tensors (the grouped GEMM knows nothing of DTensor)."""
+    sees plain local tensors (mlite.runtime.parallel.expert). Router statistics are summed over the ranks
+    that share one micro-batch's tokens (cp x tp)."""
     ep, cp, tp = mesh["ep"], mesh["cp"], mesh["tp"]
-    token_group = mesh["cp_tp"].get_group() if cp.size() * tp.size() > 1 else None
+    reduce_stats = token_group_stats(mesh.group("cp_tp")) if cp.size() * tp.size() > 1 else local_stats
+    dispatch = expert_parallel_dispatch(ep.get_group()) if ep.size() > 1 else local_dispatch
     for layer in model.layers.values():
         if not is_moe(layer):
             continue
-        layer.mlp.token_group = token_group
-        if ep.size() == 1:
-            continue
-        experts = layer.mlp.experts
-        for name, param in list(experts.named_parameters(recurse=False)):
-            if param.shape[0] % ep.size():
-                raise MliteError(
-                    f"{param.shape[0]} experts do not split over ep={ep.size()}; choose ep dividing them"
-                )
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), ep, [Shard(0)])))
-        experts.forward = functools.partial(_forward_on_local_shards, experts, type(experts).forward)
-        layer.mlp.ep_group = ep.get_group()
-
-
-def _forward_on_local_shards(module: nn.Module, forward, *args):
-    local = {
-        name: p.to_local() if isinstance(p, DTensor) else p
-        for name, p in module.named_parameters(recurse=False)
-    }
-    with torch.nn.utils.stateless._reparametrize_module(module, local):  # to_local keeps the autograd link
-        return forward(module, *args)
+        if ep.size() > 1:
+            experts = layer.mlp.experts
+            for name, param in list(experts.named_parameters(recurse=False)):
+                experts.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), ep, [Shard(0)])))
+        layer.mlp.set_parallel(dispatch, reduce_stats)
 
 
 def apply_fsdp(
@@ -175,30 +158,13 @@ def apply_fsdp(
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
 
 
-def check_model_fits_layout(arch, dims) -> None:
-    """What this module cannot do with a model, refused before any weight is touched."""
-    if arch.tie_embeddings and (dims.tp > 1 or dims.pp > 1):
-        raise MliteError(
-            f"tied embeddings (tie_word_embeddings) with tp={dims.tp}, pp={dims.pp} are not supported yet; "
-            "use tp=1 and pp=1 (data, context and expert parallel work) or a model with an untied LM head"
-        )
-    if dims.tp > 1 and (arch.num_kv_heads % dims.tp or arch.num_heads % dims.tp):
-        raise MliteError(
-            f"tp={dims.tp} must divide the attention heads ({arch.num_heads}) and KV heads "
-            f"({arch.num_kv_heads}); "
-            "replicated KV heads are not supported yet: lower parallel.tp"
-        )
-    if dims.etp > 1:
-        raise MliteError(f"etp={dims.etp}: expert tensor parallel is not supported yet; set parallel.etp: 1")
-
-
 def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, device_type: str) -> nn.Module:
-    """The whole layout for the runtime, in its fixed order: TP+SP, recompute, CP, EP, FSDP2."""
-    check_model_fits_layout(model.arch, mesh.dims)
+    """The whole layout for the runtime, in its fixed order: TP+SP, attention core (CP + recompute), EP,
+    FSDP2. The rule book (mlite.plan.rules.check_job) has accepted the layout before any of this runs."""
     apply_tensor_parallel(model, mesh)
     rc = job.recompute
-    apply_recompute(model, rc.granularity, rc.method, rc.num_layers)
-    apply_context_parallel(model, mesh)
+    cp_group = mesh.group("cp") if mesh.dims.cp > 1 else None
+    apply_recompute(model, rc.granularity, rc.method, rc.num_layers, cp_group)
     apply_expert_parallel(model, mesh)
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     apply_fsdp(
@@ -217,19 +183,6 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     for module in model.modules():
         if hasattr(module, "set_requires_gradient_sync"):
             module.set_requires_gradient_sync(enabled, recurse=False)
-
-
-def clip_grad_norm_(params, max_norm: float, mesh: ParallelMesh) -> torch.Tensor:
-    """Global gradient norm over every rank (each shard counted once, replicas not again); scales the
-    gradients down to max_norm when above it (0: no clipping). Returns the norm before clipping."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = grad_norm(grads)
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for grad in grads:
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            local.mul_(scale.to(local.device))  # offloaded shards live on the host
-    return norm
 
 
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -275,31 +228,39 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
 
 
 def apply_recompute(
-    model: nn.Module, granularity: str, method: str | None = None, num_layers: int | None = None
+    model: nn.Module,
+    granularity: str,
+    method: str | None = None,
+    num_layers: int | None = None,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Activation recompute, applied before FSDP (the recompute then runs on the unsharded weights).
+    """Each layer's attention core and activation recompute, composed in this one place (applied before
+    FSDP, so the recompute runs on the unsharded weights):
 
-    - `selective`: only the attention core (scores, softmax) is recomputed; projections keep their inputs.
+    - the core is the model's packed attention, or under context parallel (`cp_group`) the exact attention
+      of this rank's zigzag share over the whole stream;
+    - `selective`: that core (scores, softmax) is recomputed; projections keep their inputs;
     - `full` + `uniform`: every layer is recomputed from its input (num_layers must be 1: grouping several
-      layers into one region would need the model's layer loop, which stays the model's).
+      layers into one region would need the model's layer loop, which stays the model's);
     - `full` + `block`: the first `num_layers` layers of this stage (pipeline chunk) are recomputed, the
       rest keep their activations (the Megatron meaning: spend memory where the stage has it).
     """
-    if granularity == "none":
-        return
     layers = list(model.layers.values())
-    if granularity == "selective":
-        for layer in layers:
-            layer.attn.core = functools.partial(_checkpointed, layer.attn.core)
+    for layer in layers:
+        core = functools.partial(context_parallel_attention, group=cp_group) if cp_group is not None else None
+        if granularity == "selective":
+            core = functools.partial(_checkpointed, core or layer.attn.core)
+        if core is not None:
+            layer.attn.set_core(core)
+    if granularity != "full":
         return
     if method == "uniform" and (num_layers or 1) != 1:
         raise MliteError(
             f"recompute.method uniform with num_layers={num_layers}: mlite recomputes layer by layer; "
             "set recompute.num_layers: 1, or use method: block to recompute the first N layers of each stage"
         )
-    chosen = layers if method == "uniform" else layers[: num_layers or 1]
-    for layer in chosen:
-        layer.forward = functools.partial(_checkpointed, functools.partial(type(layer).forward, layer))
+    for layer in layers if method == "uniform" else layers[: num_layers or 1]:
+        layer.set_runner(_checkpointed)
 
 
 def _checkpointed(fn, *args):

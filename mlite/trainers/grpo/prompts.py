@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mlite.errors import MliteError
+from mlite.runtime.data.rows import read_rows
 
 
 @dataclass
@@ -23,26 +24,13 @@ class Prompt:
     sample: dict[str, Any]  # for the reward function: prompt (text), answer, and the row's other fields
 
 
-def read_rows(files: Sequence[str]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for name in files:
-        path = Path(name)
-        if not path.is_file():
-            raise MliteError(f"GRPO prompt file not found: {name}; fix data.train_files / data.val_files")
-        if path.suffix == ".parquet":
-            import pyarrow.parquet as pq
+def read_prompt_rows(files: Sequence[str]) -> list[dict[str, Any]]:
+    """Every row of the prompt files; a malformed row stops the run (a prompt set is small and curated)."""
 
-            rows.extend(pq.read_table(path).to_pylist())
-        elif path.suffix in (".jsonl", ".json"):
-            for line_no, line in enumerate(path.read_text().splitlines(), 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as err:
-                        raise MliteError(f"{path}:{line_no} is not a JSON object ({err.msg})") from None
-        else:
-            raise MliteError(f"{path}: GRPO prompts must be .jsonl or .parquet")
-    return rows
+    def refuse(problem: str) -> None:
+        raise MliteError(f"{problem}; every GRPO prompt row must be a JSON object with prompt and answer")
+
+    return [row for name in files for _, row in read_rows(Path(name), refuse, what="GRPO prompt")]
 
 
 def _answer(row: dict[str, Any], where: str) -> str:

@@ -1,32 +1,31 @@
-"""The standalone GRPO loop on the mlite runtime.
+"""GRPO on the mlite runtime: one step of the shared loop (mlite.trainers.loop).
 
 One step: sample `prompts_per_step` prompts x `rollout.n` responses with the built-in rollout -> score
 them -> group-normalised advantages -> old log-probs with the runtime's forward-only path (and the
-reference policy's when KL is on) -> `grpo.ppo_epochs` passes over `grpo.mini_batches` mini-batches, one
-optimizer update each. Rollouts draw on a generator seeded by (seed, step), so a resumed run samples
-exactly what the uninterrupted run sampled.
+reference policy's, through the same path with the initial weights swapped in, when KL is on) ->
+`grpo.ppo_epochs` passes over `grpo.mini_batches` mini-batches, one optimizer update each. Rollouts draw
+on a generator seeded by (seed, step), so a resumed run samples exactly what the uninterrupted run sampled.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
+import math
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import torch
 
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
-from mlite.runtime.ckpt.checkpoint import CheckpointManager
 from mlite.runtime.data.packed import IGNORE, PackedBatch
+from mlite.runtime.data.packing import plan_step
+from mlite.runtime.data.tokenizer import load_tokenizer
 from mlite.runtime.engine import Runtime
-from mlite.runtime.loss import token_logprobs
-from mlite.trainers.common import StopRequest, checkpoint_to_resume, first_rank
+from mlite.trainers import loop
 from mlite.trainers.grpo.algorithm import (
     GRPOLossConfig,
     LossNorm,
@@ -35,10 +34,10 @@ from mlite.trainers.grpo.algorithm import (
     kl_estimate,
     kl_penalised_rewards,
 )
-from mlite.trainers.grpo.prompts import Prompt, read_rows, render_prompts
+from mlite.trainers.grpo.prompts import Prompt, read_prompt_rows, render_prompts
 from mlite.trainers.grpo.rewards import RewardFailure, load_reward, score_responses
 from mlite.trainers.grpo.rollout import Completion, SamplingParams, generate
-from mlite.trainers.metrics import MetricsWriter, ProgressDisplay, plot_metrics, read_metrics
+from mlite.trainers.metrics import read_metrics
 
 log = logging.getLogger(__name__)
 PLOT_KEYS = ("reward/mean", "eval/reward_mean", "response/length_mean", "actor/pg_loss")
@@ -68,18 +67,12 @@ def pack_micro_batches(
     extras: dict[str, Sequence[torch.Tensor]],
     max_tokens: int,
 ) -> list[tuple[list[int], PackedBatch]]:
-    """Consecutive sequences into micro-batches of at most `max_tokens` tokens (a longer sequence alone).
-    Returns (indices of the sequences, batch) pairs; `extras` are per-sequence per-token tensors."""
-    groups: list[list[int]] = [[]]
-    used = 0
-    for i, seq in enumerate(sequences):
-        if groups[-1] and used + len(seq) > max_tokens:
-            groups.append([])
-            used = 0
-        groups[-1].append(i)
-        used += len(seq)
+    """Sequences into micro-batches of at most `max_tokens` tokens, by the SFT data's planner (one rank's
+    share of mlite.runtime.data.packing.plan_step). Returns (indices of the sequences, batch) pairs;
+    `extras` are per-sequence per-token tensors."""
+    (bins,) = plan_step([len(s) for s in sequences], 1, max_tokens=max_tokens)
     out = []
-    for idx in groups:
+    for idx in (b for b in bins if b):
         batch = PackedBatch.from_sequences([sequences[i] for i in idx], [loss_masks[i] for i in idx])
         batch.extras = {name: torch.cat([values[i] for i in idx]) for name, values in extras.items()}
         out.append((idx, batch))
@@ -87,11 +80,13 @@ def pack_micro_batches(
 
 
 class GRPOTrainer:
-    def __init__(self, job: JobConfig, runtime, tokenizer, prompts: Sequence[Prompt]):
+    def __init__(self, job: JobConfig, runtime, tokenizer, prompts: Sequence[Prompt],
+                 val_prompts: Sequence[Prompt] = ()):
         if job.grpo is None or job.rollout is None:
             raise ValueError("GRPOTrainer needs a job: grpo config")
         self.job, self.runtime, self.tokenizer = job, runtime, tokenizer
-        self.prompts = list(prompts)
+        self.prompts, self.val_prompts = list(prompts), list(val_prompts)
+        self.failures: list[str] = []  # the first few reward failures, each with its sample
         self.cfg, self.rollout_cfg = job.grpo, job.rollout
         self.reward_fn = load_reward(job.grpo.reward)
         self.loss_cfg = GRPOLossConfig(
@@ -102,10 +97,9 @@ class GRPOTrainer:
             kl_estimator=job.grpo.kl_estimator,
             entropy_coef=job.grpo.entropy_coef,
         )
-        # the reference policy is the initial one: copied before any update or checkpoint load
-        self.reference = None
-        if job.grpo.kl_coef > 0:
-            self.reference = copy.deepcopy(runtime.model).eval().requires_grad_(False)
+        # the reference policy is the initial one: this rank's shards of the weights, snapshot before any
+        # update or checkpoint load, and run through the runtime's own forward path (any layout)
+        self.reference = runtime.snapshot_weights() if job.grpo.kl_coef > 0 else None
         self.stop_ids = stop_token_ids(tokenizer)
         # log-probs are those of the sampling distribution (logits / temperature), as verl computes them
         self.temperature = job.rollout.temperature if job.rollout.temperature > 0 else 1.0
@@ -155,7 +149,7 @@ class GRPOTrainer:
         self, model_fn: Callable[[list[PackedBatch]], list[torch.Tensor]], ro: RolloutBatch
     ):
         packed = pack_micro_batches(ro.sequences, ro.loss_masks, {}, self.max_tokens)
-        per_seq: list[Optional[torch.Tensor]] = [None] * len(ro.sequences)
+        per_seq: list[torch.Tensor | None] = [None] * len(ro.sequences)
         for (idx, batch), logprobs in zip(packed, model_fn([b for _, b in packed])):
             for i, values in zip(idx, batch.split(logprobs.cpu())):
                 per_seq[i] = values
@@ -171,23 +165,16 @@ class GRPOTrainer:
         self.runtime.eval()
         return self._per_sequence_logprobs(run, ro)
 
-    @torch.no_grad()
     def reference_logprobs(self, ro: RolloutBatch) -> list[torch.Tensor]:
         def run(batches):
-            outs = []
-            for batch in batches:
-                batch = batch.to(self.runtime.device)
-                hidden = self.reference(batch).hidden
-                logp, _ = token_logprobs(
-                    hidden, batch.labels, self.reference.compute_logits, self.temperature
-                )
-                outs.append(logp)
-            return outs
+            outs = self.runtime.forward_with_weights(self.reference, batches, temperature=self.temperature)
+            return [o["logprobs"] for o in outs]
 
+        self.runtime.eval()
         return self._per_sequence_logprobs(run, ro)
 
     # ------------------------------------------------------------------------------------- update
-    def advantages(self, ro: RolloutBatch, old: list[torch.Tensor], ref: Optional[list[torch.Tensor]]):
+    def advantages(self, ro: RolloutBatch, old: list[torch.Tensor], ref: list[torch.Tensor] | None):
         rewards = ro.rewards
         if self.cfg.kl_in_reward and ref is not None:
             masks = [torch.tensor(m[1:] + [0], dtype=torch.float32) for m in ro.loss_masks]  # label-aligned
@@ -306,11 +293,53 @@ class GRPOTrainer:
         )
         return metrics, ro
 
+    # ------------------------------------------------------------------------ the loop's interface
+    name, plot_keys, plot_file, eval_at_start = "grpo", PLOT_KEYS, "grpo.png", True
+
+    def steps_per_epoch(self) -> int:
+        return math.ceil(len(self.prompts) / self.rollout_cfg.prompts_per_step)
+
+    def step(self, index: int) -> loop.StepResult:
+        metrics, ro = self.train_step(index)
+        self.failures.extend(f.describe() for f in ro.failures[: max(0, 3 - len(self.failures))])
+        return loop.StepResult(metrics, metrics["tokens"], ("pg_loss", metrics["actor/pg_loss"]),
+                               f"reward {metrics['reward/mean']:.3f}")
+
+    def state_dict(self) -> dict:
+        return {}  # the step alone fixes the prompts and the sampler's seed
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def summary_lines(self, result: loop.RunResult) -> list[str]:
+        lines = []
+        records = [r for r in read_metrics(result.metrics_path) if "reward/mean" in r]
+        if records:
+            # one step's reward is noisy (a few prompts): compare the first and last fifths of the run
+            curve = reward_curve([r["step"] for r in records], [r["reward/mean"] for r in records])
+            (lo0, hi0, first), (lo1, hi1, last) = curve[0], curve[-1]
+            lines.append(f"train reward {first:.3f} (steps {lo0}-{hi0}) -> {last:.3f} (steps {lo1}-{hi1}); "
+                         f"by fifth of the run: {' '.join(f'{mean:.3f}' for _, _, mean in curve)}")
+        before, after = held_out_before_after(result)
+        if before is not None or after is not None:
+            fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+            lines.append(f"held-out reward ({self.eval_sampling()}) {fmt(before)} before -> {fmt(after)} after")
+        lines += [f"[yellow]{line}[/yellow]" for line in self.failures]
+        return lines
+
+    def eval_sampling(self) -> str:
+        r = self.rollout_cfg
+        return "greedy" if r.val_temperature == 0 else f"{r.val_n} per prompt at temperature {r.val_temperature:g}"
+
     # ---------------------------------------------------------------------------------- evaluate
-    def evaluate(self, prompts: Sequence[Prompt], batch_size: int = 64) -> dict[str, float]:
-        """Held-out prompts answered rollout.val_n times each at rollout.val_temperature (0: greedy): the
-        mean reward. The sampler's seed is the same at every evaluation, so before and after draw the same
-        random numbers and their difference is the policy's, not the dice's."""
+    def evaluate(self, prompts: Sequence[Prompt] | None = None, batch_size: int = 64) -> dict[str, float]:
+        """Held-out prompts (default: data.val_files') answered rollout.val_n times each at
+        rollout.val_temperature (0: greedy): the mean reward; {} without held-out prompts. The sampler's
+        seed is the same at every evaluation, so before and after draw the same random numbers and their
+        difference is the policy's, not the dice's."""
+        prompts = self.val_prompts if prompts is None else prompts
+        if not prompts:
+            return {}
         self.runtime.eval()
         model = self.runtime.rollout_model()
         params, n = self.sampling_params(held_out=True), self.rollout_cfg.val_n
@@ -342,17 +371,9 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
 
 # ------------------------------------------------------------------------------------------ the run
 @dataclass
-class GRPOResult:
-    output_dir: Path
-    start_step: int
-    last_step: int
-    total_steps: int
-    checkpoint: Optional[Path]
-    metrics_path: Path
-    plot_path: Optional[Path]
-    eval_before: Optional[float]  # held-out mean reward before the first update (None without val prompts)
-    eval_after: Optional[float]
-    stopped_by: Optional[str] = None
+class GRPOResult(loop.RunResult):
+    eval_before: float | None = None  # held-out mean reward before the first update (None without val prompts)
+    eval_after: float | None = None
     reward_failures: list[str] = field(default_factory=list)  # the first few, each with its sample
     eval_sampling: str = "greedy"  # how the held-out prompts were answered, e.g. "4 samples at T=0.7"
 
@@ -361,23 +382,15 @@ class GRPOResult:
         return [r["reward/mean"] for r in read_metrics(self.metrics_path) if "reward/mean" in r]
 
 
-def load_tokenizer(job: JobConfig):
-    source = job.data.tokenizer or job.model.path
-    if source is None:
-        raise MliteError("GRPO needs a tokenizer: set data.tokenizer (a tokenizer dir) or use model.path")
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as err:
-        raise MliteError(
-            f"cannot load the tokenizer from {source} ({type(err).__name__}); point data.tokenizer "
-            "at a dir with tokenizer.json"
-        ) from None
+def held_out_before_after(result: loop.RunResult) -> tuple[float | None, float | None]:
+    """The held-out reward at step 0 and after the last step, where this process evaluated them."""
+    by_step = {e["step"]: e["eval/reward_mean"] for e in result.evals if "eval/reward_mean" in e}
+    finished = result.stopped_by is None and result.last_step == result.total_steps
+    return by_step.get(0), by_step.get(result.last_step) if finished else None
 
 
 def load_prompts(files: Sequence[str], tokenizer, job: JobConfig, what: str) -> list[Prompt]:
-    prompts, too_long = render_prompts(read_rows(files), tokenizer, job.rollout.max_prompt_length)
+    prompts, too_long = render_prompts(read_prompt_rows(files), tokenizer, job.rollout.max_prompt_length)
     if too_long:
         log.warning(
             "%d %s prompts are longer than rollout.max_prompt_length=%d and were skipped",
@@ -394,74 +407,27 @@ def train_grpo(job: JobConfig, console=None, show_progress: bool = True, tokeniz
     """Run (or continue) a GRPO job: rollouts, rewards, PPO updates, metrics, checkpoints, held-out eval."""
     if job.job != "grpo":
         raise MliteError(f"this job is '{job.job}'; run it with `mlite {job.job}`")
-    if job.rollout.engine != "builtin":
-        from mlite.trainers.grpo.vllm_rollout import require_vllm
-
-        require_vllm()
     if not job.data.train_files:
         raise MliteError(
             "data.train_files is empty: GRPO needs prompt files (JSONL/parquet with prompt + answer)"
         )
-    out = Path(job.trainer.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = tokenizer or load_tokenizer(job)
+    source = job.data.tokenizer or job.model.path
+    if tokenizer is None and source is None:
+        raise MliteError("GRPO needs a tokenizer: set data.tokenizer (a tokenizer dir) or use model.path")
+    tokenizer = tokenizer or load_tokenizer(source)
     train_prompts = load_prompts(job.data.train_files, tokenizer, job, "train")
     val_prompts = load_prompts(job.data.val_files, tokenizer, job, "held-out") if job.data.val_files else []
 
     runtime = Runtime(job)
-    trainer = GRPOTrainer(job, runtime, tokenizer, train_prompts)  # copies the reference before any load
-    manager = CheckpointManager(out, job.trainer.keep_last)
-    start = 0
-    resume_from = checkpoint_to_resume(job.trainer.resume, manager)
-    if resume_from is not None:
-        start = int(runtime.load_checkpoint(resume_from)["step"])
-        log.info("resumed from %s at step %d", resume_from, start)
-
-    total = job.trainer.steps
-    writer = MetricsWriter(out, job.trainer.tensorboard, resume_step=start, enabled=first_rank())
-    progress = ProgressDisplay(total, start, "grpo", enabled=show_progress and first_rank(), console=console)
-    eval_before = eval_after = None
-    if val_prompts and start == 0:
-        eval_before = trainer.evaluate(val_prompts)["eval/reward_mean"]
-        writer.log(0, {"eval/reward_mean": eval_before})
-    step, stopped_by, last_saved, failures = start, None, None, []
-    with StopRequest() as stop:
-        while step < total:
-            metrics, rollout = trainer.train_step(step)
-            step += 1
-            failures.extend(f.describe() for f in rollout.failures[: max(0, 3 - len(failures))])
-            if job.trainer.eval_every and val_prompts and step % job.trainer.eval_every == 0 and step < total:
-                metrics.update(trainer.evaluate(val_prompts))
-            if val_prompts and step == total:
-                metrics.update(trainer.evaluate(val_prompts))
-                eval_after = metrics["eval/reward_mean"]
-            if step % job.trainer.log_every == 0 or step == total:
-                writer.log(step, metrics)
-                progress.update(
-                    step,
-                    metrics["actor/pg_loss"],
-                    metrics["tokens"] / metrics["time/step_s"],
-                    f"reward {metrics['reward/mean']:.3f}",
-                )
-            stopped = stop.should_stop()
-            if stopped or step == total or (job.trainer.save_every and step % job.trainer.save_every == 0):
-                last_saved = manager.save(
-                    step, lambda path, at=step: runtime.save_checkpoint(path, {"step": at})
-                )
-            if stopped:
-                stopped_by = stop.received
-                break
-    progress.close()
-    writer.close()
-    plot = None
-    if first_rank() and stopped_by is None:
-        plot = plot_metrics(writer.path, out / "grpo.png", keys=PLOT_KEYS, title=f"GRPO ({out.name})")
-    r = job.rollout
-    sampling = "greedy" if r.val_temperature == 0 else f"{r.val_n} per prompt at temperature {r.val_temperature:g}"
-    return GRPOResult(
-        out, start, step, total, last_saved, writer.path, plot, eval_before, eval_after, stopped_by, failures,
-        sampling,
-    )
+    try:  # the reference snapshot is taken here, before the loop loads any checkpoint
+        trainer = GRPOTrainer(job, runtime, tokenizer, train_prompts, val_prompts)
+    except BaseException:
+        runtime.close()
+        raise
+    result = loop.run(job, runtime, trainer, console, show_progress)
+    before, after = held_out_before_after(result)
+    return GRPOResult(**vars(result), eval_before=before, eval_after=after, reward_failures=trainer.failures,
+                      eval_sampling=trainer.eval_sampling())
 
 
 def reward_curve(
@@ -471,33 +437,3 @@ def reward_curve(
     parts = max(1, min(parts, len(rewards)))
     bounds = [round(i * len(rewards) / parts) for i in range(parts + 1)]
     return [(steps[lo], steps[hi - 1], sum(rewards[lo:hi]) / (hi - lo)) for lo, hi in pairwise(bounds)]
-
-
-def print_summary(result: GRPOResult, console) -> None:
-    records = [r for r in read_metrics(result.metrics_path) if "reward/mean" in r]
-    if result.stopped_by:
-        console.print(
-            f"[yellow]stopped by {result.stopped_by} after step {result.last_step}/{result.total_steps}; "
-            "checkpoint saved, rerun the same command (trainer.resume=auto) to continue[/yellow]"
-        )
-    if records:
-        # one step's reward is noisy (a few prompts): compare the first and last fifths of the run
-        curve = reward_curve([r["step"] for r in records], [r["reward/mean"] for r in records])
-        (lo0, hi0, first), (lo1, hi1, last) = curve[0], curve[-1]
-        console.print(
-            f"train reward {first:.3f} (steps {lo0}-{hi0}) -> {last:.3f} (steps {lo1}-{hi1}); "
-            f"by fifth of the run: {' '.join(f'{mean:.3f}' for _, _, mean in curve)}",
-            highlight=False,
-        )
-    if result.eval_before is not None or result.eval_after is not None:
-        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        console.print(
-            f"held-out reward ({result.eval_sampling}) {fmt(result.eval_before)} before -> "
-            f"{fmt(result.eval_after)} after",
-            highlight=False,
-        )
-    for line in result.reward_failures:
-        console.print(f"[yellow]{line}[/yellow]", highlight=False)
-    console.print(f"checkpoint  {result.checkpoint}\nmetrics     {result.metrics_path}", highlight=False)
-    if result.plot_path:
-        console.print(f"plots       {result.plot_path}", highlight=False)

@@ -1,0 +1,61 @@
+"""What `mlite sft` and `mlite grpo` share: the job's parser, the planner before start and the run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_training_parser(subparsers, kind: str, help: str, doc: str, example: str) -> None:
+    parser = subparsers.add_parser(kind, help=help, description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="job YAML file or packaged preset name")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override a config key, e.g. --set {example} (repeatable)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress display (metrics still logged)")
+    parser.set_defaults(run=lambda args: run_training(kind, args))
+
+
+def plan_for_this_world(job):
+    """The planner's verdict on the job as this process group will run it: the world size torchrun or
+    srun gave (WORLD_SIZE; one process without it), not only the one the job's cluster section names.
+    A layout the planner refuses stops here, in one line, before any model is built; so does a job that
+    does not fit in GPU memory."""
+    from mlite.errors import MliteError
+    from mlite.plan import plan_job
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cluster = job.cluster
+    if world != cluster.world_size:
+        nodes = world // cluster.gpus_per_node if world % cluster.gpus_per_node == 0 else 1
+        job = job.model_copy(update={"cluster": cluster.model_copy(
+            update={"nodes": nodes, "gpus_per_node": world // nodes})})
+    plan = plan_job(job)
+    if not plan.memory.fits:
+        raise MliteError(f"the job needs {plan.memory.total_gb:.1f} GB per GPU, over the usable "
+                         f"{plan.memory.usable_gb:.1f} GB; see `mlite plan CONFIG --recommend`")
+    return plan
+
+
+def run_training(kind: str, args) -> int:
+    import logging
+
+    from rich.console import Console
+
+    from mlite.config import load_job
+    from mlite.errors import MliteError
+
+    job = load_job(args.config, args.overrides)
+    if job.job != kind:
+        raise MliteError(f"{args.config} is a '{job.job}' job; run it with `mlite {job.job}` or set job: {kind}")
+    plan_for_this_world(job)
+    logging.basicConfig(level=logging.INFO, format=f"mlite {kind}: %(message)s")
+    console = Console(stderr=True)
+    if kind == "sft":
+        from mlite.trainers.sft import train_sft as train
+    else:
+        from mlite.trainers.grpo.trainer import train_grpo as train
+    from mlite.trainers.loop import print_summary
+
+    print_summary(train(job, console=console, show_progress=not args.no_progress), console)
+    return 0

@@ -1,0 +1,162 @@
+"""One step's forward (and backward) over micro-batches, on any layout: what `Runtime.forward_backward` runs.
+
+`loss_fn(batch, token_logprobs, entropy, aux_loss) -> (loss, metrics)` returns this micro-batch's share of
+the step's loss (normalised by global counts, see mlite.runtime.loss.sft_loss), so summing the gradients
+over micro-batches and data-parallel ranks gives the exact gradient of the step's loss.
+
+Each rank computes its share of a micro-batch (mlite.runtime.parallel.step.local_share: padded for sequence
+parallel, zigzag-split for context parallel); `whole_stream` turns the share's per-token outputs back into
+the whole micro-batch's, so every rank returns the same outputs as one process would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mlite.runtime.data.packed import PackedBatch
+from mlite.runtime.loss import token_logprobs
+from mlite.runtime.parallel.parallelize import set_gradient_sync
+from mlite.runtime.parallel.pipeline import forward_only as forward_only_schedule
+from mlite.runtime.parallel.pipeline import one_f_one_b
+from mlite.runtime.parallel.step import (
+    broadcast_outputs,
+    gather_stream,
+    local_share,
+    real_token_mask,
+    vocab_parallel_logprobs,
+)
+
+if TYPE_CHECKING:
+    from mlite.runtime.engine import Runtime
+
+LossFn = Callable[..., tuple[torch.Tensor, dict]]
+
+
+def forward_backward(
+    rt: Runtime,
+    micro_batches: list[PackedBatch],
+    loss_fn: LossFn | None,
+    forward_only: bool = False,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+) -> list[dict[str, Any]]:
+    """Per micro-batch: {"loss", "metrics", "logprobs" [T], "entropy" [T] or None, "num_tokens"}; log-probs
+    of IGNORE labels are 0. With loss_fn None (forward_only), only the log-probs are computed."""
+    if loss_fn is None and not forward_only:
+        raise ValueError("forward_backward needs a loss_fn unless forward_only")
+    fulls = [b.to(rt.device) for b in micro_batches]
+    shares = [local_share(b, rt.mesh) for b in fulls]
+    with torch.set_grad_enabled(not forward_only), _autocast(rt), _vocab_parallel(rt):
+        if rt.pipeline is not None:
+            computed = _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperature)
+        else:
+            computed = [_one(rt, i, full, share, loss_fn, forward_only, with_entropy, temperature, len(fulls))
+                        for i, (full, share) in enumerate(zip(fulls, shares))]
+    outputs = []
+    for full, share, (loss, metrics, logprobs, entropy) in zip(fulls, shares, computed):
+        outputs.append({
+            "loss": loss,
+            "metrics": metrics,
+            "logprobs": whole_stream(rt, logprobs.detach(), share, full),
+            "entropy": whole_stream(rt, entropy.detach(), share, full) if entropy is not None else None,
+            "num_tokens": int(real_token_mask(share, full).sum()),
+        })
+    return outputs
+
+
+def whole_stream(rt: Runtime, values: torch.Tensor, share: PackedBatch, full: PackedBatch) -> torch.Tensor:
+    """Per-token values of this rank's share -> the whole micro-batch's [T]: gathered over cp, the
+    sequence-parallel padding dropped."""
+    if rt.dims.cp > 1:
+        return gather_stream(values, share, full, rt.mesh.group("cp"))
+    return values[: full.num_tokens]
+
+
+def _one(rt, i, full, share, loss_fn, forward_only, with_entropy, temperature, count):
+    if rt.mesh is not None and not forward_only:  # one gradient reduction per step, on the last
+        set_gradient_sync(rt.model, i == count - 1)
+    out = rt.model(share)
+    logprobs, entropy = _token_logprobs(rt, out.hidden, share.labels, temperature, with_entropy,
+                                        real_token_mask(share, full), rt.model.compute_logits)
+    loss, metrics = loss_fn(share, logprobs, entropy, _aux_share(rt, out.aux_loss)) if loss_fn else (None, {})
+    if not forward_only:
+        loss.backward()
+    return float(loss.detach()) if loss is not None else None, metrics, logprobs, entropy
+
+
+def _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperature):
+    """pp > 1: the 1F1B schedule (interleaved with vpp > 1) for training, the forward-only schedule
+    otherwise. The last stage computes log-probs and the loss; its per-micro-batch outputs are then
+    broadcast over `pp`, so every rank returns the same outputs as without a pipeline."""
+    dims, chunks = rt.dims, rt.chunks
+    last_chunk = dims.pp * dims.vpp - 1
+    computed = {}  # micro-batch -> (loss, metrics, logprobs, entropy), on the last stage
+    index = {id(b): m for m, b in enumerate(shares)}
+    no_aux = torch.zeros((), device=rt.device)  # the rule book refuses MoE under pp: no balance loss here
+
+    def last_stage(chunk, hidden, batch):
+        m = index[id(batch)]
+        logprobs, entropy = _token_logprobs(rt, hidden, batch.labels, temperature, with_entropy,
+                                            real_token_mask(batch, fulls[m]), chunk.compute_logits)
+        loss, metrics = loss_fn(batch, logprobs, entropy, no_aux) if loss_fn else (None, {})
+        computed[m] = (loss, metrics, logprobs.detach(), entropy)
+        return loss
+
+    pp_rank = rt.mesh.rank_in("pp")
+    if forward_only:
+        actions = forward_only_schedule(dims.pp, dims.vpp, pp_rank, len(shares))
+        result = rt.pipeline.run(actions, shares, dtype=rt.pipeline.activation_dtype)
+        if last_chunk in chunks:
+            for m, hidden in result["outputs"].items():
+                last_stage(chunks[last_chunk], hidden, shares[m])
+    else:
+        for chunk in chunks.values():
+            set_gradient_sync(chunk, False)
+        rt.pipeline.run(
+            one_f_one_b(dims.pp, dims.vpp, pp_rank, len(shares)), shares, loss_fn=last_stage,
+            before_backward=lambda c, last: set_gradient_sync(chunks[c], last),
+            dtype=rt.pipeline.activation_dtype,
+        )
+    return [broadcast_outputs(computed.get(m), share.num_tokens, with_entropy, rt.mesh, rt.device)
+            for m, share in enumerate(shares)]
+
+
+def _autocast(rt: Runtime):
+    if rt.autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(rt.device.type, dtype=rt.autocast_dtype)
+
+
+def _vocab_parallel(rt: Runtime):
+    """Under tp the LM head's logits are split by vocabulary: the loss and its backward run under
+    loss_parallel (mlite.runtime.parallel.step.vocab_parallel_logprobs)."""
+    if rt.dims.tp == 1:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def _token_logprobs(rt: Runtime, hidden, labels, temperature, with_entropy, real, compute_logits):
+    """Log-probs (0 where IGNORE, padding included) and entropy (0 on padding) of a share's tokens."""
+    if rt.dims.tp > 1:
+        logprobs, entropy = vocab_parallel_logprobs(hidden, labels, compute_logits, temperature, with_entropy)
+    else:
+        logprobs, entropy = token_logprobs(hidden, labels, compute_logits, temperature, with_entropy)
+    if entropy is not None and not bool(real.all()):
+        entropy = entropy * real
+    return logprobs, entropy
+
+
+def _aux_share(rt: Runtime, aux_loss: torch.Tensor) -> torch.Tensor:
+    """The MoE balance loss as the loss_fn sees it. Under cp x tp each rank holds 1/(cp*tp) of the
+    micro-batch's value and back-propagates that share (the router statistics are summed over cp_tp).
+    Its value is scaled by tp, gradient unchanged, so that, like the token losses (whole on every tp
+    rank, split over cp), the returned losses sum over the loss group (dp_cp) to the step's loss."""
+    if rt.dims.tp == 1:
+        return aux_loss
+    return aux_loss + (aux_loss * (rt.dims.tp - 1)).detach()

@@ -1,0 +1,162 @@
+"""A run's state beyond one step: RNG streams, checkpoints, weight snapshots and HF export.
+
+Checkpoints hold everything a bitwise-equal continuation needs (model, optimizer, schedule, RNG streams and
+the trainer's `extra_state`) under names and global shapes that do not depend on the layout, so a run
+resumes under another one (mlite.runtime.ckpt.checkpoint writes them atomically).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from mlite.errors import MliteError
+from mlite.runtime.ckpt import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from mlite.runtime.engine import Runtime
+
+
+# ------------------------------------------------------------------------------------------------ RNG
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    state["numpy"] = {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "gauss": gauss}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np_state = state["numpy"]
+    np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+def _state_tensors(rt: Runtime) -> dict[str, Any]:
+    model_state, optim_state = get_state_dict(rt.model, rt.optim.optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def save_checkpoint(rt: Runtime, path: str | Path, extra_state: dict | None = None) -> Path:
+    """Atomically write model, optimizer, schedule, RNG streams and `extra_state` (JSON-able) to `path`."""
+    meta = {
+        "format": 1,
+        "schedule": rt.schedule.state_dict(),
+        "skipped_steps": rt.optim.skipped_steps,
+        "world_size": rt.dims.world_size,
+        "job": rt.job.model_dump(mode="json"),
+        "hf_config": rt.hf_config,
+        "extra": extra_state or {},
+    }
+    return ckpt.save_checkpoint(path, _state_tensors(rt), {"rng": rng_state()}, meta)
+
+
+def load_checkpoint(rt: Runtime, path: str | Path, weights_only: bool = False) -> dict:
+    """Restore everything `save_checkpoint` wrote (refusing a corrupt checkpoint); returns extra_state.
+    `weights_only`: the model alone (export), leaving optimizer, schedule and RNG as they are."""
+    if weights_only:
+        tensors = {"model": get_model_state_dict(rt.model)}
+        meta, _ = ckpt.load_checkpoint(path, tensors)
+        set_model_state_dict(rt.model, tensors["model"])
+        return meta["extra"]
+    tensors = _state_tensors(rt)
+    meta, rank_state = ckpt.load_checkpoint(path, tensors)
+    set_state_dict(rt.model, rt.optim.optimizer, model_state_dict=tensors["model"],
+                   optim_state_dict=tensors["optimizer"])
+    rt.schedule.load_state_dict(meta["schedule"])
+    rt.optim.skipped_steps = int(meta["skipped_steps"])
+    if rank_state is not None:
+        set_rng_state(rank_state["rng"])
+    return meta["extra"]
+
+
+# ------------------------------------------------------------------------------------ weight snapshots
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The storage this rank holds of a parameter (its shard under FSDP2, TP or EP)."""
+    return param.detach().to_local() if isinstance(param, DTensor) else param.detach()
+
+
+def snapshot_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of this rank's shards of every parameter: one more copy of what the rank holds, never the
+    whole model (the GRPO reference policy is the snapshot of the initial weights)."""
+    return {name: _local(p).clone() for name, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def swapped_weights(model: torch.nn.Module, snapshot: dict[str, torch.Tensor]):
+    """Run the model, on its own layout and forward path, with the snapshot's weights. The shards are
+    swapped in place (one parameter's temporary at a time), so the sharded storage FSDP2, TP and the
+    pipeline stages hold stays the same tensor, and swapped back on exit."""
+
+    def swap():
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                mine, theirs = _local(p), snapshot[name]
+                held = mine.clone()
+                mine.copy_(theirs)
+                theirs.copy_(held)
+
+    swap()
+    try:
+        yield
+    finally:
+        swap()
+
+
+# --------------------------------------------------------------------------------------------- export
+def export_weights(rt: Runtime, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors one at a time (never the whole state at once)."""
+    from mlite.runtime.ckpt.hf import iter_hf_weights
+
+    if rt.pipeline is not None:
+        raise MliteError(
+            f"exporting weights from a running pp={rt.dims.pp} job: each rank holds only its stages; "
+            "export the saved checkpoint instead (mlite export), or run rollouts with parallel.pp: 1"
+        )
+    for name, tensor in iter_hf_weights(rt.model):
+        yield name, (tensor.to(dtype) if dtype is not None else tensor)
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """A training checkpoint (or a run dir: its newest good one) -> an HF checkpoint transformers loads.
+
+    The model is rebuilt on the CPU from the job and config.json stored in the checkpoint, so neither the
+    original weights nor a GPU are needed; tensors stream to the shards one at a time."""
+    from mlite.config import job_from_dict
+    from mlite.runtime.ckpt.hf import save_hf_checkpoint
+    from mlite.runtime.engine import Runtime
+
+    path = ckpt.resolve_checkpoint(checkpoint)
+    ckpt.verify_checkpoint(path)
+    meta = ckpt.read_meta(path)
+    job_dict = meta["job"]
+    job_dict["trainer"]["device"] = "cpu"
+    runtime = Runtime(job_from_dict(job_dict), hf_config=meta["hf_config"])
+    runtime.load_checkpoint(path, weights_only=True)
+    config = None if runtime.job.model.name is not None else meta["hf_config"]  # presets: written from the arch
+    return save_hf_checkpoint(runtime.export_weights(dtype), runtime.arch, out_dir, config=config, dtype=dtype)

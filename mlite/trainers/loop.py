@@ -1,0 +1,171 @@
+"""The one training loop SFT and GRPO share. It owns everything around a step:
+
+- the output folder, the checkpoint manager, resume (`trainer.resume`: auto, never or a path) and the
+  trainer's extra state in each checkpoint;
+- the step count (`trainer.steps`, capped by `trainer.epochs` x the trainer's steps per epoch) and the LR
+  schedule's length;
+- metrics (JSONL, TensorBoard), progress (tokens/s, ETA), the evaluation cadence (`trainer.eval_every` and
+  at the end), the save cadence (`trainer.save_every` and at the end);
+- the stop signal (SIGTERM/SIGUSR1 save at the next step boundary and return: Slurm preemption and
+  requeue), the PNG plot, `runtime.close()` and the summary, printed by the output rank only.
+
+A trainer supplies only what differs: `step(index)` (one optimizer step and its metrics), `evaluate()`,
+its extra checkpoint state and its summary lines (the `Trainer` protocol below).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from mlite.config.schema import JobConfig
+from mlite.runtime.ckpt.checkpoint import CheckpointManager
+from mlite.runtime.engine import Runtime
+from mlite.trainers.common import StopRequest, checkpoint_to_resume, first_rank
+from mlite.trainers.metrics import MetricsWriter, ProgressDisplay, plot_metrics, read_metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, float]  # what the step logs
+    tokens: float  # tokens the step trained on, over all ranks (for tokens/s)
+    progress: tuple[str, float]  # the figure the progress line shows, e.g. ("loss", 0.41)
+    note: str = ""  # appended to the progress line
+
+
+class Trainer(Protocol):
+    name: str  # "sft", "grpo": the progress label
+    plot_keys: tuple[str, ...]
+    plot_file: str
+    eval_at_start: bool  # evaluate before the first step (a baseline for the end's figure)
+
+    def steps_per_epoch(self) -> int: ...
+    def step(self, index: int) -> StepResult: ...  # index: 0-based number of the step to run
+    def evaluate(self) -> dict[str, float]: ...  # {} when there is nothing to evaluate
+    def state_dict(self) -> dict[str, Any]: ...  # JSON-able, saved with each checkpoint
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def summary_lines(self, result: RunResult) -> list[str]: ...
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    start_step: int  # 0, or the step resumed from
+    last_step: int  # the last finished optimizer step
+    total_steps: int
+    checkpoint: Path | None  # the checkpoint written last (None if none was written)
+    metrics_path: Path
+    plot_path: Path | None
+    stopped_by: str | None = None  # the signal that ended the run early
+    tokens_per_s: float | None = None  # mean of the logged steps' tokens/s over the whole run (resumes too)
+    is_output_rank: bool = True  # the rank that wrote metrics and prints the summary
+    evals: list[dict[str, Any]] = field(default_factory=list)  # {"step": s, **evaluate()} of this process
+    summary: list[str] = field(default_factory=list)  # what `print_summary` prints (rich markup)
+
+
+def total_steps(job: JobConfig, steps_per_epoch: int) -> int:
+    """trainer.steps, or fewer when trainer.epochs passes first."""
+    if job.trainer.epochs is None:
+        return job.trainer.steps
+    return min(job.trainer.steps, job.trainer.epochs * steps_per_epoch)
+
+
+def run(job: JobConfig, runtime: Runtime, trainer: Trainer, console=None, show_progress: bool = True) -> RunResult:
+    """Train (or continue training) `trainer` on `runtime`; returns where everything went. The runtime's
+    process group is closed on the way out, whatever happens."""
+    try:
+        return _run(job, runtime, trainer, console, show_progress)
+    finally:
+        runtime.close()
+
+
+def _run(job, runtime, trainer, console, show_progress) -> RunResult:
+    cfg = job.trainer
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    total = total_steps(job, trainer.steps_per_epoch())
+    runtime.set_total_steps(total)
+    manager = CheckpointManager(out, cfg.keep_last)
+
+    start = 0
+    resume_from = checkpoint_to_resume(cfg.resume, manager)
+    if resume_from is not None:
+        extra = runtime.load_checkpoint(resume_from)
+        start = int(extra.pop("step"))
+        trainer.load_state_dict(extra)
+        log.info("resumed from %s at step %d", resume_from, start)
+
+    output = first_rank()
+    writer = MetricsWriter(out, cfg.tensorboard, resume_step=start, enabled=output)
+    progress = ProgressDisplay(total, start, trainer.name, enabled=show_progress and output, console=console)
+    last_saved: Path | None = resume_from  # a finished run rerun with resume=auto writes nothing new
+    step, stopped_by, evals = start, None, []
+
+    def evaluate(at: int) -> dict[str, float]:
+        values = trainer.evaluate()
+        if values:
+            evals.append({"step": at, **values})
+        return values
+
+    if trainer.eval_at_start and start == 0 and (values := evaluate(0)):
+        writer.log(0, values)
+    runtime.train()
+    with StopRequest() as stop:
+        while step < total:
+            began = time.perf_counter()
+            result = trainer.step(step)
+            step += 1
+            elapsed = time.perf_counter() - began
+            record = {**result.metrics, "tokens_per_s": result.tokens / elapsed, "step_time_s": elapsed}
+            evaluated = {}
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == total:
+                evaluated = evaluate(step)
+                record.update(evaluated)
+            if step % cfg.log_every == 0 or step == total or evaluated:
+                writer.log(step, record)
+                label, value = result.progress
+                progress.update(step, value, result.tokens / elapsed, result.note, label=label)
+            stopped = stop.should_stop(runtime.device)
+            if stopped or step == total or (cfg.save_every and step % cfg.save_every == 0):
+                extra = {"step": step, **trainer.state_dict()}
+                last_saved = manager.save(step, lambda path, extra=extra: runtime.save_checkpoint(path, extra))
+            if stopped:
+                stopped_by = stop.received
+                break
+    progress.close()
+    writer.close()
+    plot = None
+    if output and stopped_by is None:
+        plot = plot_metrics(writer.path, out / trainer.plot_file, trainer.plot_keys, f"{trainer.name} ({out.name})")
+    speeds = [r["tokens_per_s"] for r in read_metrics(writer.path) if "tokens_per_s" in r] if output else []
+    result = RunResult(out, start, step, total, last_saved, writer.path, plot, stopped_by,
+                       sum(speeds) / len(speeds) if speeds else None, output, evals)
+    result.summary = summary_lines(result, trainer.summary_lines(result)) if output else []
+    return result
+
+
+def summary_lines(result: RunResult, lines: list[str]) -> list[str]:
+    """The trainer's lines between the run's common ones: how it stopped, speed, where the files are."""
+    head, tail = [], []
+    if result.stopped_by:
+        head.append(f"[yellow]stopped by {result.stopped_by} after step {result.last_step}/{result.total_steps}; "
+                    "checkpoint saved, rerun the same command (trainer.resume=auto) to continue[/yellow]")
+    if result.tokens_per_s is not None and math.isfinite(result.tokens_per_s):
+        # over the run's logged steps, from the metrics file: a run resumed at its last step still has them
+        tail.append(f"speed       {result.tokens_per_s:,.0f} tokens/s")
+    tail += [f"checkpoint  {result.checkpoint}", f"metrics     {result.metrics_path}"]
+    if result.plot_path:
+        tail.append(f"plot        {result.plot_path}")
+    return head + lines + tail
+
+
+def print_summary(result: RunResult, console) -> None:
+    """The run's summary, on the output rank only (other ranks' results have none)."""
+    for line in result.summary:
+        console.print(line, highlight=False)
