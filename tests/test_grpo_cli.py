@@ -18,7 +18,7 @@ from grpo_helpers import char_tokenizer
 from mlite.trainers.metrics import read_metrics
 
 TESTS = Path(__file__).parent
-VOLATILE = ("time/", "tokens_per_s")  # wall-clock figures differ between runs
+VOLATILE = ("time/", "tokens_per_s", "step_time_s")  # wall-clock figures differ between runs
 
 
 @pytest.fixture(scope="module")
@@ -114,13 +114,12 @@ def test_run_writes_metrics_plots_checkpoints_and_resumes_exactly(workdir, tmp_p
     [
         ({"grpo": {"reward": "no_such_module_q:fn"}}, "cannot import module 'no_such_module_q'"),
         ({"rollout": {"max_response_length": 60}}, "exceeds data.seq_len"),
-        ({"rollout": {"engine": "vllm"}}, "vLLM is not installed"),
+        # accepted once, then rolled out with the builtin sampler: refused until the trainer builds VLLMRollout
+        ({"rollout": {"engine": "vllm"}}, "rollout.engine vllm is not wired into the GRPO trainer yet"),
         ({"data": {"train_files": ["/nonexistent/prompts.jsonl"]}}, "prompt file not found"),
     ],
 )
 def test_bad_jobs_fail_with_one_line_and_exit_2(workdir, tmp_path, changes, message):
-    if changes.get("rollout", {}).get("engine") == "vllm" and importlib.util.find_spec("vllm"):
-        pytest.fail("this machine has vLLM: the refusal case cannot be checked here")
     result = mlite_grpo(write_job(workdir, tmp_path / "bad", **changes))
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()

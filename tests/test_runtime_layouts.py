@@ -21,6 +21,7 @@ import yaml
 
 from mlite.config import job_from_dict
 from mlite.runtime.ckpt.checkpoint import CheckpointManager
+from mlite.trainers.grpo.algorithm import kl_estimate
 from mlite.trainers.metrics import read_metrics
 from mlite.trainers.sft import train_sft
 
@@ -193,6 +194,37 @@ def test_recompute_keeps_the_numbers_and_saves_activations(assets, tmp_path):
         assert kept_rc < kept, f"{recompute}: {kept_rc} saved elements, {kept} without recompute"
 
 
+def _recompute_worker(rank, world, tmp_path, out):
+    """Selective recompute under cp2: context parallel's attention core is recomputed too."""
+    from mlite.runtime.engine import Runtime
+
+    batches, result = rl_batches(), {}
+    for granularity in ("none", "selective"):
+        job = rl_job(Path(tmp_path), {"cp": 2}) | {"recompute": {"granularity": granularity}}
+        rt = Runtime(job_from_dict(job))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            outs = rt.forward_backward(batches, rl_loss, with_entropy=True)
+        grads = [p.grad.full_tensor() for p in rt.model.parameters()]  # FSDP2 shards over dp_cp
+        result[granularity] = (sum(o["loss"] for o in outs), grads, sum(saved))
+    torch.save(result, f"{out}.{rank}")
+
+
+def test_selective_recompute_holds_under_context_parallel(tmp_path):
+    """recompute.granularity selective with cp=2: the same loss and gradients, fewer saved activations
+    (context parallel once replaced the recomputed attention core, and recompute silently vanished)."""
+    from parallel_harness import launch
+
+    write_untied_model(tmp_path)
+    out = tmp_path / "recompute.pt"
+    launch(2, _recompute_worker, str(tmp_path), str(out))
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        (loss, grads, kept), (loss_rc, grads_rc, kept_rc) = got["none"], got["selective"]
+        assert loss_rc == loss and all(torch.equal(a, b) for a, b in zip(grads, grads_rc))
+        assert kept_rc < kept, f"rank {rank}: {kept_rc} saved elements with selective recompute, {kept} without"
+
+
 # --------------------------------------------------------------------------- keys refused, one line
 @pytest.mark.parametrize(
     "override,message",
@@ -312,6 +344,7 @@ def rl_steps(tmp_path: Path, layout: dict) -> dict:
 
     rt = Runtime(job_from_dict(rl_job(tmp_path, layout)))
     batches, result = rl_batches(), {"loss": [], "grad_norm": []}
+    reference = rt.snapshot_weights()  # GRPO's reference policy: this rank's shards of the initial weights
     # outputs compared before any update: Adam's first steps amplify float rounding in tiny gradients
     evaluated = rt.forward_backward(batches, None, forward_only=True, with_entropy=True, temperature=0.7)
     steps = []
@@ -322,6 +355,15 @@ def rl_steps(tmp_path: Path, layout: dict) -> dict:
         result["grad_norm"].append(rt.optimizer_step()[0])
     result["logprobs"] = [o["logprobs"] for o in steps[0] + evaluated]
     result["entropy"] = [o["entropy"] for o in steps[0] + evaluated]
+    # the KL term after two updates: the policy's log-probs against the reference's, both through the
+    # runtime's own path (sharding, sequence split, vocab-parallel loss, pipeline)
+    policy = rt.forward_backward(batches, None, forward_only=True, temperature=0.7)
+    ref = rt.forward_with_weights(reference, batches, temperature=0.7)
+    after = rt.forward_backward(batches, None, forward_only=True, temperature=0.7)  # weights swapped back
+    result["ref_logprobs"] = [o["logprobs"] for o in ref]
+    result["ref_is_initial"] = all(torch.equal(r["logprobs"], e["logprobs"]) for r, e in zip(ref, evaluated))
+    result["swapped_back"] = all(torch.equal(a["logprobs"], p["logprobs"]) for a, p in zip(after, policy))
+    result["kl"] = [float(kl_estimate(p["logprobs"], r["logprobs"], "low_var_kl").sum()) for p, r in zip(policy, ref)]
     return result
 
 
@@ -336,7 +378,8 @@ def _rl_worker(rank, world, tmp_path, layout, out):
 def test_rl_outputs_and_gradients_through_logprobs_and_entropy_match_one_process(tmp_path, layout):
     """forward_backward's contract on 2 gloo ranks: the loss_fn's gradients through log-probs and entropy,
     extras split with their tokens, and every rank's returned whole-stream log-probs and entropy (training
-    and forward-only with a temperature) equal one process."""
+    and forward-only with a temperature) equal one process. So do the GRPO reference policy's log-probs
+    (the initial weights swapped in on the runtime's own path) and the KL term after two updates."""
     from parallel_harness import launch
 
     write_untied_model(tmp_path)  # once, before any rank reads it
@@ -347,9 +390,13 @@ def test_rl_outputs_and_gradients_through_logprobs_and_entropy_match_one_process
         got = torch.load(f"{out}.{rank}")
         assert got["loss"] == pytest.approx(want["loss"], rel=RTOL), rank
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=RTOL), rank
-        for name in ("logprobs", "entropy"):
+        for name in ("logprobs", "entropy", "ref_logprobs"):
             for ours, ref in zip(got[name], want[name]):
                 torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
+        # the reference is the initial policy on every layout, and the live weights come back after it
+        assert got["ref_is_initial"] and got["swapped_back"], rank
+        assert got["kl"] == pytest.approx(want["kl"], rel=1e-4, abs=1e-7), rank
+    assert all(kl > 0 for kl in want["kl"])  # two updates moved the policy: the KL term is not trivially 0
 
 
 ROLLOUT_PROMPTS = ([[5, 17, 33]], [[40, 2, 9, 77, 12], [8]])  # rank 0, rank 1: different work per rank

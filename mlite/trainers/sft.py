@@ -18,6 +18,7 @@ from mlite.runtime.data.sft import build_sft_data
 from mlite.runtime.engine import Runtime
 from mlite.runtime.loss import sft_loss
 from mlite.trainers import loop
+from mlite.trainers.loop import print_summary  # noqa: F401  (the CLI and the demo print with it)
 from mlite.trainers.common import first_rank
 from mlite.trainers.metrics import PLOT_FILE, read_metrics
 

@@ -26,6 +26,7 @@ from mlite.runtime.data.packing import plan_step
 from mlite.runtime.data.tokenizer import load_tokenizer
 from mlite.runtime.engine import Runtime
 from mlite.trainers import loop
+from mlite.trainers.loop import print_summary  # noqa: F401  (the CLI and the demo print with it)
 from mlite.trainers.grpo.algorithm import (
     GRPOLossConfig,
     LossNorm,
@@ -287,7 +288,6 @@ class GRPOTrainer:
                     sum(not c.stopped for c in ro.completions) / len(ro.completions)
                 ),
                 "time/rollout_s": rollout_s,
-                "time/step_s": time.perf_counter() - started,
                 "tokens": float(sum(len(s) for s in ro.sequences)),
             }
         )
