@@ -16,10 +16,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 from mlite.config import job_from_dict
 from mlite.config.arch import ModelArch, arch_from_hf_config
 from mlite.config.catalog import PRESETS
+from mlite.config.schema import OptimizerConfig
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.models import build_model
 from mlite.runtime.parallel.mesh import ParallelDims
-from mlite.runtime.parallel.parallelize import clip_grad_norm_, parallelize_model, set_gradient_sync
+from mlite.runtime.optim import LocalAdamW
+from mlite.runtime.parallel.parallelize import grad_norm, parallelize_model, set_gradient_sync
 from mlite.runtime.parallel.pipeline import PipelineRunner, keep_chunk, one_f_one_b, split_layers
 from mlite.runtime.parallel.step import local_share, vocab_parallel_logprobs
 
@@ -112,11 +114,10 @@ def launch(world: int, fn, *args, backend: str = "gloo"):
 MAX_STEPS, MICRO_BATCHES, LR, CLIP = 4, 4, 1e-3, 1.0
 
 
-def _train_one_stage(model, mesh, opt, steps) -> list[tuple[float, float]]:
+def _train_one_stage(model, mesh, opt: LocalAdamW, steps) -> list[tuple[float, float]]:
     """(loss, grad norm) per step. Without a mesh: one process, all micro-batches accumulated."""
     dims = mesh.dims if mesh else ParallelDims(1)
     dp_rank = mesh.rank_in("dp") if mesh else 0
-    params = [p for p in model.parameters()]
     batches = [b.to(device()) for b in make_batches(MAX_STEPS * MICRO_BATCHES)]
     history = []
     for step in steps:
@@ -139,10 +140,9 @@ def _train_one_stage(model, mesh, opt, steps) -> list[tuple[float, float]]:
         if mesh:
             dist.all_reduce(ce_total, group=mesh["dp_cp"].get_group())
             dist.all_reduce(aux_total, group=mesh["dp_cp_tp"].get_group())  # cp x tp ranks hold shares
-        norm = clip_grad_norm_(params, CLIP, mesh)
-        opt.step()
+        norm, _ = opt.step()  # grad norm over every rank, clip, update: Runtime.optimizer_step
         opt.zero_grad()
-        history.append((float(ce_total + aux_total), float(norm)))
+        history.append((float(ce_total + aux_total), norm))
     return history
 
 
@@ -160,12 +160,11 @@ def ce_loss(model, hidden, batch, targets):
     return -logprobs.sum() / targets
 
 
-def _train_pipeline(chunks: dict, mesh, opt, steps) -> list[tuple[float, float]]:
+def _train_pipeline(chunks: dict, mesh, opt: LocalAdamW, steps) -> list[tuple[float, float]]:
     """The same steps through the 1F1B (interleaved when vpp > 1) pipeline schedule."""
     dims = mesh.dims
     pp_ranks = dist.get_process_group_ranks(mesh.group("pp"))
     runner = PipelineRunner(chunks, dims.pp * dims.vpp, pp_ranks)
-    params = [p for chunk in chunks.values() for p in chunk.parameters()]
     batches = [b.to(device()) for b in make_batches(MAX_STEPS * MICRO_BATCHES)]
     history = []
     for step in steps:
@@ -183,27 +182,33 @@ def _train_pipeline(chunks: dict, mesh, opt, steps) -> list[tuple[float, float]]
                 before_backward=lambda c, last: set_gradient_sync(chunks[c], last),
                 dtype=compute_dtype(),  # what travels between stages
             )
-        ce_total, aux_total = result["loss"], result["aux"]
+        ce_total = result["loss"]
+        aux_total = sum(result["aux"].values(), torch.zeros((), device=device()))  # this stage's terms
         dist.all_reduce(ce_total, group=mesh.group("dp_cp"))
         dist.all_reduce(aux_total, group=mesh.group("dp_cp_tp"))
         both = torch.stack([ce_total, aux_total])
         dist.all_reduce(both, group=mesh.group("pp"))  # the loss lives on the last stage, aux on all
-        norm = clip_grad_norm_(params, CLIP, mesh)
-        opt.step()
+        norm, _ = opt.step()
         opt.zero_grad()
-        history.append((float(both[0] + both[1]), float(norm)))
+        history.append((float(both[0] + both[1]), norm))
     return history
 
 
-def train(chunks: dict, mesh, opt, steps: range) -> list[tuple[float, float]]:
+def train(chunks: dict, mesh, opt: LocalAdamW, steps: range) -> list[tuple[float, float]]:
     """(loss, grad norm) of each step in `steps`; mesh None: one process with gradient accumulation."""
     if mesh is None or mesh.dims.pp == 1:
         return _train_one_stage(chunks[0], mesh, opt, steps)
     return _train_pipeline(chunks, mesh, opt, steps)
 
 
-def make_optimizer(chunks: dict) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for c in chunks.values() for p in c.parameters()], lr=LR, foreach=False)
+def make_optimizer(chunks: dict) -> LocalAdamW:
+    """The runtime's optimizer, as Runtime builds it: AdamW (lr 1e-3, betas (0.9, 0.999), weight decay 0.01
+    on matrices), its step clipping to CLIP by the grad norm over every rank (`grad_norm`) on several ranks,
+    the local norm in one process. `.optimizer` is the torch optimizer, for checkpoints."""
+    cfg = OptimizerConfig(lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, clip_grad=CLIP)
+    params = [p for c in chunks.values() for p in c.parameters()]
+    # the harness's layouts run on several ranks, its one-process reference outside any process group
+    return LocalAdamW(params, cfg, grad_norm_fn=grad_norm if dist.is_initialized() else None)
 
 
 _REFERENCE: dict[bool, list] = {}

@@ -33,6 +33,7 @@ def make_job(model="tiny-qwen3"):
         "model": {"name": model},
         "precision": {"compute": "fp32"},
         "optimizer": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.01},
+        "data": {"seq_len": 512},  # within the tiny model's positions: the rule book checks it
         "trainer": {"device": "cpu", "steps": 8, "seed": 3},
     })
 

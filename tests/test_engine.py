@@ -32,6 +32,7 @@ def make_job(**optimizer):
         "model": {"name": "tiny-qwen3"},
         "precision": {"compute": "fp32"},
         "optimizer": {"lr": 1e-3, **optimizer},
+        "data": {"seq_len": 512},  # within the tiny model's positions: the rule book checks it
         "trainer": {"device": "cpu", "steps": 10, "seed": 7},
     })
 
@@ -189,7 +190,8 @@ def test_cuda_without_gpu_is_one_clear_error():
 def test_deterministic_key_turns_on_deterministic_algorithms():
     before = torch.are_deterministic_algorithms_enabled()
     try:
-        Runtime(job_from_dict({"model": {"name": "tiny-qwen3"}, "trainer": {"device": "cpu", "deterministic": True}}))
+        Runtime(job_from_dict({"model": {"name": "tiny-qwen3"}, "data": {"seq_len": 512},
+                                  "trainer": {"device": "cpu", "deterministic": True}}))
         assert torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(before)
@@ -197,5 +199,5 @@ def test_deterministic_key_turns_on_deterministic_algorithms():
 
 def test_bf16_compute_is_fp32_on_cpu_and_weights_stay_fp32():
     rt = Runtime(job_from_dict({"model": {"name": "tiny-qwen3"}, "precision": {"compute": "bf16"},
-                                "trainer": {"device": "cpu"}}))
+                                "data": {"seq_len": 512}, "trainer": {"device": "cpu"}}))
     assert rt.autocast_dtype is None and all(p.dtype == torch.float32 for p in rt.model.parameters())

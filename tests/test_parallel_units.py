@@ -172,25 +172,25 @@ def test_context_split_keeps_positions_labels_and_sequence_of_every_token():
 
 # ------------------------------------------------------------------------------- model vs layout
 @pytest.mark.parametrize(
-    "preset,dims,words",
+    "preset,parallel,world,words",
     [
-        ("tiny-qwen3", ParallelDims(2, tp=2), "tied embeddings \\(tie_word_embeddings\\) with tp=2, pp=1"),
-        ("tiny-qwen3", ParallelDims(2, pp=2), "tied embeddings \\(tie_word_embeddings\\) with tp=1, pp=2"),
-        (
-            "tiny-qwen3-moe",
-            ParallelDims(4, tp=4),
-            "tp=4 must divide the attention heads \\(4\\) and KV heads \\(2\\)",
-        ),
-        ("tiny-qwen3-moe", ParallelDims(2, dp=2, etp=2), "etp=2"),
+        ("tiny-qwen3", {"tp": 2}, 2, "tied embeddings \\(tie_word_embeddings\\) with tp=2, pp=1"),
+        ("tiny-qwen3", {"pp": 2}, 2, "tied embeddings \\(tie_word_embeddings\\) with tp=1, pp=2"),
+        ("tiny-qwen3-moe", {"tp": 4}, 4, "2 KV heads, not divisible by tp=4"),
+        ("tiny-qwen3-moe", {"etp": 2}, 2, "etp"),
     ],
 )
-def test_what_the_layouts_cannot_do_yet_is_refused_before_any_group_exists(preset, dims, words):
+def test_what_the_layouts_cannot_do_yet_is_refused_before_any_group_exists(preset, parallel, world, words):
+    """The runtime asks the rule book (mlite.plan.rules) before it starts a process group or builds a model."""
+    from mlite.config import job_from_dict
     from mlite.config.catalog import preset_arch
-    from mlite.runtime.parallel.parallelize import check_model_fits_layout
+    from mlite.plan.rules import check_job
+
+    def job(name, degrees):
+        return job_from_dict({"model": {"name": name}, "parallel": degrees, "data": {"seq_len": 512},
+                              "cluster": {"gpu": "cpu"}, "trainer": {"device": "cpu"}})
 
     with pytest.raises(MliteError, match=words):
-        check_model_fits_layout(preset_arch(preset), dims)
-    check_model_fits_layout(
-        preset_arch("tiny-qwen3-moe"), ParallelDims(2, tp=2, ep=2)
-    )  # and a good one passes
-    check_model_fits_layout(preset_arch("tiny-qwen3"), ParallelDims(2, dp=2))  # tied: one FSDP2 unit
+        check_job(job(preset, parallel), preset_arch(preset), world, "cpu", False)
+    check_job(job("tiny-qwen3-moe", {"tp": 2, "ep": 2}), preset_arch("tiny-qwen3-moe"), 2, "cpu", False)  # good
+    check_job(job("tiny-qwen3", {}), preset_arch("tiny-qwen3"), 2, "cpu", False)  # tied: one FSDP2 unit

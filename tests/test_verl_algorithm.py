@@ -10,7 +10,7 @@ import pytest
 import torch
 from verl.trainer.ppo import core_algos  # the verl extra is part of CI's install: a missing verl fails
 
-from mlite.trainers.grpo.algorithm import (  #
+from mlite.trainers.grpo.algorithm import (
     LossNorm,
     aggregate,
     clipped_surrogate,

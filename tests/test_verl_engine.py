@@ -28,7 +28,7 @@ def verl_cpu():
         platform_manager.set_platform(PlatformCPU())
 
 
-def build_engine(model_dir, lr=1e-2):
+def build_engine(model_dir, lr=1e-2, dtype="float32"):
     verl_cpu()
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
@@ -40,7 +40,7 @@ def build_engine(model_dir, lr=1e-2):
         model_type="language_model",
         backend="mlite",
         model_config=HFModelConfig(path=str(model_dir)),
-        engine_config=MliteEngineConfig(device="cpu", dtype="float32", seed=1),
+        engine_config=MliteEngineConfig(device="cpu", dtype=dtype, seed=1),
         optimizer_config=FSDPOptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0, total_training_steps=4),
         checkpoint_config=CheckpointConfig(),
     )
@@ -132,3 +132,174 @@ def test_sft_train_step_equals_the_runtime(model_dir):
     assert direct_update.norm() > 0
     # equal up to fp32 summation order (Adam turns 1e-9 gradient noise on near-zero entries into visible steps)
     assert float((ours - direct_update).norm() / direct_update.norm()) < 1e-4
+
+
+# ------------------------------------------------------------------------------ issue 12, defect 5
+@pytest.mark.parametrize(
+    "model_kwargs, key, instead",
+    [
+        ({"lora_rank": 8}, "model.lora_rank=8", "fsdp"),  # verl's FSDP engine's key
+        ({"lora": {"rank": 4}}, "model.lora.rank=4", "megatron"),  # verl's Megatron engine's key
+        ({"lora_adapter_path": "/adapters/a"}, "model.lora_adapter_path", "fsdp"),
+    ],
+)
+def test_lora_is_refused_before_anything_is_built(model_dir, model_kwargs, key, instead):
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+
+    from mlite.errors import MliteError
+    from mlite.integrations.verl.config_schema import MliteEngineConfig
+
+    verl_cpu()
+    with pytest.raises(MliteError) as err:  # at construction: no runtime, model or optimizer yet
+        EngineRegistry.new(
+            model_type="language_model",
+            backend="mlite",
+            model_config=HFModelConfig(path=str(model_dir), **model_kwargs),
+            engine_config=MliteEngineConfig(device="cpu", dtype="float32"),
+            optimizer_config=FSDPOptimizerConfig(lr=1e-3),
+            checkpoint_config=CheckpointConfig(),
+        )
+    message = str(err.value)
+    assert message.startswith(key) and "LoRA is not supported" in message
+    assert f"actor_rollout_ref.{key.split('=')[0]}" in message and f"use the {instead} engine" in message
+    assert "\n" not in message
+
+
+def test_weight_stream_is_in_the_compute_dtype(model_dir):
+    from mlite.integrations.verl.engine import weight_sync_dtype
+
+    # on GPUs the runtime computes in engine.dtype (bf16 normally) and so do the rollouts it feeds
+    assert weight_sync_dtype("bf16", "cuda") is torch.bfloat16
+    assert weight_sync_dtype("fp16", "cuda") is torch.float16
+    assert weight_sync_dtype("fp32", "cuda") is torch.float32
+    # the CPU runtime computes in fp32 whatever engine.dtype says, and so does the rollout server on CPU
+    assert weight_sync_dtype("bf16", "cpu") is torch.float32
+
+    engine = build_engine(model_dir, dtype="bfloat16")  # verl's default engine.dtype, on CPU
+    stream, peft_config = engine.get_per_tensor_param()
+    assert peft_config is None  # verl's engines: None without a LoRA adapter
+    weights = dict(stream)
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+    masters = dict(engine.runtime.export_weights())
+    assert weights.keys() == masters.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, masters[name]), name
+
+
+def test_model_output_only_when_asked_for(model_dir):
+    """verl's FSDP engine drops `model_output` after a training micro-batch unless the batch carries
+    `return_model_output=True` (verl's split-step workers set it); inference always returns it."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import sft_loss
+
+    engine = build_engine(model_dir)
+    with engine.eval_mode():
+        inferred = engine.infer_batch(verl_batch())["model_output"]["log_probs"]
+    loss = partial(sft_loss, config=None)
+    with engine.train_mode():
+        plain = engine.forward_backward_batch(verl_batch(), loss, forward_only=False)
+        data = verl_batch()
+        tu.assign_non_tensor(data, return_model_output=True)
+        asked = engine.forward_backward_batch(data, loss, forward_only=False)
+    assert plain["model_output"] == {} and len(plain["loss"]) == 2
+    # the training forward ran on the weights inference saw (no optimizer step in between)
+    for ours, reference in zip(asked["model_output"]["log_probs"].unbind(), inferred.unbind(), strict=True):
+        torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
+    assert asked["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+
+
+def test_module_and_optimizer_are_what_verl_steps(model_dir):
+    """verl's split-step (Tinker) worker sets step-time optimizer params on `engine.optimizer`'s param
+    groups before `optimizer_step`; other workers read and restore `engine.module`'s weights."""
+    from verl.workers.engine_workers_tinker import _apply_optim_step_params
+    from verl.workers.utils.losses import sft_loss
+
+    engine = build_engine(model_dir)
+    assert engine.module is engine.runtime.model and isinstance(engine.optimizer, torch.optim.Optimizer)
+    before = flat_params(engine.module)
+    with engine.train_mode():
+        _apply_optim_step_params(engine.optimizer, {"lr": 0.0})
+        frozen = engine.train_batch(verl_batch(), partial(sft_loss, config=None))
+    assert frozen["metrics"]["grad_norm"] > 0 and torch.equal(flat_params(engine.module), before)
+    with engine.train_mode():
+        _apply_optim_step_params(engine.optimizer, {"lr": 1e-2})
+        engine.train_batch(verl_batch(), partial(sft_loss, config=None))
+    assert not torch.equal(flat_params(engine.module), before)
+
+
+def test_offload_moves_what_verl_asks_for(model_dir):
+    """`engine.to(device, model=, optimizer=)` (verl's offload around rollouts) moves what the flags name:
+    the Adam moments with `optimizer`, never the step counts. A CPU machine has one device for parameters
+    (torch refuses to swap a CPU parameter's data for a `meta` tensor), so the parameters' own move runs on
+    GPUs only; here `meta` shows what moved, and a move to the runtime's device keeps every object."""
+    from verl.workers.utils.losses import sft_loss
+
+    engine = build_engine(model_dir)
+    with engine.train_mode(zero_grad_on_exit=False):
+        engine.train_batch(verl_batch(), partial(sft_loss, config=None))
+    params = list(engine.module.parameters())
+    state = engine.optimizer.state[params[0]]
+    before = flat_params(engine.module)
+
+    engine.to("cpu")  # the runtime's own device: the same parameters (the optimizer holds them), same values
+    assert [id(p) for p in engine.module.parameters()] == [id(p) for p in params]
+    assert torch.equal(flat_params(engine.module), before) and all(p.grad is not None for p in params)
+    engine.to("meta", model=False, optimizer=True, grad=False)
+    assert all(p.device.type == "cpu" and p.grad.device.type == "cpu" for p in params)
+    assert state["exp_avg"].device.type == "meta" and state["exp_avg_sq"].shape == params[0].shape
+    assert state["step"].device.type == "cpu"  # Adam's step count stays where the optimizer reads it
+
+
+def _ranks_before_and_after_initialize(rank, world, model_dir, reference):
+    """On each gloo rank: what the engine answers before `initialize` (from the layout's arithmetic) must
+    be what the runtime's meshes answer after it; then log-probs must equal one process's."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+
+    from mlite.integrations.verl.config_schema import MliteEngineConfig
+
+    verl_cpu()
+    for pp, tp in [(1, 1), (2, 1), (1, 2)]:  # world 2: dp2, pp2, tp2 (the stream padded to tp)
+        engine = EngineRegistry.new(
+            model_type="language_model",
+            backend="mlite",
+            model_config=HFModelConfig(path=str(model_dir)),
+            engine_config=MliteEngineConfig(
+                device="cpu", dtype="float32", seed=1, pipeline_parallel_size=pp, tensor_parallel_size=tp
+            ),
+            optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=1),
+            checkpoint_config=CheckpointConfig(),
+        )
+        before = (
+            engine.get_data_parallel_rank(),
+            engine.get_data_parallel_size(),
+            engine.is_mp_src_rank_with_outputs(),
+        )
+        engine.initialize()
+        after = (
+            engine.get_data_parallel_rank(),
+            engine.get_data_parallel_size(),
+            engine.is_mp_src_rank_with_outputs(),
+        )
+        assert before == after, (pp, tp, rank, before, after)
+        # (dp rank, dp size, has the outputs): every dp rank; the last pp stage; tp rank 0
+        expected = {(1, 1): (rank, 2, True), (2, 1): (0, 1, rank == 1), (1, 2): (0, 1, rank == 0)}[pp, tp]
+        assert after == expected, (pp, tp, rank, after)
+        with engine.eval_mode():
+            log_probs = engine.infer_batch(verl_batch())["model_output"]["log_probs"]
+        for ours, theirs in zip(log_probs.unbind(), reference, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        engine.runtime.close()
+
+
+@pytest.mark.slow
+def test_ranks_before_initialize_are_the_runtimes(model_dir):
+    from parallel_harness import launch
+
+    engine = build_engine(model_dir)
+    with engine.eval_mode():
+        reference = list(engine.infer_batch(verl_batch())["model_output"]["log_probs"].unbind())
+    launch(2, _ranks_before_and_after_initialize, str(model_dir), reference)

@@ -125,7 +125,11 @@ def test_main_ppo_config_composes_with_the_mlite_actor_ref_and_rollout(setup, tm
         ref_cfg.ppo_max_token_len_per_gpu = ref_cfg.pop("log_prob_max_token_len_per_gpu", None)
     ref = omega_conf_to_dataclass(ref_cfg)
     assert isinstance(ref.engine, MliteEngineConfig)
-    assert (ref.engine.tensor_parallel_size, ref.engine.forward_only, ref.engine.dtype) == (2, True, "float32")
+    assert (ref.engine.tensor_parallel_size, ref.engine.forward_only, ref.engine.dtype) == (
+        2,
+        True,
+        "float32",
+    )
     assert cfg.actor_rollout_ref.rollout.name == "mlite" and cfg.critic.strategy == "fsdp"
 
 
@@ -139,7 +143,9 @@ def test_rollout_layout_other_than_one_rank_per_replica_is_refused():
     )
     with pytest.raises(ValueError, match=r"rollout.tensor_model_parallel_size=2 .* set actor_rollout_ref"):
         check_rollout_layout(
-            SimpleNamespace(tensor_model_parallel_size=2, data_parallel_size=1, pipeline_model_parallel_size=1)
+            SimpleNamespace(
+                tensor_model_parallel_size=2, data_parallel_size=1, pipeline_model_parallel_size=1
+            )
         )
 
 
@@ -156,8 +162,13 @@ def test_main_ppo_grpo_on_cpu_with_the_mlite_actor_and_rollout(setup, tmp_path):
         "RAY_DEDUP_LOGS": "0",
     }
     result = subprocess.run(
-        [sys.executable, "-m", "mlite.integrations.verl.main_ppo", *overrides(setup, tmp_path),
-         f"hydra.run.dir={tmp_path / 'hydra'}"],
+        [
+            sys.executable,
+            "-m",
+            "mlite.integrations.verl.main_ppo",
+            *overrides(setup, tmp_path),
+            f"hydra.run.dir={tmp_path / 'hydra'}",
+        ],
         capture_output=True,
         text=True,
         env=env,

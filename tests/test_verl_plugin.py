@@ -17,6 +17,7 @@ def run_python(code: str, env: dict | None = None) -> subprocess.CompletedProces
 
     return subprocess.run(
         [sys.executable, "-c", code],
+        check=False,
         capture_output=True,
         text=True,
         timeout=300,

@@ -112,7 +112,7 @@ def runtime_losses(setup: Path) -> list[float]:
 
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
         cfg = compose("sft_trainer_engine", overrides=[f"model.path={setup / 'model'}", *OVERRIDES])
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(setup / "model")
     dataset = MultiTurnSFTDataset(
@@ -125,7 +125,8 @@ def runtime_losses(setup: Path) -> list[float]:
     targets = sum(b.num_target_tokens for b in micro)
 
     engine, optim = omega_conf_to_dataclass(cfg.engine), omega_conf_to_dataclass(cfg.optim)
-    runtime = Runtime(job_from_dict(to_job_dict(engine, str(setup / "model"), optim, STEPS)))
+    seq_len = AutoConfig.from_pretrained(setup / "model").max_position_embeddings  # as the engine passes it
+    runtime = Runtime(job_from_dict(to_job_dict(engine, str(setup / "model"), optim, STEPS, seq_len)))
     losses = []
     for _ in range(STEPS):
         runtime.zero_grad()

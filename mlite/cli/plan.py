@@ -31,6 +31,7 @@ def run(args) -> int:
     from rich.console import Console
 
     from mlite.config import load_job
+    from mlite.errors import MliteError
     from mlite.plan import plan_job
     from mlite.plan.recommend import recommend
     from mlite.plan.report import models_table, plan_dict, render_candidates, render_plan
@@ -53,8 +54,10 @@ def run(args) -> int:
                   file=sys.stderr)
             return EXIT_DOES_NOT_FIT
         return 0
-    plan = plan_job(job)
+    plan = plan_job(job, size_refused=True)  # a job the trainers refuse is still sized, then refused
     _emit(console, args.json, plan_dict(plan), lambda: render_plan(console, plan))
+    if plan.refused is not None:
+        raise MliteError(plan.refused)
     return 0 if plan.memory.fits else EXIT_DOES_NOT_FIT
 
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from mlite.config.arch import ModelArch
 from mlite.config.catalog import count_params, embedding_params, final_params, layer_params
 from mlite.config.schema import JobConfig
-from mlite.plan.layout import Layout, runtime_notes
+from mlite.plan.rules import Layout
 
 GIB = 2**30
 HEADROOM = 0.90  # an estimate above this share of device (or host) memory does not fit
@@ -297,7 +297,7 @@ def estimate_memory(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEs
     totals = [sum(i.gb for i in items) for items, _, _ in stages]
     worst = max(range(layout.pp), key=lambda s: totals[s])
     items, _, resident = stages[worst]
-    notes: list[str] = runtime_notes(job)
+    notes: list[str] = []
     rollout = _rollout_items(job, arch, layout, worst, resident, capacity, notes) if job.job == "grpo" else []
     # Ranks are placed pipeline-outermost, so a node's GPUs usually share a stage: count the largest offload.
     offloaded = max(host for _, host, _ in stages) / GIB

@@ -3,7 +3,9 @@ backend, keep those that fit (with `HEADROOM`), and rank them by an estimated st
 
 Searched: tp (within a node), pp (uneven layer counts balanced as `balanced_first_last` says), cp, ep, and
 for each layout the lightest recompute (none, selective, full) and offload (none, then the whole optimizer)
-that fits. Everything else in the job (model, cluster, data, backend, precision) is kept.
+that fits. Everything else in the job (model, cluster, data, backend, precision) is kept. Only layouts the
+trainers run are ranked (`check_job`); a job they refuse whatever the layout (a model they do not build,
+dist_opt, ...) is refused up front with that rule's line.
 
 Cost model (seconds per optimizer step, per GPU; docs/PLANNER.md writes it out): compute at an assumed MFU,
 scaled up by recompute; the pipeline bubble; TP, CP, EP and data-parallel traffic over NVLink inside a node
@@ -18,8 +20,16 @@ from mlite.config.arch import ModelArch
 from mlite.config.catalog import count_params, resolve_arch
 from mlite.config.schema import GPU_BF16_TFLOPS, JobConfig
 from mlite.errors import MliteError
-from mlite.plan.layout import Layout, balanced_first_last, check_layout
 from mlite.plan.memory import DTYPE_BYTES, MemoryEstimate, estimate_memory, stage_params
+from mlite.plan.rules import (
+    Layout,
+    balanced_first_last,
+    check_layout,
+    check_model_layout,
+    check_runtime_keys,
+    megatron_installed,
+    planned_device_type,
+)
 
 ASSUMED_MFU = 0.40  # share of the bf16 peak a well-tuned step reaches
 NVLINK_GBPS = 300.0  # effective per-GPU collective bandwidth inside a node (GB/s)
@@ -66,6 +76,8 @@ def recommend(job: JobConfig, arch: ModelArch | None = None, top: int = 5) -> li
     arch = arch or resolve_arch(job.model)
     c = job.cluster
     world, node = c.world_size, c.gpus_per_node
+    trainer = (world, planned_device_type(job), megatron_installed())  # where the trainers would run it
+    check_runtime_keys(job, arch, *trainer)  # refused whatever the layout: say why rather than "nothing fits"
     experts = arch.moe.num_experts if arch.moe else 1
     found: list[Candidate] = []
     for tp in [d for d in _divisors(node) if d <= node]:
@@ -73,28 +85,35 @@ def recommend(job: JobConfig, arch: ModelArch | None = None, top: int = 5) -> li
             for cp in [d for d in _divisors(world // (tp * pp)) if d <= 32]:
                 stage_ranks = world // pp
                 for ep in [d for d in _divisors(experts) if stage_ranks % d == 0]:
-                    candidate = _best_variant(job, arch, tp, pp, cp, ep)
+                    candidate = _best_variant(job, arch, tp, pp, cp, ep, trainer)
                     if candidate is not None:
                         found.append(candidate)
     found.sort(key=lambda cand: (cand.step_s, cand.memory.total_gb))
     return found[:top]
 
 
-def _best_variant(job: JobConfig, arch: ModelArch, tp: int, pp: int, cp: int, ep: int) -> Candidate | None:
+def _best_variant(job: JobConfig, arch: ModelArch, tp: int, pp: int, cp: int, ep: int,
+                  trainer: tuple[int, str, bool]) -> Candidate | None:
     first = last = None
     if arch.num_layers % pp:
         first, last = balanced_first_last(arch.num_layers, pp)
     for granularity, offload in _variants(job):
         data = job.model_dump()
-        data["parallel"] = dict(tp=tp, pp=pp, cp=cp, ep=ep, pp_first_stage_layers=first, pp_last_stage_layers=last)
+        data["parallel"] = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "pp_first_stage_layers": first,
+                            "pp_last_stage_layers": last}
         data["recompute"] = {"granularity": granularity}
         data["offload"] = dict(job.offload.model_dump(), optimizer=offload,
                                optimizer_fraction=(job.offload.optimizer_fraction or 1.0) if offload else None)
         try:
             variant = JobConfig.model_validate(data)
-            layout = check_layout(variant, arch)
+            layout = check_layout(variant, arch, trainer[0])
+            check_model_layout(variant, arch)
         except (MliteError, ValueError):
-            return None  # the layout itself is invalid: heavier variants will not fix it
+            return None  # the layout is invalid or not run with this model: heavier variants will not fix it
+        try:
+            check_runtime_keys(variant, arch, *trainer)  # with check_model_layout above: check_runtime
+        except MliteError:
+            continue  # the trainers do not run this variant (e.g. offload on one rank); a heavier one may do
         memory = estimate_memory(variant, arch, layout)
         if memory.fits:
             return Candidate(variant, layout, memory, step_cost(variant, arch, layout, memory))

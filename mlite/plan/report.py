@@ -23,6 +23,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
                    "tokens_per_micro_batch": lay.tokens_per_micro_batch, "sequence_split": lay.split},
         "memory": plan.memory.as_dict(),
         "fits": plan.memory.fits,
+        "refused": plan.refused,  # the trainers' one-line refusal (plan_job(size_refused=True)), else None
     }
 
 
@@ -63,6 +64,9 @@ def render_plan(console: Console, plan: Plan) -> None:
     for note in mem.notes:
         console.print(f"note: {note}")
     verdict = "[green]FITS[/]" if mem.fits else "[red]DOES NOT FIT[/]"
+    if plan.refused is not None:  # sized by design, but the trainers refuse it: that is the verdict
+        console.print(f"[red]REFUSED[/] by the trainers: {plan.refused}", highlight=False)
+        verdict = "planned memory (would fit)" if mem.fits else "planned memory (would not fit)"
     console.print(f"{verdict}: {mem.total_gb:.1f} GB of {mem.usable_gb:.1f} GB usable per GPU "
                   f"({mem.capacity_gb:.1f} GB x headroom); host {mem.host_total_gb:.0f} of "
                   f"{mem.host_capacity_gb:.0f} GB per node")

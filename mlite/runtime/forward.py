@@ -2,7 +2,11 @@
 
 `loss_fn(batch, token_logprobs, entropy, aux_loss) -> (loss, metrics)` returns this micro-batch's share of
 the step's loss (normalised by global counts, see mlite.runtime.loss.sft_loss), so summing the gradients
-over micro-batches and data-parallel ranks gives the exact gradient of the step's loss.
+over micro-batches and data-parallel ranks gives the exact gradient of the step's loss. `aux_loss` is this
+micro-batch's share of a MoE model's balance loss, weighted here, once for every trainer: the step's balance
+loss is its mean over the micro-batches of every data-parallel rank, so each share is 1 / (micro-batches x
+dp) of the micro-batch's value. The loss_fn adds it. Under pipeline parallel the stages back-propagate
+their own terms of it (mlite.runtime.parallel.pipeline) and the loss_fn receives 0.
 
 Each rank computes its share of a micro-batch (mlite.runtime.parallel.step.local_share: padded for sequence
 parallel, zigzag-split for context parallel); `whole_stream` turns the share's per-token outputs back into
@@ -50,12 +54,13 @@ def forward_backward(
         raise ValueError("forward_backward needs a loss_fn unless forward_only")
     fulls = [b.to(rt.device) for b in micro_batches]
     shares = [local_share(b, rt.mesh) for b in fulls]
+    aux_weight = 1.0 / (len(fulls) * rt.dims.dp)
     with torch.set_grad_enabled(not forward_only), _autocast(rt), _vocab_parallel(rt):
         if rt.pipeline is not None:
-            computed = _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperature)
+            computed = _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperature, aux_weight)
         else:
-            computed = [_one(rt, i, full, share, loss_fn, forward_only, with_entropy, temperature, len(fulls))
-                        for i, (full, share) in enumerate(zip(fulls, shares))]
+            computed = [_one(rt, full, share, loss_fn, forward_only, with_entropy, temperature, aux_weight,
+                             last=i == len(fulls) - 1) for i, (full, share) in enumerate(zip(fulls, shares))]
     outputs = []
     for full, share, (loss, metrics, logprobs, entropy) in zip(fulls, shares, computed):
         outputs.append({
@@ -76,27 +81,30 @@ def whole_stream(rt: Runtime, values: torch.Tensor, share: PackedBatch, full: Pa
     return values[: full.num_tokens]
 
 
-def _one(rt, i, full, share, loss_fn, forward_only, with_entropy, temperature, count):
+def _one(rt, full, share, loss_fn, forward_only, with_entropy, temperature, aux_weight, last):
     if rt.mesh is not None and not forward_only:  # one gradient reduction per step, on the last
-        set_gradient_sync(rt.model, i == count - 1)
+        set_gradient_sync(rt.model, last)
     out = rt.model(share)
     logprobs, entropy = _token_logprobs(rt, out.hidden, share.labels, temperature, with_entropy,
                                         real_token_mask(share, full), rt.model.compute_logits)
-    loss, metrics = loss_fn(share, logprobs, entropy, _aux_share(rt, out.aux_loss)) if loss_fn else (None, {})
+    aux = _aux_share(rt, out.aux_loss) * aux_weight
+    loss, metrics = loss_fn(share, logprobs, entropy, aux) if loss_fn else (None, {})
     if not forward_only:
         loss.backward()
     return float(loss.detach()) if loss is not None else None, metrics, logprobs, entropy
 
 
-def _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperature):
+def _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperature, aux_weight):
     """pp > 1: the 1F1B schedule (interleaved with vpp > 1) for training, the forward-only schedule
     otherwise. The last stage computes log-probs and the loss; its per-micro-batch outputs are then
-    broadcast over `pp`, so every rank returns the same outputs as without a pipeline."""
+    broadcast over `pp`, so every rank returns the same outputs as without a pipeline. A MoE model's
+    balance loss is back-propagated by each stage for its own layers (weighted like `aux_weight`); its
+    value, summed over the stages, joins each micro-batch's reported loss."""
     dims, chunks = rt.dims, rt.chunks
     last_chunk = dims.pp * dims.vpp - 1
     computed = {}  # micro-batch -> (loss, metrics, logprobs, entropy), on the last stage
     index = {id(b): m for m, b in enumerate(shares)}
-    no_aux = torch.zeros((), device=rt.device)  # the rule book refuses MoE under pp: no balance loss here
+    no_aux = torch.zeros((), device=rt.device)  # the stages back-propagate the balance loss themselves
 
     def last_stage(chunk, hidden, batch):
         m = index[id(batch)]
@@ -116,13 +124,22 @@ def _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperatu
     else:
         for chunk in chunks.values():
             set_gradient_sync(chunk, False)
-        rt.pipeline.run(
+        result = rt.pipeline.run(
             one_f_one_b(dims.pp, dims.vpp, pp_rank, len(shares)), shares, loss_fn=last_stage,
             before_backward=lambda c, last: set_gradient_sync(chunks[c], last),
-            dtype=rt.pipeline.activation_dtype,
+            dtype=rt.pipeline.activation_dtype, aux_weight=aux_weight,
         )
-    return [broadcast_outputs(computed.get(m), share.num_tokens, with_entropy, rt.mesh, rt.device)
-            for m, share in enumerate(shares)]
+    outputs = [broadcast_outputs(computed.get(m), share.num_tokens, with_entropy, rt.mesh, rt.device)
+               for m, share in enumerate(shares)]
+    if forward_only or rt.pipeline.moe is None:
+        return outputs
+    # each stage holds its layers' terms of every micro-batch's balance loss: their sum is the whole value
+    aux = torch.zeros(len(shares), dtype=torch.float64, device=rt.device)
+    for m, term in result["aux"].items():
+        aux[m] = term.double()
+    torch.distributed.all_reduce(aux, group=rt.mesh.group("pp"))
+    aux = aux * rt.dims.tp  # as `_aux_share`: each cp x tp rank holds 1/(cp*tp) of the value
+    return [(loss + float(aux[m]), *rest) for m, (loss, *rest) in enumerate(outputs)]
 
 
 def _autocast(rt: Runtime):

@@ -11,7 +11,6 @@ chunks each parallelized like a whole model.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from torch import nn
 from mlite.config.arch import ModelArch
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
-from mlite.plan.rules import check_job
+from mlite.plan.rules import check_job, megatron_installed
 from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
 from mlite.runtime.parallel.parallelize import apply_recompute, parallelize_model
 from mlite.runtime.parallel.pipeline import PipelineRunner, keep_chunk, split_layers, stage_view
@@ -90,7 +89,7 @@ def place(job: JobConfig, arch: ModelArch) -> Placement:
     """Ask the rule book, then start the process group (several ranks) and build the meshes."""
     device = pick_device(job.trainer.device)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    check_job(job, arch, world, device.type, importlib.util.find_spec("megatron.core") is not None)
+    check_job(job, arch, world, device.type, megatron_installed())
     owns = not dist.is_initialized() and world > 1
     if owns:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

@@ -1,8 +1,13 @@
 """Per-token log-probabilities and entropy from hidden states, and the SFT loss.
 
 The [T, vocab] logits of a long packed batch are the largest activation of a step (32k tokens x 152k vocab
-in fp32 is 19 GB), so they are computed in chunks of tokens and, when training, each chunk is recomputed in
-the backward pass instead of being kept: memory holds one chunk's logits at a time.
+in fp32 is 19 GB), so they never exist whole. Two paths, chosen in `token_logprobs`:
+
+- the LM-head kernel (mlite.runtime.kernels.lm_head), when the head is a plain bias-free linear layer on this
+  rank and no entropy is asked for: logits in the compute dtype one chunk at a time, log-sum-exp in fp32,
+  the softmax gradient formed in place. What one process trains with (SFT, GRPO without entropy).
+- chunked autograd otherwise (entropy; an LM head sharded by FSDP2 or tp, whose weight is gathered only
+  inside its own forward): fp32 logits per chunk, each chunk recomputed in the backward pass.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.kernels.lm_head import linear_logprobs
+from mlite.runtime.models.qwen3 import Transformer
 
 DEFAULT_CHUNK_TOKENS = 4096
 
@@ -31,6 +37,34 @@ def _chunk_logprobs(hidden, labels, compute_logits, temperature: float, with_ent
     return token_logp, entropy
 
 
+def linear_head_weight(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """W when `compute_logits(h)` is exactly `h @ W^T` with W whole on this rank: a bias-free nn.Linear, or a
+    model's `compute_logits` over such a head (mlite's models). None for anything else, so the caller keeps
+    the autograd path: a DTensor weight (FSDP2 or tp shards), hooks on the head (FSDP2 gathers there), a bias."""
+    owner = getattr(compute_logits, "__self__", None)
+    if isinstance(owner, Transformer) and compute_logits.__func__ is Transformer.compute_logits:
+        compute_logits = owner.output
+    if not isinstance(compute_logits, torch.nn.Linear) or compute_logits.bias is not None:
+        return None
+    if compute_logits._forward_hooks or compute_logits._forward_pre_hooks:
+        return None
+    weight = compute_logits.weight
+    return None if isinstance(weight, DTensor) else weight
+
+
+def _head_logprobs(hidden, labels, weight, temperature: float, chunk_tokens: int) -> torch.Tensor:
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        # the head's matmuls in the autocast dtype, as compute_logits runs them; cast here because the
+        # kernel's backward runs outside autocast
+        hidden = hidden.to(torch.get_autocast_dtype(device_type))
+    if temperature != 1.0:
+        hidden = hidden / temperature  # (h / T) @ W^T = logits / T
+    with torch.autocast(device_type, enabled=False):
+        logp = linear_logprobs(hidden, weight, labels.clamp(min=0), chunk_tokens)
+    return logp * (labels != IGNORE)
+
+
 def token_logprobs(
     hidden: torch.Tensor,
     labels: torch.Tensor,
@@ -38,17 +72,15 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    head_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """hidden [T, H], labels [T] -> log p(label) [T] (0 where the label is IGNORE), entropy [T] or None.
+    """hidden [T, H], labels [T] -> log p(label) [T] fp32 (0 where the label is IGNORE), entropy [T] or None.
 
     Position t's label is the next token, so log-probs line up with the inputs (what verl's losses read).
-    `head_weight`: the LM head's plain (unsharded) weight when `compute_logits` is just `hidden @ W^T`; without
-    entropy it selects the fused kernel (mlite.runtime.kernels.lm_head), which never materialises fp32 logits."""
-    if head_weight is not None and not with_entropy and not isinstance(head_weight, DTensor):
-        valid = labels != IGNORE
-        scaled = hidden if temperature == 1.0 else hidden / temperature
-        return linear_logprobs(scaled, head_weight, labels.clamp(min=0), chunk_tokens) * valid, None
+    Without entropy and with a plain linear head (`linear_head_weight`) this is the LM-head kernel, else
+    chunked autograd; both take the log-softmax in fp32 and agree to the compute dtype's rounding."""
+    weight = None if with_entropy else linear_head_weight(compute_logits)
+    if weight is not None:
+        return _head_logprobs(hidden, labels, weight, temperature, chunk_tokens), None
     recompute = torch.is_grad_enabled() and hidden.requires_grad
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
@@ -65,14 +97,15 @@ def token_logprobs(
     return logp, (torch.cat(entropies) if with_entropy else None)
 
 
-def sft_loss(global_target_tokens: int, aux_weight: float = 1.0):
+def sft_loss(global_target_tokens: int):
     """The SFT loss of one micro-batch: its summed token NLL over the global number of target tokens, so the
     sum over micro-batches (and over data-parallel ranks, whose gradients are summed) is exactly the mean
-    NLL of the step. `aux_weight` = 1 / (micro-batches x dp ranks) averages a MoE model's aux loss the same way."""
+    NLL of the step. `aux_loss` arrives as this micro-batch's share of a MoE model's balance loss, already
+    averaged over micro-batches and ranks by the runtime (mlite.runtime.forward)."""
 
     def loss_fn(batch: PackedBatch, logprobs: torch.Tensor, entropy, aux_loss: torch.Tensor):
         nll_sum = -logprobs.sum()
-        loss = nll_sum / global_target_tokens + aux_loss * aux_weight
+        loss = nll_sum / global_target_tokens + aux_loss
         return loss, {"nll_sum": float(nll_sum.detach()), "target_tokens": batch.num_target_tokens}
 
     return loss_fn

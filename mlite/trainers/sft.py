@@ -46,8 +46,7 @@ class SFTTrainer:
         rt = self.runtime
         micro_batches, global_targets = self.data.next_step()
         rt.zero_grad()
-        aux_weight = 1.0 / (len(micro_batches) * rt.dp_size)
-        outs = rt.forward_backward(micro_batches, sft_loss(global_targets, aux_weight))
+        outs = rt.forward_backward(micro_batches, sft_loss(global_targets))
         grad_norm, skipped = rt.optimizer_step()
         lr = rt.lr  # the lr this step used
         rt.lr_scheduler_step()

@@ -7,7 +7,7 @@ under verl and under `mlite sft` / `mlite grpo`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from verl.workers.config import ActorConfig
 from verl.workers.config.engine import EngineConfig
@@ -48,9 +48,16 @@ _COMPUTE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "b
 
 
 def to_job_dict(
-    engine: MliteEngineConfig, model_path: str, optim: Any, total_steps: Optional[int] = None
+    engine: MliteEngineConfig,
+    model_path: str,
+    optim: Any,
+    total_steps: int | None = None,
+    seq_len: int | None = None,
 ) -> dict[str, Any]:
-    """verl's engine + optimizer config -> mlite job dict (validated by `mlite.config.job_from_dict`)."""
+    """verl's engine + optimizer config -> mlite job dict (validated by `mlite.config.job_from_dict`).
+
+    verl batches the data itself, so the job's `data` section only bounds what verl may hand the engine:
+    `seq_len`, the longest sequence (the engine passes the model's max_position_embeddings)."""
     if engine.dtype not in _COMPUTE:
         raise ValueError(f"engine.dtype {engine.dtype!r}: use one of {', '.join(_COMPUTE)}")
     warmup = optim.lr_warmup_steps if (optim.lr_warmup_steps or -1) >= 0 else 0
@@ -58,7 +65,7 @@ def to_job_dict(
         warmup = int(optim.lr_warmup_steps_ratio * total_steps)
     schedule = getattr(optim, "lr_scheduler_type", "constant")
     min_ratio = getattr(optim, "min_lr_ratio", None) or 0.0
-    return {
+    job = {
         "job": "sft",
         "model": {"path": model_path, "attention_backend": engine.attention_backend},
         "parallel": {
@@ -84,3 +91,6 @@ def to_job_dict(
             "steps": max(int(total_steps or 1), 1),
         },
     }
+    if seq_len is not None:
+        job["data"] = {"seq_len": int(seq_len)}
+    return job

@@ -4,14 +4,17 @@ verl hands the engine a TensorDict of unpadded sequences (jagged `input_ids`, `p
 ...) and a loss function that reads `model_output["log_probs"]` (and `"entropy"`) as jagged tensors aligned
 with the inputs: position t holds log p(token t+1). The engine converts each micro-batch to mlite's
 `PackedBatch`, lets the runtime run the forward (and backward), and hands verl's loss the per-token tensors.
-Everything else (optimizer, schedule, checkpoints, weight export) is the runtime's.
+Everything else (optimizer, schedule, checkpoints, weight export) is the runtime's; what only verl needs
+of it (one micro-batch with verl's loss, moving state between devices for verl's offload) lives here, on
+the runtime's public attributes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -20,8 +23,10 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
 from mlite.config import job_from_dict
+from mlite.errors import MliteError
 from mlite.integrations.verl.config_schema import MliteEngineConfig, to_job_dict
 from mlite.runtime.data.packed import IGNORE, PackedBatch
+from mlite.runtime.layout import COMPUTE_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -44,27 +49,97 @@ def packed_from_jagged(micro_batch: TensorDict) -> PackedBatch:
     )
 
 
+def refuse_lora(model_config) -> None:
+    """LoRA keys would do nothing here: full weights would train, and verl's trainer, seeing LoRA, would
+    take the reference log-probs from the actor with its adapter "disabled" (a KL of 0). verl's FSDP engine
+    reads `lora_rank`, its Megatron engine `lora.rank`, both `lora_adapter_path`."""
+    lora = getattr(model_config, "lora", None) or {}
+    if (getattr(model_config, "lora_rank", 0) or 0) > 0:
+        key, fix, engine = f"lora_rank={model_config.lora_rank}", "set model.lora_rank=0", "fsdp"
+    elif (lora.get("rank", 0) or 0) > 0:
+        key, fix, engine = f"lora.rank={lora['rank']}", "remove model.lora.rank", "megatron"
+    elif getattr(model_config, "lora_adapter_path", None):
+        key, fix, engine = "lora_adapter_path", "remove model.lora_adapter_path", "fsdp"
+    else:
+        return
+    name = key.split("=")[0]
+    raise MliteError(
+        f"model.{key}: the mlite engine trains full weights only, LoRA is not supported yet; {fix} "
+        f"(actor_rollout_ref.model.{name} under main_ppo) or use the {engine} engine"
+    )
+
+
+def weight_sync_dtype(compute: str, device_type: str) -> torch.dtype:
+    """The dtype of the weight stream to the rollout: the one the runtime computes in (engine.dtype on
+    GPUs, bf16 normally), which is the one the rollout generates in. rollout.name=mlite holds its copy in
+    it, and vLLM casts its bf16 weights on load anyway, so a bf16 stream halves the transfer and the host
+    copy. On CPU the runtime computes in fp32 whatever engine.dtype says, and so does the built-in rollout:
+    a bf16 stream there would round the rollout's weights below the trainer's."""
+    return COMPUTE_DTYPES[compute] if device_type == "cuda" else torch.float32
+
+
+def move_state(runtime, device: str | torch.device, model: bool = True, optimizer: bool = True) -> None:
+    """Move parameters (with their grads) and/or the optimizer state (not Adam's step counts) to `device`,
+    e.g. to the host while the rollout generates. verl names the accelerator by type ("cuda"): that is the
+    runtime's own device, index included."""
+    target = torch.device(device)
+    if target.index is None and target.type == runtime.device.type:
+        target = runtime.device
+    if model:
+        for p in runtime.model.parameters():
+            p.data = p.data.to(target)
+            if p.grad is not None:
+                p.grad = p.grad.to(target)
+    if optimizer:
+        for state in runtime.optim.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(target)
+
+
 class MliteEngine(BaseEngine):
     def __init__(self, model_config, engine_config: MliteEngineConfig, optimizer_config, checkpoint_config):
         super().__init__()
+        refuse_lora(model_config)  # before anything is built
         self.model_config = model_config
         self.engine_config = engine_config
         self.optimizer_config = optimizer_config
         self.checkpoint_config = checkpoint_config
         self.runtime = None
-        self.mode: Optional[str] = None
+        self.mode: str | None = None
 
     # ------------------------------------------------------------------------------------ lifecycle
     def job_dict(self) -> dict[str, Any]:
         total = (
             getattr(self.optimizer_config, "total_training_steps", None) if self.optimizer_config else None
         )
-        return to_job_dict(self.engine_config, self.model_config.local_path, self.optimizer_config, total)
+        # the longest sequence verl may hand us: the model's context (its data config is not ours to see)
+        seq_len = getattr(self.model_config.hf_config, "max_position_embeddings", None)
+        return to_job_dict(
+            self.engine_config, self.model_config.local_path, self.optimizer_config, total, seq_len
+        )
 
     def initialize(self):
         from mlite.runtime.engine import Runtime
 
         self.runtime = Runtime(job_from_dict(self.job_dict()))
+
+    # what verl's workers read of an engine besides its methods: the module trained (restored in place by
+    # the separation workers) and the torch optimizer (step-time lr/betas of the split-step worker)
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._built().model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._built().optim.optimizer
+
+    def _built(self):
+        if self.runtime is None:  # as verl's engines: no such attribute before initialize()
+            raise AttributeError(
+                "the mlite engine builds its model and optimizer in initialize(); call it first"
+            )
+        return self.runtime
 
     @property
     def is_param_offload_enabled(self) -> bool:
@@ -81,22 +156,15 @@ class MliteEngine(BaseEngine):
         return _ModeCtx(self, "eval", **kwargs)
 
     # ------------------------------------------------------------------------------ parallel layout
-    # verl asks for ranks before `initialize` builds the runtime: until then they come from the layout's
-    # rank order, (pp, dp, cp, tp) row-major as mlite.runtime.parallel.mesh builds it.
+    # verl asks for ranks before `initialize` builds the runtime: until then they come from the layout
+    # itself (`ParallelDims.coordinates`, the rank order the meshes are built in).
     def _coords(self) -> dict[str, int]:
         from mlite.runtime.parallel.mesh import ParallelDims
 
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         dims = ParallelDims.from_job(job_from_dict(self.job_dict()), world)
-        return {
-            "pp": rank // (dims.dp * dims.cp * dims.tp),
-            "dp": rank // (dims.cp * dims.tp) % dims.dp,
-            "cp": rank // dims.tp % dims.cp,
-            "tp": rank % dims.tp,
-            "dp_size": dims.dp,
-            "pp_size": dims.pp,
-        }
+        return {**dims.coordinates(rank), "dp_size": dims.dp, "pp_size": dims.pp}
 
     def get_data_parallel_rank(self):
         return self.runtime.dp_rank if self.runtime is not None else self._coords()["dp"]
@@ -140,39 +208,52 @@ class MliteEngine(BaseEngine):
             data, batch_num_tokens=batch_num_tokens.item(), dp_size=self.get_data_parallel_size()
         )
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
-        outputs = [self._micro_step(mb, loss_function, forward_only) for mb in micro_batches]
+        # as verl's FSDP engine: a training step keeps the per-token outputs only when the caller asks (they
+        # grow with the mini-batch); inference always returns them
+        keep_output = forward_only or bool(tu.get_non_tensor_data(data, "return_model_output", False))
+        outputs = [self._micro_step(mb, loss_function, forward_only, keep_output) for mb in micro_batches]
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
 
     def _micro_step(
-        self, micro_batch: TensorDict, loss_function: Optional[Callable], forward_only: bool
+        self, micro_batch: TensorDict, loss_function: Callable | None, forward_only: bool, keep_output: bool
     ) -> dict:
+        """One micro-batch through the runtime with verl's loss, which reads jagged per-token tensors."""
         batch = packed_from_jagged(micro_batch)
         offsets = micro_batch["input_ids"].offsets()
         temperature = float(tu.get_non_tensor_data(micro_batch, "temperature", 1.0) or 1.0)
         want_entropy = bool(tu.get_non_tensor_data(micro_batch, "calculate_entropy", False))
-        captured: dict[str, Any] = {}
 
-        def verl_loss(logprobs: torch.Tensor, entropy: Optional[torch.Tensor]):
-            model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(logprobs, offsets)}
-            if entropy is not None:
-                model_output["entropy"] = torch.nested.nested_tensor_from_jagged(entropy, offsets)
-            captured["model_output"] = {k: v.detach() for k, v in model_output.items()}
-            if loss_function is None:
-                return logprobs.sum() * 0, {}
-            loss, metrics = loss_function(
+        def jagged(per_token: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+            # under tp the runtime pads the stream to a multiple of tp: those positions are no sequence's
+            n = batch.num_tokens
+            return {
+                k: torch.nested.nested_tensor_from_jagged(v[:n], offsets)
+                for k, v in per_token.items()
+                if v is not None
+            }
+
+        def verl_loss(_share, logprobs, entropy, _aux_loss):
+            model_output = jagged({"log_probs": logprobs, "entropy": entropy})
+            return loss_function(
                 model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group()
             )
-            return loss, metrics
 
-        loss, metrics = self.runtime.forward_backward_logprobs(
-            batch, verl_loss, forward_only=forward_only, temperature=temperature, with_entropy=want_entropy
+        (out,) = self.runtime.forward_backward(
+            [batch],
+            verl_loss if loss_function is not None else None,
+            forward_only=forward_only,
+            with_entropy=want_entropy,
+            temperature=temperature,
         )
-        return {"model_output": captured["model_output"], "loss": float(loss), "metrics": metrics}
+        result = {"loss": float(out["loss"] or 0.0), "metrics": out["metrics"]}
+        if keep_output:  # the runtime's whole-stream outputs: on every rank, whatever the layout
+            result["model_output"] = jagged({"log_probs": out["logprobs"], "entropy": out["entropy"]})
+        return result
 
     # ------------------------------------------------------------------------------- state & export
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
         super().to(device=device, model=model, optimizer=optimizer, grad=grad)
-        self.runtime.to(device, model=model, optimizer=optimizer)
+        move_state(self.runtime, device, model=model, optimizer=optimizer)
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         self.runtime.save_checkpoint(
@@ -182,8 +263,11 @@ class MliteEngine(BaseEngine):
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
         self.runtime.load_checkpoint(os.path.join(local_path, "mlite"))
 
-    def get_per_tensor_param(self, **kwargs):
-        return self.runtime.export_weights(), None
+    def get_per_tensor_param(self, **kwargs) -> tuple[Iterator[tuple[str, torch.Tensor]], None]:
+        """HF-named full tensors in the rollout's dtype (`weight_sync_dtype`), and no PEFT config (LoRA is
+        refused at construction), as verl's engines return."""
+        dtype = weight_sync_dtype(self.runtime.job.precision.compute, self.runtime.device.type)
+        return self.runtime.export_weights(dtype), None
 
 
 class MliteEngineWithLMHead(MliteEngine):

@@ -41,7 +41,9 @@ class CpuPPOTrainerSync(PPOTrainerSync):
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
         for role, actor_class in list(self.role_worker_mapping.items()):
-            cpu_class = CpuTrainingWorker if "TrainingWorker" in str(actor_class) else CpuActorRolloutRefWorker
+            cpu_class = (
+                CpuTrainingWorker if "TrainingWorker" in str(actor_class) else CpuActorRolloutRefWorker
+            )
             self.role_worker_mapping[role] = ray.remote(cpu_class)
 
 

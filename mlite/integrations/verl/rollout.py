@@ -114,7 +114,8 @@ class MliteRolloutServer:
         budget = request.pop("max_tokens", None) or request.pop("max_new_tokens", None)
         if budget is None:
             budget = min(
-                self.config.response_length, self.config.prompt_length + self.config.response_length - prompt_len
+                self.config.response_length,
+                self.config.prompt_length + self.config.response_length - prompt_len,
             )
         top_k = int(request.get("top_k", -1) or -1)
         return SamplingParams(
@@ -135,7 +136,9 @@ class MliteRolloutServer:
         **kwargs,
     ) -> TokenOutput:
         if image_data or video_data or kwargs.get("audio_data"):
-            raise ValueError("rollout.name=mlite generates text only; use rollout.name=vllm for multimodal data")
+            raise ValueError(
+                "rollout.name=mlite generates text only; use rollout.name=vllm for multimodal data"
+            )
         params = self.sampling_params(len(prompt_ids), sampling_params)
         future = asyncio.get_running_loop().create_future()
         self._pending.append((list(prompt_ids), params, future))
@@ -275,7 +278,9 @@ class MliteServerAdapter(BaseRollout):
 
     async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs):
         if wire_format != "named_tensors":
-            raise ValueError(f"rollout.name=mlite takes full named tensors, not {wire_format!r} weight updates")
+            raise ValueError(
+                f"rollout.name=mlite takes full named tensors, not {wire_format!r} weight updates"
+            )
         # every rank walks the stream (sharded parameters are gathered collectively); copies go to the host
         # so the server can sit anywhere on the node
         tensors = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}

@@ -15,11 +15,12 @@ import torch
 
 from mlite.config.arch import ModelArch
 from mlite.errors import MliteError
+from mlite.plan.rules import TRAINED_FAMILIES
 from mlite.runtime.kernels import resolve_attention_backend
 from mlite.runtime.models.base import KVCache, ModelOutput
 from mlite.runtime.models.qwen3 import Transformer
 
-SUPPORTED_FAMILIES = ("dense", "moe")  # FAMILIES in mlite.config.arch: qwen3/qwen2/llama/mistral, qwen3_moe
+SUPPORTED_FAMILIES = TRAINED_FAMILIES  # the rule book's list (qwen3/qwen2/llama/mistral, qwen3_moe)
 
 
 def build_model(

@@ -67,6 +67,12 @@ def local_dispatch(hidden, expert_ids, weights, experts: ExpertsFn, num_experts:
 
 def local_stats(stats: RouterStats) -> RouterStats:
     return stats
+
+
+def whole(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
 class Experts(nn.Module):
     """E SwiGLU experts: gate and up fused as [E, 2*ffn, hidden], down as [E, hidden, ffn] (nn.Linear layout)."""
 
@@ -75,11 +81,17 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, ffn))
         self.act = act
+        self.local_view: Callable[[torch.Tensor], torch.Tensor] = whole
+
+    def set_local_view(self, view: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The seam: how this rank sees its experts' stacked weights (expert parallel: its slice of them)."""
+        self.local_view = view
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """tokens [M, hidden] grouped by local expert, counts[e] rows each -> [M, hidden]."""
-        gate, up = grouped_gemm(tokens, self.gate_up, counts).chunk(2, dim=-1)  # [M, ffn] each
-        return grouped_gemm(self.act(gate) * up, self.down, counts)
+        gate_up, down = self.local_view(self.gate_up), self.local_view(self.down)
+        gate, up = grouped_gemm(tokens, gate_up, counts).chunk(2, dim=-1)  # [M, ffn] each
+        return grouped_gemm(self.act(gate) * up, down, counts)
 
 
 class MoE(nn.Module):

@@ -8,9 +8,9 @@ Built for parallelism (see mlite.runtime.parallel.parallelize): `layers` is a Mo
 layer index, so a pipeline stage keeps global names; `embed`, `norm` and `output` are None on stages that
 do not hold them, and then forward takes / returns the residual stream. Heads are reshaped with -1 so
 tensor-parallel shards need no model change. The model imports no parallel code: parallel code changes how
-it computes only through three declared seams, `Attention.set_core` (context parallel, selective
-recompute), `Block.set_runner` (full recompute) and `MoE.set_parallel` (expert parallel, router statistics
-over cp x tp).
+it computes only through its declared seams: `Attention.set_core` (context parallel, selective
+recompute), `Block.set_runner` (full recompute), `MoE.set_parallel` (expert parallel dispatch, router
+statistics over cp x tp) and `Experts.set_local_view` (this rank's slice of the stacked experts).
 """
 
 from __future__ import annotations

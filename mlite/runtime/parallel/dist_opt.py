@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mlite.errors import MliteError
+from mlite.plan.rules import check_dist_opt_adapter
 from mlite.runtime.parallel.megatron import NEEDS_MEGATRON, init_parallel_state
 from mlite.runtime.parallel.mesh import ParallelDims
 
@@ -59,37 +60,9 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 # ------------------------------------------------------------------------------ checks (CPU, no megatron)
 def check_dist_opt_job(job: JobConfig, dims: ParallelDims) -> None:
-    """What dist_opt refuses before anything is built: one line naming the key or degrees and the fix."""
-    model_parallel = {"tp": dims.tp, "pp": dims.pp, "vpp": dims.vpp, "ep": dims.ep, "etp": dims.etp}
-    if any(degree > 1 for degree in model_parallel.values()):
-        described = ", ".join(f"{k}={v}" for k, v in model_parallel.items())
-        raise MliteError(
-            f"optimizer.backend dist_opt runs data parallel (dp x cp) only so far, and this layout has {described}; "
-            "set tp, pp, vpp, ep and etp to 1, or use optimizer.backend fsdp2"
-        )
-    precision = job.precision
-    if precision.compute not in COMPUTE_DTYPES:
-        raise MliteError(
-            f"precision.compute {precision.compute} with optimizer.backend dist_opt needs the runtime to scale "
-            "the loss by Megatron's dynamic loss scale, which it does not yet; use precision.compute bf16"
-        )
-    if precision.master != "fp32":
-        raise MliteError(
-            f"precision.master {precision.master}: Megatron-Core's distributed optimizer keeps fp32 master "
-            "shards (bf16 masters need Transformer Engine's precision-aware Adam); set precision.master fp32 "
-            "or use optimizer.backend fsdp2"
-        )
-    if precision.grad_reduce != "fp32" and precision.compute == "fp32":
-        raise MliteError(
-            f"precision.grad_reduce {precision.grad_reduce} with precision.compute fp32: gradients are fp32 "
-            "and are reduced in fp32 anyway; remove precision.grad_reduce or compute in bf16"
-        )
-    offload = job.offload
-    if offload.params or offload.grads or offload.optimizer:
-        raise MliteError(
-            "offload.* with optimizer.backend dist_opt: Megatron-Core's optimizer offload is not wired in mlite "
-            "yet; remove offload or use optimizer.backend fsdp2"
-        )
+    """What dist_opt refuses before anything is built: one line naming the key or degrees and the fix. The
+    rules live in the rule book (`mlite.plan.rules.check_dist_opt_adapter`, the matrix's adapter column)."""
+    check_dist_opt_adapter(job, dims)
 
 
 def megatron_transformer_config(arch: ModelArch, dims: ParallelDims, compute: str):

@@ -12,11 +12,8 @@ its local one. DeepEP plugs in at the same seam on GPUs.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.nn.functional import all_to_all_single
 
@@ -28,8 +25,7 @@ def expert_parallel_dispatch(group: dist.ProcessGroup):
 
     def dispatch(hidden, expert_ids, weights, experts: ExpertsFn, num_experts: int) -> torch.Tensor:
         order, routed, counts = group_by_expert(hidden, expert_ids, num_experts)
-        local_experts = functools.partial(_on_local_shards, experts)
-        out = _across_ranks(routed, counts, local_experts, num_experts, dist.get_world_size(group), group)
+        out = _across_ranks(routed, counts, experts, num_experts, dist.get_world_size(group), group)
         return combine(out, order, weights)
 
     return dispatch
@@ -49,14 +45,11 @@ def token_group_stats(group: dist.ProcessGroup):
     return reduce_stats
 
 
-def _on_local_shards(experts: nn.Module, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Run the experts on this rank's slice of their DTensor parameters: the grouped GEMM knows nothing of
-    DTensor, and to_local keeps the autograd link to the sharded parameter."""
-    local = {
-        name: p.to_local() if isinstance(p, DTensor) else p for name, p in experts.named_parameters(recurse=False)
-    }
-    with torch.nn.utils.stateless._reparametrize_module(experts, local):
-        return experts(tokens, counts)
+def local_slice(weight: torch.Tensor) -> torch.Tensor:
+    """The experts' seam under expert parallel (`Experts.set_local_view`): this rank's slice of a stacked
+    weight that is a DTensor of the global shape. The grouped GEMM knows nothing of DTensor, and to_local
+    keeps the autograd link to the sharded parameter."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def _across_ranks(routed, counts, experts, num_experts, ep, group):

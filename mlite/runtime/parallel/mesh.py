@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mlite.errors import MliteError
+from mlite.plan.rules import check_degrees, data_parallel_size
 
 if TYPE_CHECKING:
     from mlite.config.schema import JobConfig
@@ -49,36 +50,14 @@ class ParallelDims:
     vpp: int = 1
 
     def __post_init__(self):
-        degrees = {
-            "pp": self.pp,
-            "dp": self.dp,
-            "cp": self.cp,
-            "tp": self.tp,
-            "ep": self.ep,
-            "etp": self.etp,
-            "vpp": self.vpp,
-        }
-        described = ", ".join(f"{k}={v}" for k, v in degrees.items()) + f", world={self.world_size}"
-        if any(v < 1 for v in degrees.values()):
-            raise MliteError(f"parallel degrees must be >= 1 ({described})")
-        if self.pp * self.dp * self.cp * self.tp != self.world_size:
-            raise MliteError(f"pp x dp x cp x tp must equal the world size ({described}); fix the degrees")
-        if (self.dp * self.cp * self.tp) % (self.ep * self.etp):
-            raise MliteError(
-                f"ep x etp must divide dp x cp x tp = {self.dp * self.cp * self.tp} ({described}); "
-                "choose ep and etp that fold over the ranks of one pipeline stage"
-            )
+        # the degree rules live in the rule book, shared with the planner (one message for one problem)
+        check_degrees(self.world_size, self.pp, self.dp, self.cp, self.tp, self.ep, self.etp, self.vpp)
 
     @classmethod
     def from_job(cls, job: JobConfig, world_size: int) -> ParallelDims:
         par = job.parallel
-        per_replica = par.pp * par.cp * par.tp
-        if world_size % per_replica:
-            raise MliteError(
-                f"world size {world_size} is not a multiple of pp x cp x tp = {per_replica} "
-                f"(pp={par.pp}, cp={par.cp}, tp={par.tp}); change the degrees or the number of GPUs"
-            )
-        return cls(world_size, par.pp, world_size // per_replica, par.cp, par.tp, par.ep, par.etp, par.vpp)
+        dp = data_parallel_size(world_size, par.pp, par.cp, par.tp)
+        return cls(world_size, par.pp, dp, par.cp, par.tp, par.ep, par.etp, par.vpp)
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Where global `rank` sits in the dense layout (Megatron order, tp fastest): its pp, dp, cp and tp

@@ -8,8 +8,8 @@ with -1), `mlp_norm` and `mlp`, either dense (`gate_proj`, `up_proj`, `down_proj
 `experts` with stacked [E, ...] parameters). Beyond sharding parameters, this module changes how a model
 computes only through the model's declared seams, never by assigning onto its modules:
 `attn.set_core` (context parallel and selective recompute, composed in `apply_recompute`),
-`layer.set_runner` (full recompute) and `mlp.set_parallel` (expert parallel dispatch, router statistics
-summed over cp x tp).
+`layer.set_runner` (full recompute), `mlp.set_parallel` (expert parallel dispatch, router statistics
+summed over cp x tp) and `mlp.experts.set_local_view` (this rank's slice of the stacked experts).
 
 Gradient reduction: the loss each rank computes is its share of the global loss (its tokens' summed
 cross-entropy over the global number of target tokens), so gradients are summed over ranks, never
@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import (
 from mlite.errors import MliteError
 from mlite.runtime.models.moe import local_dispatch, local_stats
 from mlite.runtime.parallel.context import context_parallel_attention
-from mlite.runtime.parallel.expert import expert_parallel_dispatch, token_group_stats
+from mlite.runtime.parallel.expert import expert_parallel_dispatch, local_slice, token_group_stats
 from mlite.runtime.parallel.mesh import ParallelMesh
 
 if TYPE_CHECKING:
@@ -112,6 +112,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
             experts = layer.mlp.experts
             for name, param in list(experts.named_parameters(recurse=False)):
                 experts.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), ep, [Shard(0)])))
+            experts.set_local_view(local_slice)
         layer.mlp.set_parallel(dispatch, reduce_stats)
 
 

@@ -18,7 +18,6 @@ blocking receives. Any order consistent with the data dependencies runs without 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,36 +26,15 @@ import torch.distributed as dist
 from torch import nn
 
 from mlite.errors import MliteError
+from mlite.plan.rules import split_chunks
 
 
 def split_layers(
     num_layers: int, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None
 ) -> list[list[int]]:
-    """Global layer indices of each of the pp*vpp chunks, in model order."""
-    chunks = pp * vpp
-    if chunks == 1:
-        return [list(range(num_layers))]
-    head = first if first is not None else None
-    tail = last if last is not None else None
-    fixed = (head or 0) + (tail or 0)
-    middle_chunks = chunks - (head is not None) - (tail is not None)
-    rest = num_layers - fixed
-    if rest < 0 or (middle_chunks == 0 and rest != 0) or (middle_chunks and rest % middle_chunks):
-        raise MliteError(
-            f"{num_layers} layers do not split over pp={pp} x vpp={vpp} chunks with first={first}, "
-            f"last={last} "
-            "stage layers; make the remaining layers divide evenly over the other chunks"
-        )
-    even = rest // middle_chunks if middle_chunks else 0
-    sizes = [even] * chunks
-    if head is not None:
-        sizes[0] = head
-    if tail is not None:
-        sizes[-1] = tail
-    bounds = [0]
-    for size in sizes:
-        bounds.append(bounds[-1] + size)
-    return [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
+    """Global layer indices of each of the pp*vpp chunks, in model order: the rule book's one splitter, so
+    the planner's stage layers and the runtime's chunks are the same cut."""
+    return split_chunks(num_layers, pp, vpp, first, last)
 
 
 def keep_chunk(model: nn.Module, layer_ids: Sequence[int], first: bool, last: bool) -> nn.Module:
@@ -157,11 +135,9 @@ class PipelineRunner:
         dist.recv(stats, src, tag=tag + 2)
         return tensor, stats
 
-    def _router_stats(self, chunk: nn.Module):
-        """(counts and rows [E+1] without gradient, probability sums [E] with it, shards) of this chunk."""
-        stats = [
-            layer.mlp.router_stats for layer in chunk.layers.values() if hasattr(layer.mlp, "router_stats")
-        ]
+    def _router_stats(self, stats: list):
+        """(counts and rows [E+1] without gradient, probability sums [E] with it, shards) of a chunk's
+        forward (its ModelOutput.router_stats, one entry per MoE layer)."""
         if not stats:
             return torch.zeros(self.num_stats, dtype=torch.float64, device=self.device), None, 1
         counts = torch.stack([s.counts for s in stats]).sum(0).double()
@@ -185,17 +161,15 @@ class PipelineRunner:
         loss_fn: Callable | None = None,
         before_backward: Callable[[int, bool], None] | None = None,
         dtype: torch.dtype = torch.float32,
+        aux_weight: float = 1.0,
     ) -> dict:
-        """Execute. Returns this rank's summed loss (last chunk) and balance-loss terms, and with no loss_fn
-        the last chunk's hidden states per micro-batch (a forward-only pass)."""
+        """Execute. Returns this rank's summed loss (last chunk), its balance-loss terms per micro-batch
+        (times `aux_weight`: the trainers' average over micro-batches and ranks), and with no loss_fn the
+        last chunk's hidden states per micro-batch (a forward-only pass)."""
         training = loss_fn is not None
         saved = {}  # (chunk, micro-batch) -> what its backward needs
         pending_backwards = {c: sum(a.kind == "B" and a.chunk == c for a in actions) for c in self.chunks}
-        loss_sum, aux_sum, results = (
-            torch.zeros((), device=self.device),
-            torch.zeros((), device=self.device),
-            {},
-        )
+        loss_sum, aux, results = torch.zeros((), device=self.device), {}, {}
         last = self.num_chunks - 1
         for action in actions:
             c, m = action.chunk, action.micro_batch
@@ -205,8 +179,9 @@ class PipelineRunner:
                     hidden, upstream = self._recv(c - 1, self._tag(c - 1, m, False), dtype)
                     hidden.requires_grad_(training)
                 with torch.set_grad_enabled(training):
-                    out = self.chunks[c](batches[m], hidden=hidden).hidden
-                    mine, prob_sum, shards = self._router_stats(self.chunks[c])
+                    chunk_out = self.chunks[c](batches[m], hidden=hidden)
+                    out = chunk_out.hidden
+                    mine, prob_sum, shards = self._router_stats(chunk_out.router_stats)
                     running = upstream + mine
                     if c != last:
                         self._send(out, running, c + 1, self._tag(c, m, False))
@@ -228,7 +203,8 @@ class PipelineRunner:
                 term = self._balance_term(totals, prob_sum, shards)
                 tensors, grads = [out], [grad]
                 if term is not None:
-                    aux_sum += term.detach()
+                    term = term * aux_weight
+                    aux[m] = aux.get(m, 0.0) + term.detach()
                     tensors, grads = [out, term], [grad, None]
                 torch.autograd.backward(
                     tensors, [g if g is not None else torch.ones_like(t) for t, g in zip(tensors, grads)]
@@ -238,7 +214,7 @@ class PipelineRunner:
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
-        return {"loss": loss_sum, "aux": aux_sum, "outputs": results}
+        return {"loss": loss_sum, "aux": aux, "outputs": results}
 
 
 def stage_view(chunks: dict[int, nn.Module]) -> nn.Module:

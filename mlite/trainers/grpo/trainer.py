@@ -218,11 +218,8 @@ class GRPOTrainer:
                     num_sequences=int(self.runtime.global_sum(sum(1 for m in masks if any(m)))),
                     horizon=self.rollout_cfg.max_response_length,
                 )
-                aux_weight = 1.0 / (len(micro) * self.runtime.dp_size)
 
-                def loss_fn(
-                    batch: PackedBatch, logprobs, entropy, aux_loss, norm=norm, aux_weight=aux_weight
-                ):
+                def loss_fn(batch: PackedBatch, logprobs, entropy, aux_loss, norm=norm):
                     mask = batch.labels != IGNORE
                     loss, metrics = grpo_loss(
                         self.loss_cfg,
@@ -237,7 +234,7 @@ class GRPOTrainer:
                         batch.extras.get("ref_logprobs"),
                     )
                     metrics["tokens"] = float(mask.sum())
-                    return loss + aux_loss * aux_weight, metrics
+                    return loss + aux_loss, metrics  # the runtime's share of the MoE balance loss
 
                 self.runtime.zero_grad()
                 outs = self.runtime.forward_backward(

@@ -1,0 +1,613 @@
+"""The rule book: every rule that decides whether mlite accepts a job, in one torch-free module that the
+planner and the trainers' start-up both call, so that `mlite plan` and `mlite sft` / `mlite grpo` give one
+verdict.
+
+    layout = check_job(job, arch, world_size, device_type, has_megatron)   # THE verdict; raises MliteError
+    layout = check_layout(job, arch, world_size)      # the layout alone: what the planner sizes
+    check_runtime(job, arch, world_size, device_type, has_megatron)        # what the trainers run beyond it
+    chunks = split_chunks(num_layers, pp, vpp, first, last)                # the one stage splitter
+
+Every rule raises `MliteError` with one line: what is wrong and the fix. docs/PLANNER.md ("Validation",
+"What the trainers run", "Backend support matrix") writes them out; `SUPPORT` is the matrix it prints.
+
+Who calls what, with which arguments:
+- the planner (`plan_job`, `mlite plan`, `mlite grpo`): `check_job` with world = cluster.world_size,
+  device_type = `planned_device_type(job)`, has_megatron = `megatron_installed()`;
+- the trainers: `Runtime` calls `check_job(job, arch, world, device_type, has_megatron)` first thing at
+  start-up, before any model is built, with the world and device it runs on;
+- `ParallelDims` (mlite.runtime.parallel.mesh) checks its degrees with `data_parallel_size` and
+  `check_degrees`, the dist_opt adapter with `check_dist_opt_adapter`, the pipeline cuts with `split_chunks`.
+
+Rank folding (as in mlite.runtime.parallel.mesh): world = pp x dp x cp x tp, and on the dp x cp x tp ranks of
+each pipeline stage the experts fold as edp x ep x etp.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import itertools
+import math
+import sys
+from dataclasses import dataclass
+from typing import Protocol
+
+from mlite.config.arch import FAMILIES, ModelArch
+from mlite.config.schema import JobConfig
+from mlite.errors import MliteError
+
+MATRIX = "docs/PLANNER.md, backend matrix"
+
+
+# ------------------------------------------------------------------------------- backend support matrix
+@dataclass(frozen=True)
+class Support:
+    """One row of the matrix. `fsdp2`: FSDP2 carries it and the trainers run it. `dist_opt`: Megatron-Core's
+    distributed optimizer carries it by design (what the planner sizes). `adapter`: mlite's dist_opt adapter
+    (mlite/runtime/parallel/dist_opt.py) runs it today. `off`: how a job drops the feature."""
+
+    fsdp2: bool
+    dist_opt: bool
+    adapter: bool
+    why: str
+    off: str
+
+
+# feature -> support. docs/PLANNER.md prints the same table (tests/test_rules.py compares them).
+SUPPORT: dict[str, Support] = {
+    "cpu (gloo) device": Support(True, False, False, "Megatron-Core's distributed optimizer needs CUDA GPUs",
+                                 "run on GPUs"),
+    "tp + sequence parallel": Support(True, True, False, "", "set parallel.tp: 1"),
+    "pp (1F1B)": Support(True, True, False, "", "set parallel.pp: 1"),
+    "vpp (interleaved 1F1B)": Support(True, True, False, "", "set parallel.vpp: 1"),
+    "cp (zigzag ring attention)": Support(True, True, True, "", "set parallel.cp: 1"),
+    "ep": Support(True, True, False, "", "set parallel.ep: 1"),
+    "etp > 1": Support(False, True, False, "FSDP2 shards experts over edp; it does not split an expert's FFN",
+                       "set parallel.etp: 1"),
+    "offload.params": Support(True, False, False, "Megatron's distributed optimizer keeps parameters on the "
+                              "GPU", "set offload.params: false"),
+    "offload.grads": Support(True, False, False, "Megatron DDP's contiguous grad buffer stays on the GPU",
+                             "set offload.grads: false"),
+    "offload.optimizer (+ fraction)": Support(True, True, False, "Megatron: a hybrid CPU/GPU optimizer with "
+                                              "a fraction; not wired into the adapter",
+                                              "set offload.optimizer: false"),
+    "precision.compute fp16": Support(False, True, False, "fp16 needs a loss scaler; only Megatron's "
+                                      "optimizer has one", "set precision.compute: bf16"),
+    "precision.master bf16": Support(True, True, False, "fsdp2 on GPUs; Megatron needs Transformer "
+                                     "Engine's precision-aware Adam", "set precision.master: fp32"),
+    "checkpoints (save, resume)": Support(True, True, False, "the adapter has no DCP checkpoints yet", ""),
+}
+TRAINED_BACKENDS = ("fsdp2",)  # what the trainers' Runtime builds
+TRAINED_FAMILIES = ("dense", "moe")  # what mlite.runtime.models builds (mlite.config.arch.FAMILIES)
+# Model families whose attention mlite does not split by tensor parallel.
+NO_TP_MODELS = {"deepseek_v4": "its one shared KV head and grouped low-rank output projection are not split"}
+
+
+class Degrees(Protocol):
+    """What the rules read of a layout: job.parallel, a `Layout` and `ParallelDims` all have these."""
+
+    tp: int
+    pp: int
+    vpp: int
+    cp: int
+    ep: int
+    etp: int
+
+
+def planned_device_type(job: JobConfig) -> str:
+    """The device the planner assumes: the job's, as the trainers would pick it on that cluster."""
+    return "cpu" if job.cluster.gpu == "cpu" or job.trainer.device == "cpu" else "cuda"
+
+
+def megatron_installed() -> bool:
+    """Whether megatron-core is importable, without importing it (not even its namespace package, which
+    `importlib.util.find_spec("megatron.core")` would put in sys.modules)."""
+    if "megatron" in sys.modules:
+        return importlib.util.find_spec("megatron.core") is not None
+    top = importlib.machinery.PathFinder.find_spec("megatron")
+    if top is None or not top.submodule_search_locations:
+        return False
+    core = importlib.machinery.PathFinder.find_spec("megatron.core", list(top.submodule_search_locations))
+    return core is not None
+
+
+def features_used(job: JobConfig, dims: Degrees, device_type: str) -> list[str]:
+    """The matrix rows this job needs."""
+    used = {
+        "cpu (gloo) device": device_type != "cuda",
+        "tp + sequence parallel": dims.tp > 1,
+        "pp (1F1B)": dims.pp > 1 and dims.vpp == 1,
+        "vpp (interleaved 1F1B)": dims.vpp > 1,
+        "cp (zigzag ring attention)": dims.cp > 1,
+        "ep": dims.ep > 1,
+        "etp > 1": dims.etp > 1,
+        "offload.params": job.offload.params,
+        "offload.grads": job.offload.grads,
+        "offload.optimizer (+ fraction)": job.offload.optimizer,
+        "precision.compute fp16": job.precision.compute == "fp16",
+        "precision.master bf16": job.precision.master == "bf16",
+        "checkpoints (save, resume)": True,
+    }
+    return [feature for feature, on in used.items() if on]
+
+
+def check_backend(job: JobConfig) -> None:
+    """The matrix by design: what optimizer.backend carries (dist_opt: what Megatron-Core does, so the planner
+    can size it; whether the trainers run it is `check_backend_trained`)."""
+    backend = job.optimizer.backend
+    for feature in features_used(job, job.parallel, planned_device_type(job)):
+        row = SUPPORT[feature]
+        if getattr(row, backend):
+            continue
+        trained = [b for b in TRAINED_BACKENDS if getattr(row, b)]
+        fix = f"use optimizer.backend {trained[0]}" if trained else f"{row.off} (no trained backend has it)"
+        raise MliteError(
+            f"{feature} is not supported by optimizer.backend '{backend}' ({row.why}); {fix} ({MATRIX})"
+        )
+
+
+# ------------------------------------------------------------------------------------------- degrees
+def _described(world_size: int, **degrees: int) -> str:
+    return ", ".join(f"{k}={v}" for k, v in degrees.items()) + f", world={world_size}"
+
+
+def data_parallel_size(world_size: int, pp: int, cp: int, tp: int) -> int:
+    """dp = world / (pp x cp x tp), which must be whole."""
+    per_replica = pp * cp * tp
+    if world_size % per_replica:
+        raise MliteError(
+            f"world size {world_size} is not a multiple of pp x cp x tp = {per_replica} "
+            f"({_described(world_size, pp=pp, cp=cp, tp=tp)}), so dp = world / (pp x cp x tp) is not "
+            f"whole; pick degrees whose product divides {world_size}, or change the number of GPUs"
+        )
+    return world_size // per_replica
+
+
+def check_degrees(
+    world_size: int, pp: int, dp: int, cp: int, tp: int, ep: int = 1, etp: int = 1, vpp: int = 1
+) -> int:
+    """The degrees of one layout fit together; returns edp, the expert data-parallel size."""
+    degrees = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep, "etp": etp, "vpp": vpp}
+    described = _described(world_size, **degrees)
+    if any(v < 1 for v in degrees.values()):
+        raise MliteError(f"parallel degrees must be >= 1 ({described})")
+    if pp * dp * cp * tp != world_size:
+        raise MliteError(f"pp x dp x cp x tp must equal the world size ({described}); fix the degrees")
+    stage = dp * cp * tp
+    if stage % (ep * etp):
+        raise MliteError(
+            f"ep x etp must divide dp x cp x tp, the {stage} ranks of one pipeline stage that experts fold "
+            f"over: {ep * etp} does not ({described}); choose ep x etp dividing {stage}"
+        )
+    return stage // (ep * etp)
+
+
+# ------------------------------------------------------------------------------------- pipeline split
+def split_chunks(
+    num_layers: int, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None
+) -> list[list[int]]:
+    """Global layer ids of each of the pp x vpp pipeline chunks, in model order; chunk c runs on pp rank
+    c % pp (dealt round-robin when vpp > 1). Without explicit sizes the layers split evenly over the
+    chunks. With `first` / `last` (pp_first/last_stage_layers, vpp = 1 only; 0 makes an embedding-only or
+    head-only stage) the other stages share the rest evenly, at least one layer each."""
+    if pp > num_layers:
+        raise MliteError(
+            f"parallel.pp={pp} exceeds the model's {num_layers} layers; use at most {num_layers} stages"
+        )
+    chunks = pp * vpp
+    if first is None and last is None:
+        if num_layers % chunks:
+            hint = (
+                suggest_first_last(num_layers, pp) if vpp == 1 else f"choose pp x vpp dividing {num_layers}"
+            )
+            raise MliteError(
+                f"the model's {num_layers} layers do not split over pp={pp} x vpp={vpp} = {chunks} "
+                f"chunks evenly; {hint}"
+            )
+        sizes = [num_layers // chunks] * chunks
+    else:
+        if vpp > 1:  # interleaved chunks are all the same size (Megatron's rule too)
+            raise MliteError(
+                "pp_first_stage_layers / pp_last_stage_layers need vpp = 1 (interleaved chunks are "
+                "split evenly); remove parallel.vpp or the explicit stage sizes"
+            )
+        fixed = (first or 0) + (last or 0)
+        middle = pp - (first is not None) - (last is not None)
+        rest = num_layers - fixed
+        if rest < 0 or (middle == 0 and rest != 0):
+            raise MliteError(
+                f"pp_first_stage_layers + pp_last_stage_layers = {fixed} does not fit the model's "
+                f"{num_layers} layers over pp={pp}; {suggest_first_last(num_layers, pp)}"
+            )
+        if middle and (rest % middle or rest // middle == 0):
+            raise MliteError(
+                f"after the explicit first/last stages, {rest} layers do not split evenly (and at "
+                f"least one each) over the other {middle} stages; {suggest_first_last(num_layers, pp)}"
+            )
+        sizes = [rest // middle if middle else 0] * pp
+        if first is not None:
+            sizes[0] = first
+        if last is not None:
+            sizes[-1] = last
+    bounds = [0, *itertools.accumulate(sizes)]
+    return [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
+
+
+def balanced_first_last(layers: int, pp: int) -> tuple[int, int]:
+    """Stage sizes for layers that pp does not divide: middle stages of ceil(L/pp) layers (fewer if that
+    would leave first and last nothing), the rest shared by first and last, the last (which holds the head)
+    no larger."""
+    if pp == 2:
+        return layers - layers // 2, layers // 2
+    middle = math.ceil(layers / pp)
+    while layers - (pp - 2) * middle < 2 and middle > 1:
+        middle -= 1
+    rest = layers - (pp - 2) * middle
+    return rest - rest // 2, rest // 2
+
+
+def suggest_first_last(layers: int, pp: int) -> str:
+    if pp == 1:
+        return "use pp=1"
+    first, last = balanced_first_last(layers, pp)
+    return f"e.g. set parallel.pp_first_stage_layers={first} and parallel.pp_last_stage_layers={last}"
+
+
+# ---------------------------------------------------------------------------------------- the layout
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of a checked layout plus what they imply."""
+
+    world: int
+    tp: int
+    pp: int
+    vpp: int
+    cp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
+    sequence_parallel: bool
+    stage_layers: tuple[tuple[int, ...], ...]  # per pipeline rank: layer ids it holds (all its chunks)
+    micro_batches: int  # micro-batches per optimizer step per data-parallel rank (worst case: long samples)
+    tokens_per_micro_batch: int  # before cp splits it
+    split: int  # every sequence length must be a multiple of this (SP x CP chunks)
+    chunk_layers: tuple[tuple[int, ...], ...] = ()  # per pipeline chunk (pp x vpp, model order): split_chunks
+
+    def describe(self) -> str:
+        text = f"tp{self.tp} pp{self.pp} cp{self.cp} dp{self.dp} ep{self.ep}"
+        if self.vpp > 1:
+            text += f" vpp{self.vpp}"
+        if self.etp > 1:
+            text += f" etp{self.etp}"
+        return text
+
+
+def check_layout(job: JobConfig, arch: ModelArch, world_size: int) -> Layout:
+    """The parallel layout on `world_size` ranks against the model: what the planner sizes (a dist_opt layout
+    by Megatron-Core's design). Whether the trainers run it is `check_runtime`; both: `check_job`."""
+    p = job.parallel
+    dp = data_parallel_size(world_size, p.pp, p.cp, p.tp)
+    edp = check_degrees(world_size, p.pp, dp, p.cp, p.tp, p.ep, p.etp, p.vpp)
+    check_backend(job)
+    check_model_split(job, arch)
+    chunks = split_chunks(arch.num_layers, p.pp, p.vpp, p.pp_first_stage_layers, p.pp_last_stage_layers)
+    split = check_sequence_split(job, arch)
+    micro_batches, tokens = check_batches(job, arch, dp)
+    check_recompute(job, chunks)
+    check_rollout(job, arch, world_size)
+    stage_layers = tuple(tuple(i for chunk in chunks[r :: p.pp] for i in chunk) for r in range(p.pp))
+    return Layout(world=world_size, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, dp=dp, ep=p.ep, etp=p.etp, edp=edp,
+                  sequence_parallel=bool(p.sequence_parallel), stage_layers=stage_layers,
+                  micro_batches=micro_batches, tokens_per_micro_batch=tokens, split=split,
+                  chunk_layers=tuple(tuple(c) for c in chunks))
+
+
+def check_model_split(job: JobConfig, arch: ModelArch) -> None:
+    """Heads, KV heads and MLP widths split by tp, experts by ep, expert width by etp."""
+    p = job.parallel
+    if p.tp > 1 and arch.model_type in NO_TP_MODELS:
+        raise MliteError(
+            f"{arch.name} runs with tp=1 only: {NO_TP_MODELS[arch.model_type]}; set parallel.tp=1 "
+            "and scale with ep, cp, pp and dp"
+        )
+    if arch.num_heads % p.tp:
+        raise MliteError(
+            f"{arch.name} has {arch.num_heads} attention heads, not divisible by tp={p.tp}; "
+            f"use a tp dividing {arch.num_heads}"
+        )
+    # KV heads are not replicated across tp; MLA's latent KV is not split at all
+    if arch.mla is None and arch.num_kv_heads % p.tp:
+        raise MliteError(
+            f"{arch.name} has {arch.num_kv_heads} KV heads, not divisible by tp={p.tp} (KV heads are "
+            f"not replicated across tp); use a tp dividing {arch.num_kv_heads}"
+        )
+    if arch.ffn and arch.ffn % p.tp:
+        raise MliteError(f"{arch.name}'s MLP width {arch.ffn} is not divisible by tp={p.tp}; use another tp")
+    if arch.moe is None:
+        if p.ep > 1 or p.etp > 1:
+            raise MliteError(f"{arch.name} is dense (no experts): parallel.ep and parallel.etp must be 1")
+        return
+    if arch.moe.num_experts % p.ep:
+        raise MliteError(
+            f"{arch.name} has {arch.moe.num_experts} routed experts, not divisible by ep={p.ep}; "
+            f"use an ep dividing {arch.moe.num_experts}"
+        )
+    if arch.moe.expert_ffn % p.etp:
+        raise MliteError(
+            f"{arch.name}'s expert width {arch.moe.expert_ffn} is not divisible by etp={p.etp}; "
+            "use another etp"
+        )
+    if arch.moe.shared_expert_ffn % p.tp:
+        raise MliteError(
+            f"{arch.name}'s shared expert width {arch.moe.shared_expert_ffn} is not divisible by "
+            f"tp={p.tp}; use another tp"
+        )
+
+
+def check_sequence_split(job: JobConfig, arch: ModelArch) -> int:
+    """Sequence parallel splits every packed micro-batch over tp ranks; context parallel cuts its token stream
+    into 2 x cp chunks (zigzag: rank i takes chunks i and 2cp-1-i, balancing causal work). Lengths must split
+    evenly: an uneven split is refused here rather than failing inside a collective later. Returns the
+    multiple every length must be."""
+    p, d = job.parallel, job.data
+    split = p.tp if p.sequence_parallel else 1
+    why = [f"sequence parallel (tp={p.tp})"] if split > 1 else []
+    if p.cp > 1:
+        chunk = 1
+        if arch.v4 is not None:  # a compressed row must not straddle two ranks' chunks
+            chunk = max(arch.v4.compress_ratios)
+            why.append(f"DeepSeek-V4 compression blocks of {chunk} tokens per chunk")
+        split = math.lcm(split, 2 * p.cp * chunk)
+        why.append(f"context parallel zigzag (2 x cp={p.cp} chunks)")
+    if split == 1:
+        return 1
+    lengths = {"data.seq_len": d.seq_len}
+    if d.dynamic_batch:
+        lengths["data.max_tokens_per_micro_batch"] = d.max_tokens_per_micro_batch
+    for key, value in lengths.items():
+        if value % split:
+            lower, upper = value // split * split, (value // split + 1) * split
+            raise MliteError(
+                f"{key}={value} cannot be split evenly by {' and '.join(why)}: it must be a multiple "
+                f"of {split}; use {lower or upper} or {upper}"
+            )
+    return split
+
+
+def check_batches(job: JobConfig, arch: ModelArch, dp: int) -> tuple[int, int]:
+    """Batches over dp ranks and micro-batches; returns (micro-batches per step, tokens per micro-batch)."""
+    d, p = job.data, job.parallel
+    if d.global_batch_size % dp:
+        raise MliteError(
+            f"data.global_batch_size={d.global_batch_size} is not divisible by dp={dp} data-parallel "
+            f"ranks; use a multiple of {dp}"
+        )
+    per_rank = d.global_batch_size // dp
+    if d.dynamic_batch:
+        tokens = d.max_tokens_per_micro_batch
+        micro = max(1, math.ceil(per_rank * d.seq_len / tokens))  # worst case: every sample is seq_len long
+    else:
+        if per_rank % d.micro_batch_size:
+            raise MliteError(
+                f"data.global_batch_size={d.global_batch_size} is not divisible by dp x "
+                f"micro_batch_size = {dp * d.micro_batch_size}; use a multiple of it"
+            )
+        tokens = d.micro_batch_size * d.seq_len
+        micro = per_rank // d.micro_batch_size
+    if p.vpp > 1 and micro % p.pp:  # Megatron's interleaved-schedule rule
+        raise MliteError(
+            f"interleaved pipeline (vpp={p.vpp}) needs micro-batches per step ({micro}) divisible by "
+            f"pp={p.pp}; raise data.global_batch_size to a multiple of {dp * p.pp} x the micro-batch"
+        )
+    if d.seq_len > arch.max_position_embeddings:
+        raise MliteError(
+            f"data.seq_len={d.seq_len} exceeds {arch.name}'s max_position_embeddings="
+            f"{arch.max_position_embeddings}; lower data.seq_len"
+        )
+    return micro, tokens
+
+
+def check_recompute(job: JobConfig, chunks: list[list[int]]) -> None:
+    """Full recompute groups layers within one pipeline chunk."""
+    r = job.recompute
+    if r.granularity != "full":
+        return
+    per_chunk = min(len(c) for c in chunks if c)  # a stage may hold 0 layers (embedding or head only)
+    if r.num_layers > max(1, per_chunk):
+        raise MliteError(
+            f"recompute.num_layers={r.num_layers} exceeds the {per_chunk} layers of a pipeline chunk; "
+            f"use at most {max(1, per_chunk)}"
+        )
+
+
+def check_rollout(job: JobConfig, arch: ModelArch, world_size: int) -> None:
+    """GRPO's rollout shape against the layout, by design (which engine runs: check_rollout_engine)."""
+    if job.rollout is None:
+        return
+    r = job.rollout
+    if world_size % r.tp:
+        raise MliteError(
+            f"rollout.tp={r.tp} does not divide the world size {world_size}; use a divisor of it"
+        )
+    if r.tp > 1 and r.engine == "builtin":
+        raise MliteError(
+            "rollout.tp > 1 needs rollout.engine: vllm (the builtin engine generates on the training "
+            "layout); set rollout.tp=1"
+        )
+    if arch.num_heads % r.tp:
+        raise MliteError(
+            f"rollout.tp={r.tp} does not divide {arch.name}'s {arch.num_heads} attention heads; "
+            "use a divisor of them"
+        )
+    needed = r.max_prompt_length + r.max_response_length
+    if needed > job.data.seq_len:
+        raise MliteError(
+            f"rollout.max_prompt_length + max_response_length = {needed} exceeds data.seq_len="
+            f"{job.data.seq_len}, the longest sequence training accepts; raise data.seq_len to {needed}"
+        )
+
+
+# --------------------------------------------------------------------------------- what the trainers run
+def check_runtime(
+    job: JobConfig, arch: ModelArch, world_size: int, device_type: str, has_megatron: bool
+) -> None:
+    """What the trainers refuse at start-up beyond `check_layout`: keys the run cannot honour on this device
+    and world, then layouts this model cannot run with yet."""
+    check_runtime_keys(job, arch, world_size, device_type, has_megatron)
+    check_model_layout(job, arch)
+
+
+def check_runtime_keys(
+    job: JobConfig, arch: ModelArch, world_size: int, device_type: str, has_megatron: bool
+) -> None:
+    """The refusals no choice of parallel degrees changes (`recommend` asks these once, before its search)."""
+    check_model_built(arch)
+    check_backend_trained(job, device_type, has_megatron)
+    check_precision(job, world_size, device_type)
+    check_offload(job, world_size, device_type)
+    check_rollout_engine(job)
+
+
+def check_job(
+    job: JobConfig, arch: ModelArch, world_size: int, device_type: str, has_megatron: bool
+) -> Layout:
+    """THE verdict: the layout, then what the trainers run. The planner and the trainers' start-up both call
+    it; the trainers call it first thing, before any model is built."""
+    layout = check_layout(job, arch, world_size)
+    check_runtime(job, arch, world_size, device_type, has_megatron)
+    return layout
+
+
+def check_model_built(arch: ModelArch) -> None:
+    if arch.family not in TRAINED_FAMILIES:
+        native = ", ".join(t for t, family in FAMILIES.items() if family in TRAINED_FAMILIES)
+        raise MliteError(
+            f"{arch.name or arch.model_type} (model_type '{arch.model_type}') has no native model yet, "
+            f"so the trainers cannot build it; train a model_type they build: {native}"
+        )
+
+
+def check_model_layout(job: JobConfig, arch: ModelArch) -> None:
+    """Degrees the runtime cannot run with this model yet (the degrees themselves are fine)."""
+    p = job.parallel
+    if arch.tie_embeddings and (p.tp > 1 or p.pp > 1):  # one weight in the first and the last stage
+        raise MliteError(
+            f"tied embeddings (tie_word_embeddings) with tp={p.tp}, pp={p.pp} are not supported yet; use "
+            "tp=1 and pp=1 (data, context and expert parallel work) or a model with an untied LM head"
+        )
+    if arch.moe is not None and p.pp > 1:
+        raise MliteError(
+            f"parallel.pp={p.pp} with a MoE model: the runtime does not weight the pipelined balance loss "
+            "yet; set parallel.pp: 1 and use ep, tp, cp or data parallel for MoE models"
+        )
+
+
+def _adapter_gaps(job: JobConfig, dims: Degrees) -> list[tuple[str, str]]:
+    """What mlite's dist_opt adapter does not run in this job: (short name, its one-line refusal), in the
+    order the adapter refuses them. The matrix's `adapter` column says the same per feature."""
+    gaps: list[tuple[str, str]] = []
+    model_parallel = {"tp": dims.tp, "pp": dims.pp, "vpp": dims.vpp, "ep": dims.ep, "etp": dims.etp}
+    if any(v > 1 for v in model_parallel.values()):
+        described = ", ".join(f"{k}={v}" for k, v in model_parallel.items())
+        named = ", ".join(f"{k}={v}" for k, v in model_parallel.items() if v > 1)
+        line = (
+            "optimizer.backend dist_opt runs data parallel (dp x cp) only so far, and this layout has "
+            f"{described}; set tp, pp, vpp, ep and etp to 1, or use optimizer.backend fsdp2"
+        )
+        gaps.append((named, line))
+    precision = job.precision
+    if precision.compute == "fp16":
+        line = (
+            "precision.compute fp16 with optimizer.backend dist_opt needs the runtime to scale the loss by "
+            "Megatron's dynamic loss scale, which it does not yet; use precision.compute bf16"
+        )
+        gaps.append(("precision.compute fp16", line))
+    if precision.master != "fp32":
+        line = (
+            f"precision.master {precision.master}: Megatron-Core's distributed optimizer keeps fp32 master "
+            "shards (bf16 masters need Transformer Engine's precision-aware Adam); set precision.master fp32 "
+            "or use optimizer.backend fsdp2"
+        )
+        gaps.append((f"precision.master {precision.master}", line))
+    if precision.grad_reduce != "fp32" and precision.compute == "fp32":
+        line = (
+            f"precision.grad_reduce {precision.grad_reduce} with precision.compute fp32: gradients are "
+            "fp32 and are reduced in fp32 anyway; remove precision.grad_reduce or compute in bf16"
+        )
+        gaps.append((f"precision.grad_reduce {precision.grad_reduce}", line))
+    offload = [f"offload.{k}" for k in ("params", "grads", "optimizer") if getattr(job.offload, k)]
+    if offload:
+        line = (
+            "offload.* with optimizer.backend dist_opt: Megatron-Core's optimizer offload is not wired in "
+            "mlite yet; remove offload or use optimizer.backend fsdp2"
+        )
+        gaps.append((", ".join(offload), line))
+    return gaps
+
+
+def check_dist_opt_adapter(job: JobConfig, dims: Degrees) -> None:
+    """What mlite's dist_opt adapter refuses before anything is built (build_dist_opt calls it)."""
+    gaps = _adapter_gaps(job, dims)
+    if gaps:
+        raise MliteError(gaps[0][1])
+
+
+def check_backend_trained(job: JobConfig, device_type: str, has_megatron: bool) -> None:
+    """The trainers run fsdp2 only: dist_opt's adapter exists (dp x cp, no checkpoints), not wired in."""
+    if job.optimizer.backend in TRAINED_BACKENDS:
+        return
+    gaps = [name for name, _ in _adapter_gaps(job, job.parallel)]
+    adapter = "dp x cp only" + (f" (not this job's {', '.join(gaps)})" if gaps else "")
+    lacks = {"CUDA GPUs": device_type != "cuda", "megatron-core": not has_megatron}
+    needs = [what for what, missing in lacks.items() if missing]
+    also = f", and it needs {' and '.join(needs)}, which this run lacks" if needs else ""
+    raise MliteError(
+        f"optimizer.backend {job.optimizer.backend} is planned, not trained, by mlite so far: its "
+        f"Megatron-Core adapter runs {adapter} and has no checkpoints{also}; the trainers run "
+        f"optimizer.backend fsdp2: set it ({MATRIX})"
+    )
+
+
+def check_precision(job: JobConfig, world_size: int, device_type: str) -> None:
+    precision = job.precision
+    if precision.master == "bf16" and device_type != "cuda":
+        raise MliteError(
+            "precision.master: bf16 keeps parameters and Adam state in bf16 on GPUs, but this run "
+            "computes in fp32 on the CPU; set precision.master: fp32 (or run on GPUs)"
+        )
+    if precision.grad_reduce != "fp32" and world_size == 1:
+        raise MliteError(
+            f"precision.grad_reduce: {precision.grad_reduce} sets the dtype of the gradient reduction "
+            "across ranks, and this run has one process; remove it or start several ranks (torchrun)"
+        )
+
+
+def check_offload(job: JobConfig, world_size: int, device_type: str) -> None:
+    offload = job.offload
+    if not (offload.params or offload.grads or offload.optimizer):
+        return
+    if device_type != "cuda":
+        raise MliteError(
+            "offload.* moves GPU state to host memory, but this run is on the CPU; remove offload"
+        )
+    if world_size == 1:
+        raise MliteError(
+            "offload.* runs through FSDP2's CPUOffloadPolicy, which needs several ranks; start them "
+            "with torchrun, or remove offload"
+        )
+    everything = offload.params and offload.grads and offload.optimizer and offload.optimizer_fraction == 1.0
+    if (offload.params or offload.grads) and not everything:
+        raise MliteError(
+            "offload.params / offload.grads: FSDP2 moves a unit's parameters, gradients and optimizer "
+            "state to the host together; set all three (optimizer_fraction 1.0), or offload.optimizer "
+            "alone with a fraction (those layers' parameters and gradients move with their optimizer state)"
+        )
+
+
+def check_rollout_engine(job: JobConfig) -> None:
+    if job.rollout is not None and job.rollout.engine == "vllm":  # the trainer would roll out with builtin
+        raise MliteError(
+            "rollout.engine vllm is not wired into the GRPO trainer yet (VLLMRollout is never built); "
+            "use rollout.engine builtin"
+        )

@@ -1,0 +1,286 @@
+"""The rule book (mlite.plan.rules) is the one verdict: `mlite plan` refuses exactly what the trainers refuse
+at start-up, with the same line; one stage splitter serves the planner and the pipeline; no rule imports
+torch.
+
+The trainers' start-up is taken two ways. Where it is cheap (one CPU process) it is a real run: `mlite sft` /
+`mlite grpo` as a subprocess on the tiny model, exit 2, the planner's line, no traceback. Elsewhere it is
+`Runtime(job)` in this process on the cluster the job names, faked only at the edges: torch sees GPUs when the
+job is for GPUs, WORLD_SIZE is the job's world, and starting the process group (the first thing after the rule
+book) stops the run there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlite.cli import main
+from mlite.config import list_presets, load_job
+from mlite.config.catalog import resolve_arch
+from mlite.errors import MliteError
+from mlite.plan import rules
+from mlite.plan.rules import SUPPORT, check_dist_opt_adapter, check_layout, planned_device_type, split_chunks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------- verdicts
+def plan_verdict(capsys, preset: str, overrides: list[str]) -> str | None:
+    """`mlite plan` in this process: None when it accepts the job (exit 0 or 3), else its one error line."""
+    capsys.readouterr()
+    rc = main(["plan", preset, *[arg for item in overrides for arg in ("--set", item)]])
+    err = capsys.readouterr().err.strip().splitlines()
+    if rc in (0, 3):
+        return None
+    assert rc == 2 and len(err) == 1 and err[0].startswith("mlite plan: error: "), (rc, err)
+    return err[0].removeprefix("mlite plan: error: ")
+
+
+class _Started(Exception):
+    """Start-up passed the rule book and went on to start the process group."""
+
+
+def startup_verdict(monkeypatch, preset: str, overrides: list[str]) -> str | None:
+    """`Runtime(job)` on the cluster the job names: None when it gets past the rule book, else its line."""
+    import torch
+    import torch.distributed as dist
+
+    from mlite.runtime.engine import Runtime
+
+    job = load_job(preset, overrides)
+    gpu = planned_device_type(job) == "cuda"
+    with monkeypatch.context() as patch:
+        patch.setenv("WORLD_SIZE", str(job.cluster.world_size))
+        patch.setenv("LOCAL_RANK", "0")
+        patch.setattr(torch.cuda, "is_available", lambda: gpu)
+        patch.setattr(torch.cuda, "set_device", lambda *_: None)
+
+        def start(*_args, **_kwargs):
+            raise _Started
+
+        patch.setattr(dist, "init_process_group", start)
+        try:
+            Runtime(job)  # one CPU process: nothing to start, the tiny model is built and that is all
+        except _Started:
+            return None
+        except MliteError as err:
+            return str(err)
+    assert job.cluster.world_size == 1 and not gpu, "a multi-rank start-up went on without a process group"
+    return None
+
+
+def real_run(tmp_path, command: str, preset: str, overrides: list[str]) -> subprocess.CompletedProcess:
+    sets = [arg for item in [*overrides, f"trainer.output_dir={tmp_path / 'run'}"] for arg in ("--set", item)]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, "-m", "mlite", command, preset, *sets, "--no-progress"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300, check=False)
+
+
+# Bad jobs: (id, preset, overrides, the line's words, real run: None or the mlite command that starts it).
+BAD_JOBS = [
+    ("uneven-world", "demo_sft", ["parallel.tp=2"], "world size 1 is not a multiple of pp x cp x tp = 2",
+     "sft"),
+    ("ep-fold", "qwen3_30b_a3b_sft", ["parallel.ep=3"], "ep x etp must divide dp x cp x tp, the 8 ranks",
+     None),
+    ("ep-experts", "demo_sft", ["model.name=tiny-qwen3-moe", "cluster.gpus_per_node=6", "parallel.ep=6"],
+     "8 routed experts, not divisible by ep=6", None),
+    ("heads-tp", "qwen3_30b_a3b_sft", ["parallel.ep=1", "parallel.tp=8"], "4 KV heads, not divisible by tp=8",
+     None),
+    ("stages-vpp", "qwen3_30b_a3b_sft", ["parallel.pp=2", "parallel.vpp=5", "parallel.ep=4"],
+     "48 layers do not split over pp=2 x vpp=5 = 10 chunks evenly", None),
+    ("seq-cp", "qwen3_30b_a3b_sft", ["parallel.cp=2", "parallel.ep=4", "data.seq_len=4098"],
+     "data.seq_len=4098 cannot be split evenly by context parallel zigzag", None),
+    ("seq-sp", "qwen3_30b_a3b_sft", ["parallel.tp=2", "parallel.ep=4", "data.seq_len=4097"],
+     "data.seq_len=4097 cannot be split evenly by sequence parallel (tp=2)", None),
+    ("batch-dp", "demo_sft", ["cluster.gpus_per_node=2", "data.global_batch_size=3"],
+     "data.global_batch_size=3 is not divisible by dp=2", None),
+    ("dist_opt", "qwen3_30b_a3b_sft", ["optimizer.backend=dist_opt"],
+     "optimizer.backend dist_opt is planned, not trained, by mlite so far", None),
+    ("dist_opt-cpu", "demo_sft", ["optimizer.backend=dist_opt"],
+     "cpu (gloo) device is not supported by optimizer.backend 'dist_opt'", "sft"),
+    ("etp", "qwen3_30b_a3b_sft", ["parallel.ep=4", "parallel.etp=2"],
+     "etp > 1 is not supported by optimizer.backend 'fsdp2'", None),
+    ("master-bf16-cpu", "demo_sft", ["precision.compute=bf16", "precision.master=bf16"],
+     "precision.master: bf16 keeps parameters and Adam state in bf16 on GPUs", "sft"),
+    ("grad_reduce-world1", "demo_sft", ["precision.grad_reduce=bf16"],
+     "precision.grad_reduce: bf16 sets the dtype of the gradient reduction", "sft"),
+    ("offload-cpu", "demo_sft", ["offload.optimizer=true"],
+     "offload.* moves GPU state to host memory, but this run is on the CPU", "sft"),
+    ("offload-one-gpu", "qwen3_30b_a3b_sft",
+     ["cluster.gpus_per_node=1", "parallel.ep=1", "precision.grad_reduce=fp32", "offload.optimizer=true"],
+     "offload.* runs through FSDP2's CPUOffloadPolicy, which needs several ranks", None),
+    ("offload-grads-alone", "qwen3_30b_a3b_sft", ["offload.grads=true"],
+     "offload.params / offload.grads: FSDP2 moves a unit's parameters", None),
+    ("rollout-vllm", "demo_grpo", ["rollout.engine=vllm"],
+     "rollout.engine vllm is not wired into the GRPO trainer yet (VLLMRollout is never built)", "grpo"),
+    ("moe-pp", "qwen3_30b_a3b_sft", ["parallel.pp=2", "parallel.ep=4"], "parallel.pp=2 with a MoE model",
+     None),
+    ("tied-tp", "demo_sft", ["cluster.gpus_per_node=2", "parallel.tp=2"],
+     "tied embeddings (tie_word_embeddings) with tp=2, pp=1", None),
+    ("tied-pp", "demo_sft", ["cluster.gpus_per_node=2", "parallel.pp=2"],
+     "tied embeddings (tie_word_embeddings) with tp=1, pp=2", None),
+    ("no-native-model", "deepseek_v4_flash_sft", ["parallel.pp=1", "parallel.pp_first_stage_layers=null",
+                                                  "parallel.pp_last_stage_layers=null"],
+     "deepseek-v4-flash (model_type 'deepseek_v4') has no native model yet", None),
+]
+
+
+@pytest.mark.parametrize("preset", list_presets())
+def test_every_preset_gets_one_verdict(preset, capsys, monkeypatch):
+    assert plan_verdict(capsys, preset, []) == startup_verdict(monkeypatch, preset, [])
+
+
+@pytest.mark.parametrize("name, preset, overrides, words, real", BAD_JOBS, ids=[row[0] for row in BAD_JOBS])
+def test_bad_jobs_get_the_same_line_from_the_planner_and_the_trainers(name, preset, overrides, words, real,
+                                                                      capsys, monkeypatch):
+    planned = plan_verdict(capsys, preset, overrides)
+    assert planned is not None and words in planned, planned
+    assert startup_verdict(monkeypatch, preset, overrides) == planned
+
+
+REAL = [row for row in BAD_JOBS if row[4] is not None]
+
+
+@pytest.mark.parametrize("name, preset, overrides, words, command", REAL, ids=[row[0] for row in REAL])
+def test_real_start_up_refuses_in_the_planners_line(name, preset, overrides, words, command, tmp_path,
+                                                     capsys):
+    """`mlite sft` / `mlite grpo` on one CPU process: exit 2, the line `mlite plan` gives, no traceback."""
+    planned = plan_verdict(capsys, preset, overrides)
+    done = real_run(tmp_path, command, preset, overrides)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == f"mlite {command}: error: {planned}"
+
+
+# ------------------------------------------------------------------------------------- stage splitter
+@pytest.mark.parametrize("pp, vpp, first, last", [
+    (2, 1, None, None), (4, 1, None, None), (2, 2, None, None), (2, 3, None, None), (4, 2, None, None),
+    (3, 4, None, None), (4, 1, 11, 13), (4, 1, 0, 16), (3, 1, None, 24),
+])
+def test_split_chunks_is_the_planners_stage_layers_and_the_pipelines_cut(pp, vpp, first, last):
+    from mlite.runtime.parallel.pipeline import split_layers
+
+    stages = {"pp_first_stage_layers": first, "pp_last_stage_layers": last}
+    overrides = [f"parallel.pp={pp}", f"parallel.vpp={vpp}", "parallel.ep=1",
+                 f"cluster.gpus_per_node={2 * pp}", "data.global_batch_size=96"]
+    overrides += [f"parallel.{key}={'null' if value is None else value}" for key, value in stages.items()]
+    job = load_job("qwen3_30b_a3b_sft", overrides)  # 48 layers, dp 2
+    layout = check_layout(job, resolve_arch(job.model), job.cluster.world_size)
+    chunks = split_chunks(48, pp, vpp, first, last)
+    assert split_layers(48, pp, vpp, first, last) == chunks  # the runtime's pipeline cuts exactly these
+    assert len(chunks) == pp * vpp and [i for c in chunks for i in c] == list(range(48))  # model order
+    assert layout.chunk_layers == tuple(tuple(c) for c in chunks)
+    for rank in range(pp):  # chunk c runs on pp rank c % pp (the runtime's `range(rank, pp * vpp, pp)`)
+        mine = [i for c in range(rank, pp * vpp, pp) for i in chunks[c]]
+        assert layout.stage_layers[rank] == tuple(mine)
+    if vpp > 1:  # interleaved: pp x vpp chunks of one size, not pp stages
+        assert {len(c) for c in chunks} == {48 // (pp * vpp)}
+
+
+def test_split_chunks_refuses_what_neither_side_can_run():
+    with pytest.raises(MliteError, match="do not split over pp=2 x vpp=3 = 6 chunks evenly"):
+        split_chunks(8, 2, 3)
+    with pytest.raises(MliteError, match="need vpp = 1"):
+        split_chunks(8, 2, 2, 2, None)
+    with pytest.raises(MliteError, match="at least one each"):
+        split_chunks(4, 4, 1, 2, 2)
+
+
+# ------------------------------------------------------------------------------------------ the matrix
+def test_planner_md_prints_the_support_matrix():
+    text = (ROOT / "docs" / "PLANNER.md").read_text()
+    table = text.split("### Backend support matrix", 1)[1].split("\n\n")[2]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    yes = {True: "yes", False: "no"}
+    expected = [[name, yes[s.fsdp2], yes[s.dist_opt], yes[s.adapter], s.why] for name, s in SUPPORT.items()]
+    assert rows == expected
+
+
+ADAPTER_FEATURES = {  # matrix row -> (job overrides, degrees) that use it on 2 data-parallel ranks
+    "tp + sequence parallel": ([], {"tp": 2}),
+    "pp (1F1B)": ([], {"pp": 2}),
+    "vpp (interleaved 1F1B)": ([], {"pp": 2, "vpp": 2}),
+    "cp (zigzag ring attention)": ([], {"cp": 2}),
+    "ep": ([], {"ep": 2}),
+    "etp > 1": ([], {"etp": 2}),
+    "offload.params": (["offload.params=true", "optimizer.backend=fsdp2"], {}),
+    "offload.grads": (["offload.grads=true"], {}),
+    "offload.optimizer (+ fraction)": (["offload.optimizer=true"], {}),
+    "precision.compute fp16": (["precision.compute=fp16"], {}),
+    "precision.master bf16": (["precision.compute=bf16", "precision.master=bf16"], {}),
+}
+
+
+@pytest.mark.parametrize("feature", list(ADAPTER_FEATURES))
+def test_the_adapter_column_is_what_the_dist_opt_adapter_refuses(feature):
+    overrides, degrees = ADAPTER_FEATURES[feature]
+    job = load_job("qwen3_30b_a3b_sft", ["precision.grad_reduce=fp32", *overrides])
+    dims = type("Dims", (), {"tp": 1, "pp": 1, "vpp": 1, "cp": 1, "ep": 1, "etp": 1, **degrees})()
+    if SUPPORT[feature].adapter:
+        check_dist_opt_adapter(job, dims)
+    else:
+        with pytest.raises(MliteError):
+            check_dist_opt_adapter(job, dims)
+
+
+def test_only_fsdp2_is_trained_and_etp_by_nothing_the_trainers_run():
+    assert rules.TRAINED_BACKENDS == ("fsdp2",)
+    assert not SUPPORT["etp > 1"].fsdp2 and not SUPPORT["etp > 1"].adapter
+    assert all(not row.adapter for name, row in SUPPORT.items() if name != "cp (zigzag ring attention)")
+
+
+# ---------------------------------------------------------------------------------------- torch-free
+def test_every_rule_runs_without_torch():
+    """Every function of the rule book, run on every preset and every bad job, in a process where torch,
+    megatron and transformers never get imported."""
+    code = f"""
+import inspect, sys
+from mlite.config import list_presets, load_job
+from mlite.config.catalog import resolve_arch
+from mlite.errors import MliteError
+from mlite.plan import rules
+called = set()
+def watch(frame, event, arg):
+    if event == "call" and frame.f_globals.get("__name__") == "mlite.plan.rules":
+        called.add(frame.f_code.co_name)
+sys.setprofile(watch)
+jobs = [(name, []) for name in list_presets()] + {[(row[1], row[2]) for row in BAD_JOBS]!r}
+jobs += [("qwen3_30b_a3b_sft", ["optimizer.backend=dist_opt", "parallel.ep=1", "parallel.pp=2"])]
+for preset, overrides in jobs:
+    job = load_job(preset, overrides)
+    arch = resolve_arch(job.model)
+    try:
+        device, megatron = rules.planned_device_type(job), rules.megatron_installed()
+        rules.check_job(job, arch, job.cluster.world_size, device, megatron)
+    except MliteError:
+        pass
+    try:
+        rules.check_dist_opt_adapter(job, job.parallel)
+    except MliteError:
+        pass
+rules.check_degrees(8, 2, 2, 1, 2, 2)
+rules.split_chunks(61, 12, 1, 6, 5)
+try:
+    rules.split_chunks(61, 12, 1, None, None)  # the hint: balanced first/last stage sizes
+except MliteError:
+    pass
+sys.setprofile(None)
+functions = {{n for n, f in vars(rules).items() if inspect.isfunction(f) and f.__module__ == rules.__name__}}
+assert functions <= called, sorted(functions - called)
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "megatron", "transformers"))
+assert not heavy, heavy
+print(len(functions), "functions")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[0]) >= 20
+
+
+def test_the_rule_book_imports_no_torch_at_module_level():
+    tree = inspect.getsource(rules)
+    assert "import torch" not in tree and "from torch" not in tree
