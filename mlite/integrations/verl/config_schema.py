@@ -53,11 +53,14 @@ def to_job_dict(
     optim: Any,
     total_steps: int | None = None,
     seq_len: int | None = None,
+    world_size: int = 1,
 ) -> dict[str, Any]:
     """verl's engine + optimizer config -> mlite job dict (validated by `mlite.config.job_from_dict`).
 
     verl batches the data itself, so the job's `data` section only bounds what verl may hand the engine:
-    `seq_len`, the longest sequence (the engine passes the model's max_position_embeddings)."""
+    `seq_len`, the longest sequence (the engine passes the model's max_position_embeddings), and a global
+    batch of one sequence per rank, which every data-parallel degree of the world divides (the rule book
+    checks it; verl's own batch sizes are verl's)."""
     if engine.dtype not in _COMPUTE:
         raise ValueError(f"engine.dtype {engine.dtype!r}: use one of {', '.join(_COMPUTE)}")
     warmup = optim.lr_warmup_steps if (optim.lr_warmup_steps or -1) >= 0 else 0
@@ -91,6 +94,7 @@ def to_job_dict(
             "steps": max(int(total_steps or 1), 1),
         },
     }
+    job["data"] = {"global_batch_size": int(world_size)}
     if seq_len is not None:
-        job["data"] = {"seq_len": int(seq_len)}
+        job["data"]["seq_len"] = int(seq_len)
     return job

@@ -115,8 +115,9 @@ class MliteEngine(BaseEngine):
         )
         # the longest sequence verl may hand us: the model's context (its data config is not ours to see)
         seq_len = getattr(self.model_config.hf_config, "max_position_embeddings", None)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         return to_job_dict(
-            self.engine_config, self.model_config.local_path, self.optimizer_config, total, seq_len
+            self.engine_config, self.model_config.local_path, self.optimizer_config, total, seq_len, world
         )
 
     def initialize(self):
@@ -199,6 +200,14 @@ class MliteEngine(BaseEngine):
         return self.runtime.lr_scheduler_step()
 
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only=False):
+        if not forward_only and self.runtime.dims.cp > 1:
+            # verl's losses read whole sequences; a cp rank holds a zigzag share of each (log-probs come back
+            # whole, but without the gradient link to the other ranks' shares)
+            raise MliteError(
+                f"context_parallel_size={self.runtime.dims.cp}: training through verl's loss under context "
+                "parallel is not supported by the mlite engine yet (log-probs and inference are); set "
+                "context_parallel_size=1 for the actor"
+            )
         # global normalisers, as verl's own engines compute them
         batch_num_tokens = data["loss_mask"].sum().to(self.runtime.device)
         group = self.get_data_parallel_group()
