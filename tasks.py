@@ -58,7 +58,7 @@ def test(c, gpu=False, k="", workers=2, extra=""):
     }
 )
 def bench(c, cases="", steps=8, device="auto", no_baseline=False, out="runs/bench/results.json"):
-    """Benchmark mlite's training step against HF transformers: tokens/s, MFU, peak memory vs the planner."""
+    """The trainers' step (the Runtime) vs HF transformers: tokens/s, MFU, peak memory vs the planner."""
     args = ["bench", *[n for n in cases.split(",") if n], f"--steps={steps}", f"--device={device}", f"--out={out}"]
     _mlite(c, *args, *(["--no-baseline"] if no_baseline else []))
 

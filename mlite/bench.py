@@ -1,9 +1,15 @@
-"""`mlite bench`: training-step throughput of mlite next to the HF-transformers baseline, in one launch.
+"""`mlite bench`: the trainers' training step next to the HF-transformers baseline, in one launch.
 
-For each case both sides train the same architecture (random weights, bf16, fused AdamW, the same batch)
-and we report tokens/s, MFU, peak memory, and the planner's memory estimate next to the measured peak.
+The mlite side is `mlite.runtime.engine.Runtime` driven as the SFT trainer drives it (mlite.trainers.sft):
+per step zero_grad, forward_backward over the step's micro-batches with `sft_loss`, optimizer_step (grad
+norm, clipping, AdamW) and lr_scheduler_step, on a job built from the case (model, layout, bf16 parameters
+and optimizer state on GPUs). There is no step of the benchmark's own: what is timed is what training runs,
+LM-head kernel (mlite.runtime.kernels.lm_head), attention backend and host syncs included. The HF side is
+transformers' own model (SDPA attention, loss computed by the model, fused AdamW, bf16) on the same tokens.
+
+We report tokens/s, MFU, peak memory, and the planner's memory estimate next to the measured peak.
 Timing: median over steps after warm-up, measured with CUDA events on GPUs (perf_counter on CPU, where the
-suite runs a tiny case to cover this code).
+suite runs the tiny cases to cover this code).
 
 MFU (as in ../shared/REFERENCE.md section 4, against the GPU's dense bf16 peak):
     flops/token = 6 * (matmul params of the active path + LM head) + 6 * layers * (heads * head_dim) * s_eff
@@ -13,13 +19,16 @@ sequence, forward + backward = 3x, 2 FLOPs per multiply-add). Only the top-k rou
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
+import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 from mlite.config.arch import ModelArch
 from mlite.config.catalog import layer_params
@@ -67,7 +76,7 @@ class BenchCase:
     model: str  # catalog preset
     seq_len: int  # tokens per micro-batch (one packed stream)
     packing: str = "full"  # full: one sequence of seq_len; mixed: several sequences of mixed lengths
-    num_layers: Optional[int] = None  # truncate the model (MoE layers on one GPU)
+    num_layers: int | None = None  # truncate the model (MoE layers on one GPU)
     gpus: int = 1
     dp: int = 1
     ep: int = 1
@@ -141,12 +150,13 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int, device: str) -
 class BenchResult:
     case: str
     side: str  # mlite | hf
-    tokens_per_step: int
+    tokens_per_step: int  # tokens of one optimizer step, every micro-batch and data-parallel replica
     step_ms: float
     tokens_per_s: float
-    mfu: float
+    flops_per_token: float  # the MFU formula's, for this case's sequence lengths
+    mfu: float  # flops_per_token * tokens_per_s (per GPU) / the GPU's dense bf16 peak
     peak_gb: float
-    estimate_gb: Optional[float] = None
+    estimate_gb: float | None = None
     device: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -190,7 +200,7 @@ def write_results(results: list[BenchResult], out: Path, meta: dict) -> None:
     out.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2))
 
 
-def render_table(results: list[BenchResult]) -> "object":
+def render_table(results: list[BenchResult]):
     from rich.table import Table
 
     table = Table(title="mlite bench (median step after warm-up)")
@@ -207,15 +217,43 @@ def render_table(results: list[BenchResult]) -> "object":
 
 
 # ---------------------------------------------------------------------------------------------- runners
-def case_arch(case: BenchCase) -> ModelArch:
-    from mlite.config.catalog import preset_arch
+def case_hf_config(case: BenchCase) -> dict:
+    """The HF config.json of the case's model: the catalog preset, truncated to the case's layers. Multi-rank
+    layouts take an untied LM head (same FLOPs: the head counts either way)."""
+    from mlite.config.catalog import PRESETS, preset_arch
 
-    arch = preset_arch(case.model)
+    preset_arch(case.model)  # the catalog's own error for an unknown name
+    config = dict(PRESETS[case.model])
     if case.num_layers:
-        arch = replace(arch, num_layers=case.num_layers)
-    if case.gpus > 1:  # multi-rank layouts take an untied LM head (same FLOPs: the head counts either way)
-        arch = replace(arch, tie_embeddings=False)
-    return arch
+        config["num_hidden_layers"] = case.num_layers
+    if case.gpus > 1:
+        config["tie_word_embeddings"] = False
+    return config
+
+
+def case_arch(case: BenchCase) -> ModelArch:
+    from mlite.config.arch import arch_from_hf_config
+
+    return arch_from_hf_config(case_hf_config(case), name=case.model)
+
+
+def case_job(case: BenchCase, device: str, one_gpu: bool = False):
+    """The job the Runtime runs for the case. `one_gpu`: the one-GPU reference of a multi-rank case."""
+    from mlite.config import job_from_dict
+
+    cuda = device.startswith("cuda")
+    gpus, ep, cp = (1, 1, 1) if one_gpu else (case.gpus, case.ep, case.cp)
+    return job_from_dict({
+        "model": {"name": case.model},
+        "cluster": {"nodes": 1, "gpus_per_node": gpus},
+        "parallel": {"ep": ep, "cp": cp},
+        "data": {"seq_len": case.seq_len, "micro_batch_size": 1,
+                 "global_batch_size": (gpus // cp) * case.accum},
+        # bf16 parameters and Adam state on GPUs: the precision of the HF baseline beside it
+        "precision": {"compute": "bf16", "master": "bf16"} if cuda else {"compute": "fp32", "master": "fp32"},
+        "optimizer": {"lr": 1e-5},
+        "trainer": {"device": "cuda" if cuda else "cpu"},
+    })
 
 
 def case_seq_lens(case: BenchCase, seed: int = 0) -> list[int]:
@@ -261,34 +299,30 @@ def _peak_gb(device: str) -> tuple[float, float]:
             torch.cuda.max_memory_allocated() / 2**30)
 
 
-def mlite_step_fn(arch: ModelArch, sequences: list[list[int]], device: str, compile_blocks: bool, accum: int = 1):
-    """One mlite training step: packed forward, chunked LM-head loss (no [T, V] logits kept), backward,
-    fused AdamW. bf16 parameters and optimizer state, as the HF baseline (same precision on both sides)."""
-    import torch
-
+def runtime_step_fn(case: BenchCase, sequences: list[list[int]], device: str, one_gpu: bool = False):
+    """One optimizer step of the SFT trainer on the Runtime: case.accum micro-batches of `sequences` on every
+    data-parallel replica. Returns (step, runtime, last) where `last` holds the last step's loss and grad
+    norm as the trainer would log them (this rank's loss)."""
     from mlite.runtime.data.packed import PackedBatch
-    from mlite.runtime.loss import token_logprobs
-    from mlite.runtime.models import build_model
+    from mlite.runtime.engine import Runtime
+    from mlite.runtime.loss import sft_loss
 
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = build_model(arch, attention_backend="auto", dtype=dtype, device=device)
-    if compile_blocks:
-        for block in model.layers.values():
-            block.compile(dynamic=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.startswith("cuda"))
-    batch = PackedBatch.from_sequences(sequences).to(device)
-    targets = batch.num_target_tokens
+    rt = Runtime(case_job(case, device, one_gpu), hf_config=case_hf_config(case))
+    rt.train()
+    batch = PackedBatch.from_sequences(sequences)  # on the host, as the data loader hands it over
+    micro_batches = [batch] * case.accum
+    # the step's loss is the mean NLL over every replica's targets (the same lengths on every replica)
+    loss_fn = sft_loss(batch.num_target_tokens * case.accum * rt.dp_size)
+    last: dict[str, float] = {}
 
     def step() -> None:
-        for _ in range(accum):
-            out = model(batch)
-            logp, _ = token_logprobs(out.hidden, batch.labels, model.compute_logits, head_weight=model.output.weight)
-            loss = (-logp.sum() / targets + out.aux_loss) / accum
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        rt.zero_grad()
+        outs = rt.forward_backward(micro_batches, loss_fn)
+        last["grad_norm"], _ = rt.optimizer_step()
+        rt.lr_scheduler_step()
+        last["loss"] = sum(o["loss"] for o in outs)
 
-    return step, (model, opt)
+    return step, rt, last
 
 
 def hf_step_fn(arch: ModelArch, sequences: list[list[int]], device: str, accum: int = 1):
@@ -322,107 +356,32 @@ def hf_step_fn(arch: ModelArch, sequences: list[list[int]], device: str, accum: 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return step, (model, opt)
+    return step, (model, opt), {}
 
 
-def parallel_step_fn(case: BenchCase, arch: ModelArch, sequences: list[list[int]], device: str):
-    """One training step of this rank of a torchrun launch in the case's layout: the runtime's
-    parallelize_model (FSDP2 over dp x cp, experts over ep, zigzag context parallel), bf16 parameters and
-    fused AdamW as on one GPU, gradients reduced in fp32 once per step. Blocks run eagerly (FSDP2's hooks
-    are not compiled here): compare with the eager one-GPU reference of the same launch."""
-    import torch
-    import torch.distributed as dist
-
-    from mlite.config import job_from_dict
-    from mlite.runtime.data.packed import PackedBatch
-    from mlite.runtime.loss import token_logprobs
-    from mlite.runtime.models import build_model
-    from mlite.runtime.parallel.context import split_for_context_parallel
-    from mlite.runtime.parallel.mesh import ParallelDims
-    from mlite.runtime.parallel.parallelize import parallelize_model, set_gradient_sync
-
-    job = job_from_dict({"model": {"name": case.model},
-                         "cluster": {"nodes": 1, "gpus_per_node": case.gpus},
-                         "data": {"seq_len": case.seq_len},
-                         "parallel": {"ep": case.ep, "cp": case.cp},
-                         "precision": {"compute": "bf16", "master": "bf16"}})
-    dims = ParallelDims.from_job(job, dist.get_world_size())
-    mesh = dims.build(torch.device(device).type)
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = parallelize_model(build_model(arch, attention_backend="auto", dtype=dtype, device=device), mesh, job,
-                              torch.device(device).type)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.startswith("cuda"))
-    batch = PackedBatch.from_sequences(sequences).to(device)
-    targets = batch.num_target_tokens * dims.dp  # the step's loss is a mean over every replica's tokens
-    if dims.cp > 1:
-        batch = split_for_context_parallel(batch, dims.cp, mesh.rank_in("cp"))
-
-    def step() -> None:
-        for i in range(case.accum):
-            set_gradient_sync(model, i == case.accum - 1)  # one reduce-scatter per optimizer step
-            out = model(batch)
-            logp, _ = token_logprobs(out.hidden, batch.labels, model.compute_logits)
-            loss = (-logp.sum() / targets + out.aux_loss) / case.accum
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step, (model, opt, mesh)
+@dataclass
+class Measured:
+    timing: Timing
+    peak_gb: float
+    allocated_gb: float
+    last: dict
 
 
-def run_parallel_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, gpu: str = "cpu",
-                      peak_tflops: float = 1.0) -> list[BenchResult]:
-    """A multi-GPU case on the ranks of this torchrun launch. First every rank runs the one-GPU step of the
-    same model on its own (N x one GPU, eager), then the parallel step; scaling = parallel tokens/s over
-    the N x one-GPU tokens/s. Every rank returns the same results (rank 0 reports them)."""
-    import torch
-    import torch.distributed as dist
-
-    from mlite.errors import MliteError
-
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world != case.gpus:
-        raise MliteError(f"bench case {case.name} runs on {case.gpus} ranks but this launch has {world}; "
-                         f"run: torchrun --nproc-per-node {case.gpus} -m mlite bench {case.name}")
-    arch = case_arch(case)
-    seq_lens = case_seq_lens(case)
-    sequences = random_sequences(seq_lens, arch.vocab, seed=dist.get_rank())  # each replica its own data
-
-    def measure(make_step):
-        _free(device)
-        step, keep = make_step()
-        dist.barrier()
-        timing = time_steps(step, warmup, steps, device)
-        peak = torch.tensor(_peak_gb(device), dtype=torch.float64, device=device)  # NCCL reduces on the GPU
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the fullest GPU is what must fit
-        del step, keep
-        return timing, peak.tolist()
-
-    single, single_peak = measure(lambda: mlite_step_fn(arch, sequences, device, False, case.accum))
-    single_tps = torch.tensor(sum(seq_lens) * case.accum / (single.median_ms / 1e3), dtype=torch.float64,
-                              device=device)
-    dist.all_reduce(single_tps)  # N x one GPU, measured side by side
-    par, par_peak = measure(lambda: parallel_step_fn(case, arch, sequences, device))
-    slowest = torch.tensor(par.median_ms, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    replicas = world // case.cp  # dp replicas; each one's tokens are split over cp ranks
-    tokens = sum(seq_lens) * case.accum * replicas
-    tps = tokens / (float(slowest) / 1e3)
+def measure(make: Callable[[], tuple], device: str, steps: int, warmup: int,
+            before_timing: Callable[[], None] | None = None) -> Measured:
+    """Build a side (`make() -> (step, keep, last)`), time its steps, read its peak memory, free it."""
     _free(device)
-    return [
-        BenchResult(case=case.name, side=f"mlite x{world}", tokens_per_step=tokens, step_ms=float(slowest),
-                    tokens_per_s=tps, mfu=mfu(arch, seq_lens, tps / world, peak_tflops), peak_gb=par_peak[0],
-                    estimate_gb=planner_estimate_gb(case, arch, gpu), device=device,
-                    extra={"scaling": tps / float(single_tps), "world": world, "peak_allocated_gb": par_peak[1],
-                           "accum": case.accum, "step_ms_all": par.step_ms}),
-        BenchResult(case=case.name, side=f"{world} x one GPU", tokens_per_step=sum(seq_lens) * case.accum * world,
-                    step_ms=single.median_ms, tokens_per_s=float(single_tps),
-                    mfu=mfu(arch, seq_lens, float(single_tps) / world, peak_tflops), peak_gb=single_peak[0],
-                    device=device, extra={"world": world, "step_ms_all": single.step_ms}),
-    ]
+    step, keep, last = make()
+    if before_timing is not None:
+        before_timing()
+    timing = time_steps(step, warmup, steps, device)
+    footprint, allocated = _peak_gb(device)
+    del step, keep
+    _free(device)
+    return Measured(timing, footprint, allocated, dict(last))
 
 
-def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str) -> Optional[float]:
+def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str) -> float | None:
     """The planner's per-GPU peak for this case (bf16 params and optimizer state, as benchmarked)."""
     from mlite.config import job_from_dict
     from mlite.plan import plan_job
@@ -442,34 +401,140 @@ def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str) -> Optional[
 
 
 def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, sides=("mlite", "hf"),
-             compile_blocks: bool = True, gpu: str = "cpu", peak_tflops: float = 1.0) -> list[BenchResult]:
+             gpu: str = "cpu", peak_tflops: float = 1.0) -> list[BenchResult]:
+    """A one-GPU case: the Runtime's step, then (unless the case or `sides` leave it out) HF's."""
     arch = case_arch(case)
     seq_lens = case_seq_lens(case)
     sequences = random_sequences(seq_lens, arch.vocab, seed=0)
     tokens = sum(seq_lens) * case.accum
+    fpt = flops_per_token(arch, seq_lens)
     results = []
     for side in sides:
         if side == "hf" and not case.baseline:
             continue
-        _free(device)
-        step, keep = (mlite_step_fn(arch, sequences, device, compile_blocks and device.startswith("cuda"), case.accum)
-                      if side == "mlite" else hf_step_fn(arch, sequences, device, case.accum))
-        timing = time_steps(step, warmup, steps, device)
-        tps = tokens / (timing.median_ms / 1e3)
-        footprint, allocated = _peak_gb(device)
+        if side == "mlite":
+            m = measure(lambda: runtime_step_fn(case, sequences, device), device, steps, warmup)
+        else:
+            m = measure(lambda: hf_step_fn(arch, sequences, device, case.accum), device, steps, warmup)
+        tps = tokens / (m.timing.median_ms / 1e3)
         results.append(BenchResult(
-            case=case.name, side=side, tokens_per_step=tokens, step_ms=timing.median_ms, tokens_per_s=tps,
-            mfu=mfu(arch, seq_lens, tps, peak_tflops), peak_gb=footprint,
+            case=case.name, side=side, tokens_per_step=tokens, step_ms=m.timing.median_ms, tokens_per_s=tps,
+            flops_per_token=fpt, mfu=mfu(arch, seq_lens, tps, peak_tflops), peak_gb=m.peak_gb,
             estimate_gb=planner_estimate_gb(case, arch, gpu) if side == "mlite" else None, device=device,
-            extra={"seq_lens": seq_lens if len(seq_lens) < 64 else len(seq_lens), "step_ms_all": timing.step_ms,
-                   "peak_allocated_gb": allocated, "accum": case.accum},
+            extra={"seq_lens": seq_lens if len(seq_lens) < 64 else len(seq_lens),
+                   "step_ms_all": m.timing.step_ms, "peak_allocated_gb": m.allocated_gb, "accum": case.accum,
+                   **m.last},
         ))
-        del step, keep
-    _free(device)
     return results
 
 
+@contextlib.contextmanager
+def one_process():
+    """The Runtime starts a process group when WORLD_SIZE > 1 (torchrun): hide it while a rank builds the
+    one-GPU reference of a multi-rank case."""
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = saved
+
+
+def run_parallel_cases(cases: list[BenchCase], device: str, steps: int = 8, warmup: int = 3, gpu: str = "cpu",
+                       peak_tflops: float = 1.0) -> list[BenchResult]:
+    """Multi-GPU cases on the ranks of this torchrun launch, every rank returning the same results (rank 0
+    reports them). First every rank runs each case's one-GPU step on its own GPU, all ranks at once and
+    before the process group exists (a Runtime of one process: N x one GPU); then this starts the process
+    group and runs each case in its layout. scaling = parallel tokens/s over the N x one-GPU tokens/s.
+    Both are the Runtime's eager step (no compiled blocks)."""
+    import torch.distributed as dist
+
+    from mlite.errors import MliteError
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    for case in cases:
+        if world != case.gpus:
+            raise MliteError(f"bench case {case.name} runs on {case.gpus} ranks but this launch has {world}; "
+                             f"run: torchrun --nproc-per-node {case.gpus} -m mlite bench {case.name}")
+    singles = {}
+    for case in cases:
+        seq_lens = case_seq_lens(case)
+        sequences = random_sequences(seq_lens, case_arch(case).vocab, seed=rank)  # each rank its own data
+        with one_process():
+            make = functools.partial(runtime_step_fn, case, sequences, device, one_gpu=True)
+            singles[case.name] = measure(make, device, steps, warmup)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    try:
+        results = []
+        for case in cases:
+            results += _parallel_case(case, singles[case.name], device, steps, warmup, gpu, peak_tflops)
+        return results
+    finally:
+        dist.destroy_process_group()
+
+
+def _parallel_case(case: BenchCase, single: Measured, device: str, steps: int, warmup: int, gpu: str,
+                   peak_tflops: float) -> list[BenchResult]:
+    import torch
+    import torch.distributed as dist
+
+    from mlite.runtime.parallel.mesh import ParallelDims
+
+    def reduce(values: list[float], op) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=device)  # NCCL reduces on the GPU
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    world = dist.get_world_size()
+    arch = case_arch(case)
+    seq_lens = case_seq_lens(case)
+    fpt = flops_per_token(arch, seq_lens)
+    single_tokens = sum(seq_lens) * case.accum
+    (single_tps,) = reduce([single_tokens / (single.timing.median_ms / 1e3)], dist.ReduceOp.SUM)
+    single_peak = reduce([single.peak_gb], dist.ReduceOp.MAX)[0]  # the fullest GPU is what must fit
+
+    # replicas see different data, the ranks of one replica (cp) the same: seeded by the dp coordinate
+    dims = ParallelDims.from_job(case_job(case, device), world)
+    sequences = random_sequences(seq_lens, arch.vocab, seed=dims.coordinates(dist.get_rank())["dp"])
+    par = measure(lambda: runtime_step_fn(case, sequences, device), device, steps, warmup,
+                  before_timing=dist.barrier)
+    slowest, par_peak, par_alloc = reduce([par.timing.median_ms, par.peak_gb, par.allocated_gb],
+                                          dist.ReduceOp.MAX)
+    tokens = sum(seq_lens) * case.accum * dims.dp
+    tps = tokens / (slowest / 1e3)
+    return [
+        BenchResult(case=case.name, side=f"mlite x{world}", tokens_per_step=tokens, step_ms=slowest,
+                    tokens_per_s=tps, flops_per_token=fpt, mfu=mfu(arch, seq_lens, tps / world, peak_tflops),
+                    peak_gb=par_peak, estimate_gb=planner_estimate_gb(case, arch, gpu), device=device,
+                    extra={"scaling": tps / single_tps, "world": world, "peak_allocated_gb": par_alloc,
+                           "accum": case.accum, "step_ms_all": par.timing.step_ms, **par.last}),
+        BenchResult(case=case.name, side=f"{world} x one GPU", tokens_per_step=single_tokens * world,
+                    step_ms=single.timing.median_ms, tokens_per_s=single_tps, flops_per_token=fpt,
+                    mfu=mfu(arch, seq_lens, single_tps / world, peak_tflops), peak_gb=single_peak,
+                    device=device,
+                    extra={"world": world, "step_ms_all": single.timing.step_ms, **single.last}),
+    ]
+
+
 __all__ = [
-    "BenchCase", "BenchResult", "CASES", "flops_per_token", "matmul_params_per_token", "mfu", "mixed_lengths",
-    "effective_seq_len", "time_steps", "write_results", "render_table", "run_case", "run_parallel_case", "case_arch",
+    "CASES",
+    "BenchCase",
+    "BenchResult",
+    "case_arch",
+    "case_hf_config",
+    "case_job",
+    "effective_seq_len",
+    "flops_per_token",
+    "matmul_params_per_token",
+    "mfu",
+    "mixed_lengths",
+    "render_table",
+    "run_case",
+    "run_parallel_cases",
+    "runtime_step_fn",
+    "time_steps",
+    "write_results",
 ]

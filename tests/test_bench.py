@@ -34,17 +34,66 @@ def test_mixed_lengths_fill_the_budget_exactly_and_vary():
     assert lens == mixed_lengths(4096, seed=3)
 
 
-def test_tiny_case_runs_both_sides_and_reports(tmp_path):
-    from mlite.bench import CASES, render_table, run_case, write_results
+def test_flops_per_token_counts_every_matmul_a_token_passes_through():
+    # tiny-qwen3 by hand: hidden 64, 4 query / 2 KV heads of 16, FFN 128, vocab 256, 2 layers
+    arch = preset_arch("tiny-qwen3")
+    attention = 64 * 64 + 2 * (64 * 32) + 64 * 64  # q, k, v, o
+    mlp = 3 * 64 * 128  # gate, up, down
+    head = 64 * 256  # counted although tied to the embedding
+    matmuls = 2 * (attention + mlp) + head
+    lens = [40, 24]
+    by_hand = 6 * matmuls + 6 * 2 * 4 * 16 * (40 * 40 + 24 * 24) / 64
+    assert flops_per_token(arch, lens) == pytest.approx(by_hand, rel=5e-3)  # norm weights ride along
 
-    results = run_case(CASES["tiny-cpu"], "cpu", steps=2, warmup=1, compile_blocks=False)
+
+def test_tiny_case_runs_the_runtime_and_hf_and_reports_sane_figures(tmp_path):
+    import math
+    import statistics
+
+    from mlite.bench import CASES, case_arch, render_table, run_case, write_results
+
+    case = CASES["tiny-cpu"]
+    results = run_case(case, "cpu", steps=2, warmup=1, peak_tflops=0.5)
     assert [r.side for r in results] == ["mlite", "hf"]
+    arch = case_arch(case)
     for r in results:
-        assert r.tokens_per_step == 128 and r.step_ms > 0 and r.tokens_per_s > 0 and 0 < r.mfu
-    assert results[0].estimate_gb is None  # the planner estimates GPU memory; a CPU run has no peak to compare
+        seq_lens = r.extra["seq_lens"]
+        assert r.tokens_per_step == sum(seq_lens) == 128 and len(seq_lens) > 1  # a packed batch of several
+        assert r.step_ms == statistics.median(r.extra["step_ms_all"]) > 0 and len(r.extra["step_ms_all"]) == 2
+        assert r.tokens_per_s == pytest.approx(128 / (r.step_ms / 1e3))
+        assert r.flops_per_token == pytest.approx(flops_per_token(arch, seq_lens))
+        assert r.mfu == pytest.approx(r.flops_per_token * r.tokens_per_s / 0.5e12) and r.mfu > 0
+    mlite_side = results[0]
+    # the trainer's figures from the Runtime: random weights predict about uniformly over the 256 tokens
+    assert abs(mlite_side.extra["loss"] - math.log(arch.vocab)) < 0.5
+    assert 0 < mlite_side.extra["grad_norm"] < math.inf
+    assert mlite_side.estimate_gb is None  # the planner estimates GPU memory; a CPU run has no peak
     write_results(results, tmp_path / "r.json", {"device": "cpu"})
     assert '"side": "hf"' in (tmp_path / "r.json").read_text()
     assert render_table(results).row_count == 2
+
+
+def test_bench_drives_the_runtime_as_the_sft_trainer_does(monkeypatch):
+    """No step of its own: each timed step is zero_grad, forward_backward over the case's micro-batches,
+    optimizer_step, lr_scheduler_step on mlite.runtime.engine.Runtime, in the SFT trainer's order."""
+    from mlite.bench import CASES, run_case
+    from mlite.runtime.engine import Runtime
+
+    calls = []
+    for name in ("zero_grad", "forward_backward", "optimizer_step", "lr_scheduler_step"):
+        method = getattr(Runtime, name)
+
+        def spy(self, *args, _method=method, _name=name, **kwargs):
+            calls.append((_name, len(args[0]) if args else None))
+            return _method(self, *args, **kwargs)
+
+        monkeypatch.setattr(Runtime, name, spy)
+    case = replace(CASES["tiny-cpu"], accum=2, baseline=False)
+    (result,) = run_case(case, "cpu", steps=2, warmup=1)
+    step = [("zero_grad", None), ("forward_backward", 2), ("optimizer_step", None),
+            ("lr_scheduler_step", None)]
+    assert calls == step * 3  # 1 warm-up + 2 timed steps, 2 micro-batches each
+    assert result.tokens_per_step == 2 * 128 and result.extra["accum"] == 2
 
 
 def test_cli_refuses_unknown_case_in_one_line():

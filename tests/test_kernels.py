@@ -80,6 +80,14 @@ def test_backend_resolution():
             resolve_attention_backend(gpu_only, "cpu")
 
 
+def test_auto_order_is_what_the_module_docstring_says():
+    from mlite.runtime.kernels import attention
+
+    cuda = ", ".join(attention._AUTO_ORDER["cuda"])
+    assert f"on CUDA {cuda}; on other devices sdpa" in " ".join(attention.__doc__.split())
+    assert attention._AUTO_ORDER["cuda"][0] == "packed" and resolve_attention_backend("auto", "meta") == "sdpa"
+
+
 def test_cached_attention_matches_packed_attention():
     """Right-padded rows of different lengths in a cache (slot = position) give the packed results."""
     lens = [6, 3, 5]

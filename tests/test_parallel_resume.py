@@ -21,7 +21,7 @@ SAVED_AFTER = 2
 
 
 def _state(chunks, opt) -> dict:
-    model_state, optim_state = get_state_dict(stage_view(chunks), opt)
+    model_state, optim_state = get_state_dict(stage_view(chunks), opt.optimizer)
     return {"model": model_state, "optimizer": optim_state}
 
 
@@ -41,7 +41,8 @@ def _resume_worker(rank, world, layout, moe, path, out):
     tensors = _state(chunks, opt)
     load_checkpoint(path, tensors)
     set_state_dict(
-        stage_view(chunks), opt, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"]
+        stage_view(chunks), opt.optimizer, model_state_dict=tensors["model"],
+        optim_state_dict=tensors["optimizer"],
     )
     history = train(chunks, mesh, opt, range(SAVED_AFTER, MAX_STEPS))
     if rank == 0:

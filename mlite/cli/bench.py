@@ -1,4 +1,4 @@
-"""`mlite bench`: mlite's training step next to the HF-transformers baseline (see mlite.bench)."""
+"""`mlite bench`: the trainers' step (the Runtime) next to the HF-transformers baseline (see mlite.bench)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--no-baseline", action="store_true", help="skip the HF-transformers side")
-    p.add_argument("--no-compile", action="store_true", help="do not torch.compile the decoder blocks")
     p.add_argument("--out", default="runs/bench/results.json", help="JSON results file")
     p.set_defaults(run=run)
 
@@ -49,31 +48,24 @@ def run(args: argparse.Namespace) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise MliteError("--device cuda but no CUDA GPU is visible; use --device cpu for the tiny case")
-    if multi:
-        import torch.distributed as dist
-
-        if device == "cuda":
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    rank0 = not multi or torch.distributed.get_rank() == 0
+    if multi and device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     if not rank0:
         console.quiet = True
     gpu, peak = bench.detect_gpu(device)
-    results = []
-    try:
+    if multi:  # one launch: the N x one-GPU references first, then every case in its layout
+        console.print(f"[bold]{', '.join(multi)}[/bold] on {world} x {gpu} ...")
+        results = bench.run_parallel_cases([bench.CASES[n] for n in multi], device, steps=args.steps,
+                                           warmup=args.warmup, gpu=gpu, peak_tflops=peak)
+    else:
+        results = []
         for name in names:
             console.print(f"[bold]{name}[/bold] on {gpu} ...")
-            if multi:
-                results += bench.run_parallel_case(bench.CASES[name], device, steps=args.steps, warmup=args.warmup,
-                                                   gpu=gpu, peak_tflops=peak)
-            else:
-                results += bench.run_case(bench.CASES[name], device, steps=args.steps, warmup=args.warmup,
-                                          sides=("mlite",) if args.no_baseline else ("mlite", "hf"),
-                                          compile_blocks=not args.no_compile, gpu=gpu, peak_tflops=peak)
-    finally:
-        if multi:
-            torch.distributed.destroy_process_group()
+            results += bench.run_case(bench.CASES[name], device, steps=args.steps, warmup=args.warmup,
+                                      sides=("mlite",) if args.no_baseline else ("mlite", "hf"), gpu=gpu,
+                                      peak_tflops=peak)
     if not rank0:
         return 0
     console.print(bench.render_table(results))

@@ -1,8 +1,11 @@
 """Pluggable kernels: the fast path and the pure-torch path sit one function apart.
 
 - `attention`: causal attention over a packed token stream that never crosses a sequence boundary, by
-  backend name (`torch`, `sdpa`, `varlen`, `flash_attn`, `te`) or `auto`; `cached_attention` for decoding.
+  backend name (`torch`, `sdpa`, `varlen`, `cudnn`, `packed`, `flash_attn`, `te`) or `auto`;
+  `cached_attention` for decoding.
 - `grouped_gemm`: one matmul per expert over rows grouped by expert (`torch._grouped_mm` or a loop).
+- `lm_head`: log p(label) through the LM head without [T, vocab] fp32 logits; the runtime's loss path
+  (mlite.runtime.loss.token_logprobs) takes it for a plain linear head.
 """
 
 from mlite.runtime.kernels.attention import (

@@ -10,7 +10,7 @@ softmax attention of its queries over its own keys, grouped-query heads repeated
     packed      cudnn for a stream of one sequence, varlen for several (CUDA): auto's choice
     flash_attn  flash_attn_varlen_func from the flash-attn package (CUDA)
     te          Transformer Engine DotProductAttention in its packed `thd` format (CUDA)
-    auto        the fastest one present for the device: flash_attn, varlen, sdpa
+    auto        the first present of: on CUDA packed, flash_attn, varlen, sdpa; on other devices sdpa
 
 `cached_attention` serves decoding with a KV cache (queries at given positions over cached keys).
 """

@@ -1,5 +1,9 @@
 """Log-probabilities of the label tokens through the LM head, without keeping [T, vocab] logits.
 
+The runtime's loss path (`mlite.runtime.loss.token_logprobs`) takes this kernel whenever the LM head is a
+plain bias-free linear layer on this rank and no entropy is asked for; the trainers and `mlite bench` reach
+it through `Runtime.forward_backward`.
+
 With a 152k vocabulary the logits are the largest tensor of a step. `linear_logprobs` computes, chunk by
 chunk of tokens, logits = hidden @ W^T in the compute dtype, their log-sum-exp in fp32 and the label's logit,
 and keeps only [T] numbers. The backward pass recomputes each chunk's logits once and forms
@@ -35,7 +39,9 @@ def _fused(fn):
         if not args[0].is_cuda:
             return fn(*args)
         if fn not in _FUSED:
-            _FUSED[fn] = torch.compile(fn, dynamic=False)
+            # default dynamic: the token count changes from batch to batch in training; after the first new
+            # count the kernel is recompiled once with t symbolic instead of once per count
+            _FUSED[fn] = torch.compile(fn)
         return _FUSED[fn](*args)
     return call
 
@@ -55,13 +61,14 @@ class LinearLogprob(torch.autograd.Function):
         weight_dtype, weight = weight.dtype, weight.to(hidden.dtype)
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lses = torch.empty_like(out)
+        logits = None
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = start + chunk_tokens
             logits, lse, target = _chunk_stats(hidden[start:end], weight, labels[start:end])
             out[start:end] = target - lse
             lses[start:end] = lse
         # one chunk: keep its logits (compute dtype, the size of one chunk) instead of recomputing them
-        ctx.kept_logits = logits if hidden.shape[0] <= chunk_tokens else None
+        ctx.kept_logits = logits if 0 < hidden.shape[0] <= chunk_tokens else None
         ctx.save_for_backward(hidden, weight, labels, lses)
         ctx.chunk_tokens, ctx.weight_dtype = chunk_tokens, weight_dtype
         return out

@@ -1,12 +1,13 @@
 """Optimizer, learning-rate schedule and gradient clipping, owned by the runtime (models never build them).
 
-    schedule = LRSchedule(job.optimizer, total_steps)     # lr of every step, a pure function of the step
-    backend = build_optimizer(job, model, params_group)   # AdamW over fp32 master parameters
-    grad_norm, skipped = backend.step()                   # clip, skip on a non-finite norm, update
+    optim = LocalAdamW(model.parameters(), job.optimizer, grad_norm_fn)   # what Runtime builds
+    schedule = LRSchedule(optim.optimizer, job.optimizer, total_steps)    # lr: a pure function of the step
+    grad_norm, skipped = optim.step()        # norm, skip on a non-finite norm, clip, update
 
-The backend interface (`OptimizerBackend`) is what a parallel layout plugs into: `LocalAdamW` is the
-single-process (and replicated) backend; FSDP2 and Megatron's distributed optimizer (issue 5) provide the
-same five methods, with their grad norm reduced over the groups that shard the parameters.
+`LocalAdamW` serves every layout the runtime runs: one process, and FSDP2, whose parameters are DTensor
+shards (then `grad_norm_fn` is mlite.runtime.parallel.parallelize.grad_norm, summed over every mesh once).
+`OptimizerBackend` is the interface it implements; the Megatron-Core adapter
+(mlite.runtime.parallel.dist_opt) implements it too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from mlite.config.schema import OptimizerConfig
 
@@ -81,11 +83,13 @@ class OptimizerBackend(Protocol):
 
 
 class LocalAdamW:
-    """AdamW on parameters that are all whole on this rank (one process, or replicated data parallel).
+    """AdamW over the runtime's parameters, whole on one process or FSDP2 shards (DTensors) on several.
 
-    Parameters stay fp32 (they are the master weights); bf16 compute happens under autocast in the runtime,
-    so there is no separate master copy to keep in sync. `grad_norm_fn` lets a layout that shards or
-    replicates parameters reduce the norm over its groups (default: the local norm)."""
+    The parameters are the master weights, in precision.master's dtype (fp32, or bf16 on GPUs); bf16
+    compute happens under autocast or in FSDP2's parameter cast, so there is no separate master copy to keep
+    in sync. `grad_norm_fn` lets a layout that shards or replicates parameters reduce the norm over its
+    groups (default: the local norm). Plain CUDA parameters (one GPU) take torch's fused AdamW, one kernel
+    for the whole update; DTensor shards, which may span several meshes, and CPU runs take foreach."""
 
     def __init__(
         self,
@@ -98,8 +102,11 @@ class LocalAdamW:
         decay = [p for p in self.params if p.ndim >= 2]  # no weight decay on norms and biases
         no_decay = [p for p in self.params if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        # fused: on MoE layers the optimizer step moves more bytes than anything else (docs/PERFORMANCE.md)
+        fused = bool(self.params) and all(p.is_cuda and not isinstance(p, DTensor) for p in self.params)
+        impl = {"fused": True} if fused else {"foreach": True}
         self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True
+            [g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **impl
         )
         self.grad_norm_fn = grad_norm_fn or _local_grad_norm
         self.skipped_steps = 0
@@ -124,8 +131,6 @@ class LocalAdamW:
 def _clip_grads_with_norm_(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
     """torch's clip_grads_with_norm_, scaling each gradient's local part: sharded layouts mix DTensors of
     several meshes (dense over dp_cp, experts over edp), which one foreach call cannot take."""
-    from torch.distributed.tensor import DTensor
-
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     grads = [p.grad for p in params if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
