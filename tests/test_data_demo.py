@@ -1,5 +1,6 @@
 """The demo tasks: deterministic by seed, right answers (checked by recomputing them), a checker that
-accepts them and rejects wrong ones, disjoint train/held-out, and files in verl's messages format."""
+accepts them and rejects wrong ones, disjoint train/held-out, files in verl's messages format, and word
+problems whose solutions stop after the working (`unstated`, the demo's SFT data)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,23 @@ def test_checker_accepts_generated_answers_and_rejects_wrong_ones():
 )
 def test_extract_answer(text, want):
     assert extract_answer(text) == want
+
+
+def test_unstated_word_problems_stop_after_the_working():
+    plain, mixed = demo_rows(1500, seed=0), demo_rows(1500, seed=0, unstated=0.5)
+    assert [(r["prompt"], r["answer"]) for r in mixed] == [(r["prompt"], r["answer"]) for r in plain]
+    unstated = [m for m in mixed if extract_answer(m["messages"][-1]["content"]) is None]
+    words = [m for m in mixed if m["kind"] == "word"]
+    assert {m["kind"] for m in unstated} == {"word"} and 0.4 < len(unstated) / len(words) < 0.6
+    for row, before in zip(mixed, plain):
+        solution, full = row["messages"][-1]["content"], before["messages"][-1]["content"]
+        if row in unstated:
+            assert full == f"{solution} The answer is {row['answer']}."  # the working is the same
+            assert EQUATION.search(solution).group(4) == row["answer"] and not check_answer(solution, row["answer"])
+        else:
+            assert solution == full
+    train, val = demo_split(40, 10, seed=5, unstated=0.5)
+    assert train + val == demo_rows(50, seed=5, unstated=0.5)
 
 
 def test_held_out_questions_are_not_in_train():

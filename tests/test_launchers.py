@@ -321,7 +321,6 @@ def mlite_sbatch(*args, env=None):
 REFUSED_TEMPLATES = {
     "grpo_dsv4_128gpu": "deepseek-v4-flash (model_type 'deepseek_v4') has no native model yet",
     "sft_dsv4_128gpu": "deepseek-v4-flash (model_type 'deepseek_v4') has no native model yet",
-    "grpo_qwen3_235b_32gpu": "optimizer.backend dist_opt is planned, not trained, by mlite so far",
 }
 # a model the trainers build on the dsv4 templates' 16 x 8 GPUs, PP4 x CP4 (qwen3-8b: dense, untied head)
 DSV4_TRAINED = {"EP": "1", "EXTRA_OVERRIDES": "model.name=qwen3-8b parallel.pp_first_stage_layers=null "

@@ -34,14 +34,14 @@ DIST_OPT = r"optimizer.backend dist_opt is planned, not trained"
 
 @pytest.mark.parametrize("preset, world, dp, edp, layers, refused", [
     ("deepseek_v3_sft", 96, 1, 1, [6] + [5] * 11, NO_V3),
-    ("qwen3_235b_a22b_sft", 32, 1, 1, [11] + [12] * 6 + [11], DIST_OPT),
+    ("qwen3_235b_a22b_sft", 32, 1, 1, [11] + [12] * 6 + [11], None),
     ("qwen3_30b_a3b_sft", 8, 8, 1, [48], None),
     ("deepseek_v4_flash_sft", 128, 8, 4, [11, 11, 11, 10], NO_V4),
     ("deepseek_v4_flash_grpo", 128, 8, 4, [11, 11, 11, 10], NO_V4),
 ])
 def test_published_layouts_are_valid_and_fit(preset, world, dp, edp, layers, refused):
-    """Every published layout is valid and fits by design; the trainers run only qwen3_30b_a3b_sft of them
-    (no native DeepSeek model, dist_opt not wired in), and for the others the planner's verdict is theirs."""
+    """Every published layout is valid and fits by design; the trainers run the Qwen3 ones (no native
+    DeepSeek model yet), and for the others the planner's verdict is theirs."""
     plan = sized(preset)
     assert (plan.layout.world, plan.layout.dp, plan.layout.edp) == (world, dp, edp)
     assert [len(s) for s in plan.layout.stage_layers] == layers
@@ -62,9 +62,10 @@ def test_deepseek_v3_does_not_fit_without_offload():
 
 
 def test_offload_moves_optimizer_state_to_host_by_fraction():
-    full = sized("qwen3_235b_a22b_sft")
-    half = sized("qwen3_235b_a22b_sft", ["offload.optimizer_fraction=0.5"])
-    none = sized("qwen3_235b_a22b_sft", ["offload.optimizer=false"])
+    dist_opt = ["optimizer.backend=dist_opt"]  # its design: fp32 master + Adam state, all offloaded
+    full = sized("qwen3_235b_a22b_sft", dist_opt)
+    half = sized("qwen3_235b_a22b_sft", [*dist_opt, "offload.optimizer_fraction=0.5"])
+    none = sized("qwen3_235b_a22b_sft", [*dist_opt, "offload.optimizer=false"])
     assert items(full)["optimizer state"] == 0
     assert items(half)["optimizer state"] == pytest.approx(items(none)["optimizer state"] / 2)
     host_full, host_half, host_none = (next(i.gb for i in p.memory.host_items if i.name == "offloaded state")
@@ -122,7 +123,7 @@ REJECTIONS = [  # the layout (check_layout)
     ("qwen3_235b_a22b_sft", ["data.seq_len=4098"], r"sequence parallel \(tp=4\).* multiple of 4; use 4096 or 4100"),
     ("qwen3_235b_a22b_sft", ["parallel.ep=2", "parallel.etp=2", "optimizer.backend=fsdp2"],
      r"etp > 1 is not supported by optimizer.backend 'fsdp2' .*; set parallel.etp: 1 \(no trained backend"),
-    ("qwen3_235b_a22b_sft", ["offload.grads=true"],
+    ("qwen3_235b_a22b_sft", ["offload.grads=true", "optimizer.backend=dist_opt"],
      r"offload.grads is not supported by optimizer.backend 'dist_opt' .*; use optimizer.backend fsdp2"),
     ("demo_sft", ["optimizer.backend=dist_opt"], r"cpu \(gloo\) device is not supported by .*dist_opt"),
     ("demo_sft", ["parallel.ep=2", "cluster.gpus_per_node=2"], r"is dense \(no experts\)"),
@@ -139,7 +140,6 @@ REJECTIONS = [  # the layout (check_layout)
     ("deepseek_v4_flash_sft", [], r"deepseek-v4-flash \(model_type 'deepseek_v4'\) has no native model yet"),
     ("qwen3_30b_a3b_sft", ["optimizer.backend=dist_opt"],
      r"optimizer.backend dist_opt is planned, not trained, by mlite so far: .* \(not this job's ep=8\)"),
-    ("qwen3_30b_a3b_sft", ["parallel.pp=2", "parallel.ep=4"], r"parallel.pp=2 with a MoE model"),
     ("demo_sft", ["cluster.gpus_per_node=2", "parallel.tp=2"],
      r"tied embeddings \(tie_word_embeddings\) with tp=2, pp=1 are not supported yet"),
     ("demo_sft", ["precision.compute=bf16", "precision.master=bf16"], r"precision.master: bf16 keeps param"),
@@ -189,14 +189,14 @@ def test_recommendations_are_valid_trained_fitting_and_sorted():
     for cand in candidates:
         replanned = plan_job(cand.job)  # each is a job the trainers run (check_job) and that fits
         assert replanned.memory.fits and replanned.layout.describe() == cand.layout.describe()
-        assert cand.job.parallel.pp == 1  # MoE with pp > 1 is not trained yet
         assert cand.cost["compute"] > 0
 
 
 def test_recommend_refuses_a_job_the_trainers_refuse_whatever_the_layout():
-    for preset, message in (("deepseek_v4_flash_sft", NO_V4), ("qwen3_235b_a22b_sft", DIST_OPT)):
+    for preset, overrides, message in (("deepseek_v4_flash_sft", [], NO_V4),
+                                       ("qwen3_235b_a22b_sft", ["optimizer.backend=dist_opt"], DIST_OPT)):
         with pytest.raises(MliteError, match=message):
-            recommend(load_job(preset))
+            recommend(load_job(preset, overrides))
 
 
 def test_recommend_prefers_no_offload_and_needs_it_for_qwen3_235b():

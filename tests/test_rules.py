@@ -118,8 +118,6 @@ BAD_JOBS = [
      "offload.params / offload.grads: FSDP2 moves a unit's parameters", None),
     ("rollout-vllm", "demo_grpo", ["rollout.engine=vllm"],
      "rollout.engine vllm is not wired into the GRPO trainer yet (VLLMRollout is never built)", "grpo"),
-    ("moe-pp", "qwen3_30b_a3b_sft", ["parallel.pp=2", "parallel.ep=4"], "parallel.pp=2 with a MoE model",
-     None),
     ("tied-tp", "demo_sft", ["cluster.gpus_per_node=2", "parallel.tp=2"],
      "tied embeddings (tie_word_embeddings) with tp=2, pp=1", None),
     ("tied-pp", "demo_sft", ["cluster.gpus_per_node=2", "parallel.pp=2"],

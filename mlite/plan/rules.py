@@ -496,11 +496,6 @@ def check_model_layout(job: JobConfig, arch: ModelArch) -> None:
             f"tied embeddings (tie_word_embeddings) with tp={p.tp}, pp={p.pp} are not supported yet; use "
             "tp=1 and pp=1 (data, context and expert parallel work) or a model with an untied LM head"
         )
-    if arch.moe is not None and p.pp > 1:
-        raise MliteError(
-            f"parallel.pp={p.pp} with a MoE model: the runtime does not weight the pipelined balance loss "
-            "yet; set parallel.pp: 1 and use ep, tp, cp or data parallel for MoE models"
-        )
 
 
 def _adapter_gaps(job: JobConfig, dims: Degrees) -> list[tuple[str, str]]:
