@@ -244,7 +244,7 @@ def case_job(case: BenchCase, device: str, one_gpu: bool = False):
     cuda = device.startswith("cuda")
     gpus, ep, cp = (1, 1, 1) if one_gpu else (case.gpus, case.ep, case.cp)
     return job_from_dict({
-        "model": {"name": case.model},
+        "model": {"name": case.model, "compile": cuda},  # model.compile: the speed a GPU job asks for
         "cluster": {"nodes": 1, "gpus_per_node": gpus},
         "parallel": {"ep": ep, "cp": cp},
         "data": {"seq_len": case.seq_len, "micro_batch_size": 1,

@@ -29,6 +29,7 @@ class ModelConfig(Section):
     path: Optional[str] = None  # local HF checkpoint dir or its config.json
     load_weights: Optional[bool] = None  # default: True for model.path, False for a preset (random init)
     attention_backend: Literal["auto", "torch", "sdpa", "varlen", "cudnn", "packed", "flash_attn", "te"] = "auto"
+    compile: bool = False  # torch.compile each decoder block's body (inside FSDP's hooks, around recompute)
 
     @model_validator(mode="after")
     def _one_source(self):

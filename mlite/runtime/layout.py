@@ -108,7 +108,7 @@ def build_parallel_model(model: nn.Module, job: JobConfig, placement: Placement,
     if placement.mesh is not None:
         parallelize_model(model, placement.mesh, job, placement.device.type)
     else:
-        apply_recompute(model, rc.granularity, rc.method, rc.num_layers)
+        apply_recompute(model, rc.granularity, rc.method, rc.num_layers, compile_blocks=job.model.compile)
     return model, None, None
 
 

@@ -165,7 +165,7 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, devi
     apply_tensor_parallel(model, mesh)
     rc = job.recompute
     cp_group = mesh.group("cp") if mesh.dims.cp > 1 else None
-    apply_recompute(model, rc.granularity, rc.method, rc.num_layers, cp_group)
+    apply_recompute(model, rc.granularity, rc.method, rc.num_layers, cp_group, compile_blocks=job.model.compile)
     apply_expert_parallel(model, mesh)
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     apply_fsdp(
@@ -234,9 +234,10 @@ def apply_recompute(
     method: str | None = None,
     num_layers: int | None = None,
     cp_group: dist.ProcessGroup | None = None,
+    compile_blocks: bool = False,
 ) -> None:
-    """Each layer's attention core and activation recompute, composed in this one place (applied before
-    FSDP, so the recompute runs on the unsharded weights):
+    """Each layer's attention core, activation recompute and compilation, composed in this one place
+    (applied before FSDP, so the recompute runs on the unsharded weights):
 
     - the core is the model's packed attention, or under context parallel (`cp_group`) the exact attention
       of this rank's zigzag share over the whole stream;
@@ -244,7 +245,9 @@ def apply_recompute(
     - `full` + `uniform`: every layer is recomputed from its input (num_layers must be 1: grouping several
       layers into one region would need the model's layer loop, which stays the model's);
     - `full` + `block`: the first `num_layers` layers of this stage (pipeline chunk) are recomputed, the
-      rest keep their activations (the Megatron meaning: spend memory where the stage has it).
+      rest keep their activations (the Megatron meaning: spend memory where the stage has it);
+    - `compile_blocks` (model.compile): each block's body goes through torch.compile, inside the layer's
+      own call (FSDP2's hooks stay outside the graph) and inside a full recompute's checkpoint.
     """
     layers = list(model.layers.values())
     for layer in layers:
@@ -253,16 +256,29 @@ def apply_recompute(
             core = functools.partial(_checkpointed, core or layer.attn.core)
         if core is not None:
             layer.attn.set_core(core)
-    if granularity != "full":
-        return
-    if method == "uniform" and (num_layers or 1) != 1:
-        raise MliteError(
-            f"recompute.method uniform with num_layers={num_layers}: mlite recomputes layer by layer; "
-            "set recompute.num_layers: 1, or use method: block to recompute the first N layers of each stage"
-        )
-    for layer in layers if method == "uniform" else layers[: num_layers or 1]:
-        layer.set_runner(_checkpointed)
+    recomputed = []
+    if granularity == "full":
+        if method == "uniform" and (num_layers or 1) != 1:
+            raise MliteError(
+                f"recompute.method uniform with num_layers={num_layers}: mlite recomputes layer by layer; "
+                "set recompute.num_layers: 1, or use method: block to recompute the first N layers of each stage"
+            )
+        recomputed = layers if method == "uniform" else layers[: num_layers or 1]
+    for layer in layers:
+        runner = functools.partial(_compiled, torch.compile(layer.body)) if compile_blocks else None
+        if any(layer is r for r in recomputed):
+            runner = functools.partial(_checkpointed_runner, runner) if runner else _checkpointed
+        if runner is not None:
+            layer.set_runner(runner)
 
 
 def _checkpointed(fn, *args):
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
+def _compiled(compiled_body, body, *args):
+    return compiled_body(*args)  # `body`, the layer's own, is what `compiled_body` was compiled from
+
+
+def _checkpointed_runner(runner, body, *args):
+    return _checkpointed(functools.partial(runner, body), *args)
