@@ -124,3 +124,53 @@ def test_bad_jobs_fail_with_one_line_and_exit_2(workdir, tmp_path, changes, mess
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+TWO_RANKS = """
+import os
+import sys
+import torch.distributed as dist
+from mlite.config import load_job
+from mlite.trainers.grpo.trainer import train_grpo
+
+result = train_grpo(load_job(sys.argv[1]), show_progress=False)
+print(f"rank {os.environ['RANK']}: group still up={dist.is_initialized()} "
+      f"summary lines={len(result.summary)} last step={result.last_step}/{result.total_steps}", flush=True)
+"""
+
+
+def test_two_ranks_share_the_sft_loop_epochs_close_and_one_summary(workdir, tmp_path):
+    """GRPO runs the one training loop: trainer.epochs caps the steps (10 prompts, 2 per step: 5 steps per
+    epoch, though trainer.steps asks 100), the runtime ends the process group it started, and only the
+    output rank has a summary to print."""
+    config = write_job(workdir, tmp_path / "run", trainer={"steps": 100, "epochs": 1, "save_every": 0},
+                       cluster={"gpus_per_node": 2})
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(config)], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == 2 and all("group still up=False" in line and "last step=5/5" in line for line in lines)
+    assert "summary lines=0" not in lines[0] and "summary lines=0" in lines[1], lines  # rank 0 prints, 1 not
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r] == [1, 2, 3, 4, 5]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_00000005"]
+
+
+def test_sft_runs_the_planner_before_starting(workdir, tmp_path):
+    """`mlite sft`, like `mlite grpo`, asks the planner first: a job that cannot fit stops in one line."""
+    config = tmp_path / "sft.yaml"
+    config.write_text(yaml.safe_dump({
+        "job": "sft", "model": {"name": "tiny-qwen3"},
+        "cluster": {"gpu": "h100", "gpus_per_node": 1, "gpu_memory_gb": 0.5},
+        "data": {"train_files": [str(workdir / "train.jsonl")], "tokenizer": str(workdir / "tok"), "seq_len": 64},
+        "trainer": {"device": "cpu", "steps": 1, "output_dir": str(tmp_path / "sft")},
+    }))
+    done = subprocess.run([sys.executable, "-m", "mlite", "sft", str(config), "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        "mlite sft: error: the job needs 4.0 GB per GPU, over the usable 0.5 GB; see `mlite plan CONFIG --recommend`"]
+    assert not (tmp_path / "sft").exists()  # stopped before any output
