@@ -50,7 +50,8 @@ def test(c, gpu=False, k="", workers=2, extra=""):
 
 @task(
     help={
-        "cases": "comma-separated case names (default: every single-GPU case); `mlite bench --list` shows them",
+        "cases": "comma-separated case names (default: every single-GPU case); "
+                 "`mlite bench --list` shows them",
         "steps": "timed steps per side",
         "device": "auto | cpu | cuda",
         "no_baseline": "skip the HF-transformers side",
@@ -59,7 +60,8 @@ def test(c, gpu=False, k="", workers=2, extra=""):
 )
 def bench(c, cases="", steps=8, device="auto", no_baseline=False, out="runs/bench/results.json"):
     """The trainers' step (the Runtime) vs HF transformers: tokens/s, MFU, peak memory vs the planner."""
-    args = ["bench", *[n for n in cases.split(",") if n], f"--steps={steps}", f"--device={device}", f"--out={out}"]
+    args = ["bench", *[n for n in cases.split(",") if n], f"--steps={steps}", f"--device={device}",
+            f"--out={out}"]
     _mlite(c, *args, *(["--no-baseline"] if no_baseline else []))
 
 
@@ -81,7 +83,8 @@ def plan(c, config="", set_=None, recommend=False, json=False):
 
 
 @task(
-    help={"config": "GRPO job YAML file or packaged preset name", "set_": "override key.sub=value (repeatable)",
+    help={"config": "GRPO job YAML file or packaged preset name",
+          "set_": "override key.sub=value (repeatable)",
           "no_progress": "plain log lines instead of a progress bar"},
     iterable=["set_"],
 )
@@ -100,14 +103,16 @@ def grpo(c, config, set_=None, no_progress=False):
     auto_shortflags=False,  # --no-grpo and --no-progress would both want -n
 )
 def demo(c, out="runs/demo", device="auto", set_=None, grpo_set=None, no_grpo=False, no_progress=False):
-    """Generate data and a tokenizer, train a tiny Qwen3-style model with SFT, then GRPO from it (CPU: minutes)."""
+    """Generate data and a tokenizer, train a tiny Qwen3-style model with SFT, then GRPO from it
+    (CPU: minutes)."""
     _mlite(c, "demo", "--out", out, "--device", device, *_overrides(set_),
            *[f"--grpo-set={item}" for item in (grpo_set or [])],
            *(["--no-grpo"] if no_grpo else []), *(["--no-progress"] if no_progress else []))
 
 
 @task(
-    help={"config": "SFT job YAML file or packaged preset name", "set_": "override key.sub=value (repeatable)",
+    help={"config": "SFT job YAML file or packaged preset name",
+          "set_": "override key.sub=value (repeatable)",
           "no_progress": "plain log lines instead of a progress bar"},
     iterable=["set_"],
 )
@@ -170,7 +175,8 @@ def shell(c, arch, stack="", target="dev", dry_run=False, image="", command="bas
 
 
 @task(help={"stack": "stack version (default: $MLITE_STACK, else the newest)", "arch": "sm90 or sm100",
-            "strict": "exit 1 when anything is missing or wrong", "require_gpu": "a missing GPU is a problem"})
+            "strict": "exit 1 when anything is missing or wrong",
+            "require_gpu": "a missing GPU is a problem"})
 def doctor(c, stack="", arch="", strict=False, require_gpu=False):
     """Check this environment against a stack's pins: versions, imports, GPU arch, NCCL, cuDNN DSA."""
     args = ["doctor"] + ([f"--stack={stack}"] if stack else []) + ([f"--arch={arch}"] if arch else [])

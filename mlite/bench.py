@@ -100,8 +100,10 @@ CASES: dict[str, BenchCase] = {
         # the reference is every rank running the one-GPU step at the same time ("N x one GPU")
         BenchCase("dense-1.7b-4k-dp2", "qwen3-1.7b", 4096, gpus=2, dp=2, baseline=False),
         BenchCase("dense-1.7b-4k-dp4", "qwen3-1.7b", 4096, gpus=4, dp=4, baseline=False),
-        BenchCase("moe-30b-a3b-8l-4k-ep2", "qwen3-30b-a3b", 4096, num_layers=8, gpus=2, dp=2, ep=2, baseline=False),
-        BenchCase("moe-30b-a3b-8l-4k-ep4", "qwen3-30b-a3b", 4096, num_layers=8, gpus=4, dp=4, ep=4, baseline=False),
+        BenchCase("moe-30b-a3b-8l-4k-ep2", "qwen3-30b-a3b", 4096, num_layers=8, gpus=2, dp=2, ep=2,
+                  baseline=False),
+        BenchCase("moe-30b-a3b-8l-4k-ep4", "qwen3-30b-a3b", 4096, num_layers=8, gpus=4, dp=4, ep=4,
+                  baseline=False),
         BenchCase("dense-1.7b-16k-cp4", "qwen3-1.7b", 16384, gpus=4, cp=4, baseline=False),
         # the CPU suite's cases: exercise every code path in seconds (the multi-rank ones on gloo)
         BenchCase("tiny-cpu", "tiny-qwen3-moe", 128, packing="mixed"),
@@ -130,7 +132,8 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int, device: str) -
     timing = Timing()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(steps)]
         for start, end in events:
             start.record()
             step()
@@ -257,7 +260,9 @@ def case_job(case: BenchCase, device: str, one_gpu: bool = False):
 
 
 def case_seq_lens(case: BenchCase, seed: int = 0) -> list[int]:
-    return [case.seq_len] if case.packing == "full" else mixed_lengths(case.seq_len, seed=seed, shortest=max(8, case.seq_len // 16))
+    if case.packing == "full":
+        return [case.seq_len]
+    return mixed_lengths(case.seq_len, seed=seed, shortest=max(8, case.seq_len // 16))
 
 
 def random_sequences(seq_lens: list[int], vocab: int, seed: int) -> list[list[int]]:

@@ -8,7 +8,8 @@ from mlite.bench import mixed_lengths, time_steps
 from mlite.runtime.kernels.attention import ATTENTION_BACKENDS, available_attention_backends
 
 heads, kv, d = 16, 8, 128
-for name, lens in (("full-4k", [4096]), ("mixed-4k", mixed_lengths(4096, seed=0, shortest=256)), ("full-16k", [16384])):
+for name, lens in (("full-4k", [4096]), ("mixed-4k", mixed_lengths(4096, seed=0, shortest=256)),
+                   ("full-16k", [16384])):
     T = sum(lens)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     q = torch.randn(T, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -24,9 +24,12 @@ step, _runtime, _last = bench.runtime_step_fn(case, seqs, "cuda")
 for _ in range(3):
     step()
 torch.cuda.synchronize()
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+with torch.profiler.profile(
+    activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+) as prof:
     for _ in range(2):
         step()
     torch.cuda.synchronize()
 print(f"== {args.case} (Runtime step, model.compile)")
-print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows,
+                                max_name_column_width=70))

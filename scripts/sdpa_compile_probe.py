@@ -1,4 +1,5 @@
-"""Can the cuDNN attention kernel live inside a torch.compile graph? (graph breaks cost host time per layer)"""
+"""Can the cuDNN attention kernel live inside a torch.compile graph? (graph breaks cost host time per
+layer)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ def attn(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-q, k, v = (torch.randn(1, 16, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+q, k, v = (torch.randn(1, 16, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3))
 explain = torch._dynamo.explain(attn)(q, k, v)
 print("graph breaks:", explain.graph_break_count, [b.reason for b in explain.break_reasons][:2])
 compiled = torch.compile(attn)

@@ -19,8 +19,8 @@ from mlite.config.catalog import PRESETS
 from mlite.config.schema import OptimizerConfig
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.models import build_model
-from mlite.runtime.parallel.mesh import ParallelDims
 from mlite.runtime.optim import LocalAdamW
+from mlite.runtime.parallel.mesh import ParallelDims
 from mlite.runtime.parallel.parallelize import grad_norm, parallelize_model, set_gradient_sync
 from mlite.runtime.parallel.pipeline import PipelineRunner, keep_chunk, one_f_one_b, split_layers
 from mlite.runtime.parallel.step import local_share, vocab_parallel_logprobs

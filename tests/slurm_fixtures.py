@@ -86,7 +86,8 @@ def submit(template: str, env: dict[str, str], *sbatch_args: str) -> str:
 
 
 def wait_for(job_id: str, timeout: float, until=lambda state: state.get("JobState") in FINAL_STATES) -> dict:
-    """Polls the controller until `until(state)` holds; fails the test (and cancels the job) at the deadline."""
+    """Polls the controller until `until(state)` holds; fails the test (and cancels the job) at the
+    deadline."""
     deadline = time.monotonic() + timeout
     state: dict[str, str] = {}
     while time.monotonic() < deadline:

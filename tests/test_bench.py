@@ -100,13 +100,15 @@ def test_cli_refuses_unknown_case_in_one_line():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "mlite", "bench", "no-such-case"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "mlite", "bench", "no-such-case"], capture_output=True,
+                          text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "unknown bench case" in proc.stderr
 
 
 def test_multi_rank_cases_run_under_torchrun_on_gloo(tmp_path):
-    """The multi-GPU cases' code (fsdp2 over dp, experts over ep, the N x one-GPU reference) on 2 gloo ranks."""
+    """The multi-GPU cases' code (fsdp2 over dp, experts over ep, the N x one-GPU reference) on 2 gloo
+    ranks."""
     import json
     import os
     import subprocess

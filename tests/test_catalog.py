@@ -62,7 +62,8 @@ def test_v4_attention_kinds_follow_flash():
 
 
 def test_local_hf_config_loads_like_the_preset(tmp_path):
-    hf = AutoConfig.for_model("qwen3_moe", **{k: v for k, v in PRESETS["qwen3-30b-a3b"].items() if k != "model_type"})
+    hf = AutoConfig.for_model("qwen3_moe",
+                              **{k: v for k, v in PRESETS["qwen3-30b-a3b"].items() if k != "model_type"})
     hf.save_pretrained(tmp_path)  # a real config.json written by transformers
     arch = resolve_arch(ModelConfig(path=str(tmp_path)))
     assert count_params(arch) == count_params(preset_arch("qwen3-30b-a3b"))
@@ -72,7 +73,8 @@ def test_local_hf_config_loads_like_the_preset(tmp_path):
 def test_transformers_v4_config_form_reads_the_same(tmp_path):
     cfg = {k: v for k, v in PRESETS["deepseek-v4-flash"].items() if k != "model_type"}
     hf = AutoConfig.for_model("deepseek_v4", **cfg)
-    hf.save_pretrained(tmp_path)  # transformers writes layer_types / compress_rates instead of compress_ratios
+    # transformers writes layer_types / compress_rates instead of compress_ratios
+    hf.save_pretrained(tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
     assert "layer_types" in written
     assert count_params(resolve_arch(ModelConfig(path=str(tmp_path)))).total == count_params(

@@ -148,7 +148,8 @@ def test_truncated_and_altered_checkpoints_are_refused_with_one_line(tmp_path):
     data = distcp_file(tmp_path / "a")
     size = data.stat().st_size
     os.truncate(data, size // 2)
-    with pytest.raises(MliteError, match=rf"corrupt: tensors/__0_0.distcp has {size // 2} bytes, the manifest says {size}") as err:
+    with pytest.raises(MliteError, match=rf"corrupt: tensors/__0_0.distcp has {size // 2} bytes, "
+                                         rf"the manifest says {size}") as err:
         Runtime(make_job()).load_checkpoint(tmp_path / "a")
     assert "\n" not in str(err.value)
 

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def mlite(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlite", "plan", *args], capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "mlite", "plan", *args], capture_output=True, text=True,
+                          cwd=ROOT)
 
 
 @pytest.mark.parametrize("preset", ["qwen3_30b_a3b_sft", "demo_sft", "demo_grpo"])
@@ -60,7 +61,8 @@ def test_human_report_lists_layout_memory_host_and_verdict():
     (["demo_sft", "--set", "model.name=gpt5"], "unknown model 'gpt5'"),
     (["qwen3_30b_a3b_sft", "--set", "optimizer.backend=dist_opt"], "dist_opt is planned, not trained"),
     (["demo_grpo", "--set", "rollout.engine=vllm"], "rollout.engine vllm is not wired into the GRPO trainer"),
-    (["qwen3_235b_a22b_sft", "--recommend", "--set", "optimizer.backend=dist_opt"], "dist_opt is planned, not trained"),
+    (["qwen3_235b_a22b_sft", "--recommend", "--set", "optimizer.backend=dist_opt"],
+     "dist_opt is planned, not trained"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message):
     result = mlite(*args)
@@ -137,7 +139,8 @@ def test_invoke_test_keeps_an_xdist_group_on_one_worker(tmp_path):
         "    print('worker', os.environ['PYTEST_XDIST_WORKER'])\n"
     )
     result = subprocess.run(
-        [sys.executable, "-m", "invoke", "test", "--workers=2", f"--extra={tmp_path} -p no:cacheprovider -s -v"],
+        [sys.executable, "-m", "invoke", "test", "--workers=2",
+         f"--extra={tmp_path} -p no:cacheprovider -s -v"],
         capture_output=True, text=True, cwd=ROOT, check=False,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -157,6 +160,6 @@ def test_invoke_demo_passes_the_demo_flags_through():
     line = next(x for x in dry.stdout.splitlines() if "-m mlite demo" in x)
     line = re.sub(r"\x1b\[[0-9;]*m", "", line)  # invoke colours the echoed command
     assert line.split("-m mlite ", 1)[1].split() == [
-        "demo", "--out", "/tmp/nowhere", "--device", "auto", "--set=trainer.steps=3", "--grpo-set=rollout.n=4",
-        "--no-grpo",
+        "demo", "--out", "/tmp/nowhere", "--device", "auto", "--set=trainer.steps=3",
+        "--grpo-set=rollout.n=4", "--no-grpo",
     ]

@@ -23,8 +23,8 @@ def error_of(*args) -> str:
 
 
 def test_every_preset_loads():
-    assert {"demo_sft", "deepseek_v3_sft", "qwen3_235b_a22b_sft", "qwen3_30b_a3b_sft", "deepseek_v4_flash_sft",
-            "deepseek_v4_flash_grpo"} <= set(list_presets())
+    assert {"demo_sft", "deepseek_v3_sft", "qwen3_235b_a22b_sft", "qwen3_30b_a3b_sft",
+            "deepseek_v4_flash_sft", "deepseek_v4_flash_grpo"} <= set(list_presets())
     for name in list_presets():
         assert load_job(name).model.name
 

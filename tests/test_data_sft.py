@@ -128,7 +128,8 @@ def test_left_out_rows_are_counted_and_reported(tokenizer, tmp_path):
         "too_long": 1,
         "no_assistant": 1,
         "malformed": 5,
-        "first_malformed": f"{tmp_path}/mixed.jsonl:2: not JSON (Expecting property name enclosed in double quotes)",
+        "first_malformed": f"{tmp_path}/mixed.jsonl:2: not JSON "
+                           "(Expecting property name enclosed in double quotes)",
         "empty_files": [f"{tmp_path}/empty.jsonl"],
         "tokens": sum(len(s) for s in samples),
         "target_tokens": sum(s.num_targets for s in samples),

@@ -43,7 +43,8 @@ def test_loads_offline_in_a_fresh_process(tokenizer_dir):
         "import sys; from transformers import AutoTokenizer;"
         "t = AutoTokenizer.from_pretrained(sys.argv[1]);"
         "print(len(t), t.eos_token, t.pad_token, t.apply_chat_template([{'role': 'user', 'content': 'hi'}],"
-        " tokenize=False, add_generation_prompt=True) == '<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n')"
+        " tokenize=False, add_generation_prompt=True)"
+        " == '<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n')"
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     out = subprocess.run(

@@ -54,7 +54,8 @@ def test_report_on_this_cpu_machine_names_what_is_missing():
     # the megatron extra (CI's install) brings a megatron-core that resolves for this CPU torch, not the pin
     from importlib.metadata import version
 
-    assert status_of(report, "megatron-core") == "wrong" and version("megatron-core") in line_for(report, "megatron-core")
+    assert (status_of(report, "megatron-core") == "wrong"
+            and version("megatron-core") in line_for(report, "megatron-core"))
     assert status_of(report, "deepep") == "missing" and "5e3559296b20" in line_for(report, "deepep")
     assert status_of(report, "gpu") == "note" and "no CUDA GPU visible" in line_for(report, "gpu")
     assert status_of(report, "cudnn DSA indexer") == "missing"

@@ -217,7 +217,8 @@ def test_compile_runs_each_block_through_torch_compile_with_the_same_numbers():
                                     "trainer": {"device": "cpu", "seed": 3}}))
         g, out = torch.Generator().manual_seed(0), []
         for lengths in ((9, 14), (11, 6, 4)):  # two packings: the compiled graph takes both
-            batch = PackedBatch.from_sequences([torch.randint(0, 200, (n,), generator=g).tolist() for n in lengths])
+            batch = PackedBatch.from_sequences([torch.randint(0, 200, (n,), generator=g).tolist()
+                                                for n in lengths])
             rt.zero_grad()
             (o,) = rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
             out.append((o["loss"], rt.optimizer_step()[0]))

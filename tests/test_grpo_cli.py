@@ -3,7 +3,6 @@ resume equal to the uninterrupted run, one-line errors with exit 2."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -114,7 +113,8 @@ def test_run_writes_metrics_plots_checkpoints_and_resumes_exactly(workdir, tmp_p
     [
         ({"grpo": {"reward": "no_such_module_q:fn"}}, "cannot import module 'no_such_module_q'"),
         ({"rollout": {"max_response_length": 60}}, "exceeds data.seq_len"),
-        # accepted once, then rolled out with the builtin sampler: refused until the trainer builds VLLMRollout
+        # accepted once, then rolled out with the builtin sampler: refused until the trainer builds
+        # VLLMRollout
         ({"rollout": {"engine": "vllm"}}, "rollout.engine vllm is not wired into the GRPO trainer yet"),
         ({"data": {"train_files": ["/nonexistent/prompts.jsonl"]}}, "prompt file not found"),
     ],
@@ -149,13 +149,16 @@ def test_two_ranks_share_the_sft_loop_epochs_close_and_one_summary(workdir, tmp_
     script.write_text(TWO_RANKS)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), str(config)], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(script), str(config)],
+                          capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
-    assert len(lines) == 2 and all("group still up=False" in line and "last step=5/5" in line for line in lines)
+    assert len(lines) == 2 and all("group still up=False" in line and "last step=5/5" in line
+                                   for line in lines)
     assert "summary lines=0" not in lines[0] and "summary lines=0" in lines[1], lines  # rank 0 prints, 1 not
-    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
+            if "reward/mean" in r] == [1, 2, 3, 4, 5]
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_00000005"]
 
 
@@ -165,12 +168,14 @@ def test_sft_runs_the_planner_before_starting(workdir, tmp_path):
     config.write_text(yaml.safe_dump({
         "job": "sft", "model": {"name": "tiny-qwen3"},
         "cluster": {"gpu": "h100", "gpus_per_node": 1, "gpu_memory_gb": 0.5},
-        "data": {"train_files": [str(workdir / "train.jsonl")], "tokenizer": str(workdir / "tok"), "seq_len": 64},
+        "data": {"train_files": [str(workdir / "train.jsonl")], "tokenizer": str(workdir / "tok"),
+                 "seq_len": 64},
         "trainer": {"device": "cpu", "steps": 1, "output_dir": str(tmp_path / "sft")},
     }))
     done = subprocess.run([sys.executable, "-m", "mlite", "sft", str(config), "--no-progress"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines() == [
-        "mlite sft: error: the job needs 4.0 GB per GPU, over the usable 0.5 GB; see `mlite plan CONFIG --recommend`"]
+        "mlite sft: error: the job needs 4.0 GB per GPU, over the usable 0.5 GB; "
+        "see `mlite plan CONFIG --recommend`"]
     assert not (tmp_path / "sft").exists()  # stopped before any output

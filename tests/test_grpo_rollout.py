@@ -54,9 +54,11 @@ def test_stop_tokens_end_a_row_and_are_kept(model):
 
 def test_sampling_is_reproducible_under_a_seed_and_respects_max_length(model):
     params = SamplingParams(max_new_tokens=5, temperature=1.0, top_k=50, top_p=0.95)
-    run = lambda seed: [
-        c.response_ids for c in generate(model, PROMPTS * 2, params, torch.Generator().manual_seed(seed))
-    ]  # noqa: E731
+
+    def run(seed):
+        return [c.response_ids
+                for c in generate(model, PROMPTS * 2, params, torch.Generator().manual_seed(seed))]
+
     assert run(3) == run(3)
     assert run(3) != run(4)
     assert all(len(r) == 5 for r in run(3))

@@ -39,7 +39,10 @@ def test_temperature_scales_and_renormalises():
 def test_greedy_and_seeded_sampling():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     assert sample(logits, temperature=0).tolist() == logits.argmax(-1).tolist()
-    draw = lambda seed: sample(logits, 1.0, generator=torch.Generator().manual_seed(seed)).tolist()  # noqa: E731
+
+    def draw(seed):
+        return sample(logits, 1.0, generator=torch.Generator().manual_seed(seed)).tolist()
+
     assert draw(7) == draw(7)
     assert any(draw(7) != draw(s) for s in range(8, 12))
 

@@ -125,7 +125,8 @@ def test_rollouts_depend_only_on_seed_and_step(tmp_path, tokenizer):
     assert len(a.rollout(0).sequences) == 2 * 4
 
 
-def test_held_out_evaluation_samples_val_n_at_val_temperature_with_a_fixed_seed(tmp_path, tokenizer, monkeypatch):
+def test_held_out_evaluation_samples_val_n_at_val_temperature_with_a_fixed_seed(tmp_path, tokenizer,
+                                                                                 monkeypatch):
     """rollout.val_n responses per held-out prompt at rollout.val_temperature, from the same seed at every
     evaluation (before and after compare policies, not draws); the default answers once, greedily."""
     import mlite.trainers.grpo.trainer as grpo_trainer
@@ -138,7 +139,8 @@ def test_held_out_evaluation_samples_val_n_at_val_temperature_with_a_fixed_seed(
         return completions
 
     monkeypatch.setattr(grpo_trainer, "generate", spy)
-    sampled = make_trainer(tmp_path, tokenizer, rollout={"val_n": 3, "val_temperature": 1.0, "max_response_length": 6})
+    sampled = make_trainer(tmp_path, tokenizer,
+                           rollout={"val_n": 3, "val_temperature": 1.0, "max_response_length": 6})
     first, again = sampled.evaluate(sampled.prompts[:5]), sampled.evaluate(sampled.prompts[:5])
     assert [c[:2] for c in calls] == [(15, 1.0), (15, 1.0)] and first["eval/prompts"] == 5
     assert calls[0][2] == calls[1][2] and first == again  # same draws both times
@@ -152,8 +154,8 @@ def test_held_out_evaluation_samples_val_n_at_val_temperature_with_a_fixed_seed(
 @pytest.mark.gpu
 def test_grpo_steps_on_cuda_in_bf16(tmp_path, tokenizer):
     trainer = make_trainer(
-        tmp_path, tokenizer, cluster={"gpu": "h100"}, precision={"compute": "bf16"}, trainer={"device": "cuda"},
-        grpo={"kl_coef": 0.05, "mini_batches": 2},
+        tmp_path, tokenizer, cluster={"gpu": "h100"}, precision={"compute": "bf16"},
+        trainer={"device": "cuda"}, grpo={"kl_coef": 0.05, "mini_batches": 2},
     )
     assert trainer.runtime.device.type == "cuda"
     before = params(trainer).clone()

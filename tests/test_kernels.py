@@ -1,6 +1,7 @@
 """Kernels agree with their pure-torch references: every attention backend present with the `torch` path
 (forward and gradients), the `torch` path with a whole-stream masked softmax (no attention across sequence
-boundaries), cached decoding attention with packed attention, and grouped GEMM with a dense per-row product."""
+boundaries), cached decoding attention with packed attention, and grouped GEMM with a dense per-row
+product."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ HEADS, KV_HEADS, DIM = 4, 2, 16
 def packed_qkv(lens=LENS, dtype=torch.float32, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
     t = sum(lens)
-    make = lambda h: torch.randn(t, h, DIM, generator=g).to(device, dtype).requires_grad_()
+
+    def make(h):
+        return torch.randn(t, h, DIM, generator=g).to(device, dtype).requires_grad_()
+
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
     return make(HEADS), make(KV_HEADS), make(KV_HEADS), cu
 
@@ -85,7 +89,8 @@ def test_auto_order_is_what_the_module_docstring_says():
 
     cuda = ", ".join(attention._AUTO_ORDER["cuda"])
     assert f"on CUDA {cuda}; on other devices sdpa" in " ".join(attention.__doc__.split())
-    assert attention._AUTO_ORDER["cuda"][0] == "packed" and resolve_attention_backend("auto", "meta") == "sdpa"
+    assert attention._AUTO_ORDER["cuda"][0] == "packed"
+    assert resolve_attention_backend("auto", "meta") == "sdpa"
 
 
 def test_cached_attention_matches_packed_attention():
@@ -154,10 +159,12 @@ def test_cuda_backends_agree_with_the_torch_path_in_bf16(backend):
 
 @pytest.mark.gpu
 def test_packed_backend_takes_fp32_on_cuda():
-    """compute: fp32 on a GPU (the demo's preset) reaches auto's `packed` with fp32 q/k/v: no half-only kernel."""
+    """compute: fp32 on a GPU (the demo's preset) reaches auto's `packed` with fp32 q/k/v: no half-only
+    kernel."""
     q, k, v, cu = packed_qkv(dtype=torch.float32, device="cuda")
     ref = varlen_attention(q, k, v, cu, max(LENS), backend="torch")
-    torch.testing.assert_close(varlen_attention(q, k, v, cu, max(LENS), backend="packed"), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(varlen_attention(q, k, v, cu, max(LENS), backend="packed"), ref,
+                               rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -168,10 +175,12 @@ def test_auto_picks_a_fused_backend_on_cuda():
 @pytest.mark.gpu
 def test_packed_backend_on_one_long_sequence_agrees_with_the_torch_path():
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1024, h, 64, generator=gen, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
+    q, k, v = (torch.randn(1024, h, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+               for h in (8, 2, 2))
     cu = torch.tensor([0, 1024], dtype=torch.int32, device="cuda")
     ref = varlen_attention(q.float(), k.float(), v.float(), cu, 1024, backend="torch")
-    torch.testing.assert_close(varlen_attention(q, k, v, cu, 1024, backend="packed").float(), ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(varlen_attention(q, k, v, cu, 1024, backend="packed").float(), ref,
+                               rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -192,8 +192,9 @@ def test_grpo_through_ray_is_driven_from_node_zero(tmp_path):
 
 
 def test_verl_grpo_dry_run_resolves_main_ppo_with_the_mlite_engine_and_rollout():
-    env = {"DRY_RUN": "1", "MODEL_PATH": "/ckpt/m", "TRAIN_FILES": "a.parquet,b.parquet", "TP": "2", "EP": "4",
-           "ROLLOUT_N": "4", "LR": "2e-6", "OFFLOAD_OPTIMIZER": "true", "STEPS": "9", "GPUS_PER_NODE": "4"}
+    env = {"DRY_RUN": "1", "MODEL_PATH": "/ckpt/m", "TRAIN_FILES": "a.parquet,b.parquet", "TP": "2",
+           "EP": "4", "ROLLOUT_N": "4", "LR": "2e-6", "OFFLOAD_OPTIMIZER": "true", "STEPS": "9",
+           "GPUS_PER_NODE": "4"}
     done = run(["launchers/verl_grpo.sh"], env)
     assert done.returncode == 0, done.stderr
     command = done.stdout.strip().splitlines()[-1]
@@ -221,7 +222,8 @@ def test_verl_grpo_dry_run_resolves_main_ppo_with_the_mlite_engine_and_rollout()
     cpu = run(["launchers/verl_grpo.sh"], {**env, "DEVICE": "cpu", "GPUS_PER_NODE": "2"})
     assert cpu.returncode == 0, cpu.stderr
     assert cpu.stdout.startswith("VERL_PLATFORM=cpu")
-    assert "-m mlite.integrations.verl.main_ppo" in cpu.stdout and "+ray_kwargs.ray_init.num_gpus=2" in cpu.stdout
+    assert "-m mlite.integrations.verl.main_ppo" in cpu.stdout
+    assert "+ray_kwargs.ray_init.num_gpus=2" in cpu.stdout
 
     vllm = run(["launchers/verl_grpo.sh"], {**env, "ROLLOUT_ENGINE": "vllm", "ROLLOUT_TP": "2"})
     assert "actor_rollout_ref.rollout.name=vllm" in vllm.stdout and "calculate_log_probs" not in vllm.stdout
@@ -237,12 +239,14 @@ def test_verl_grpo_dry_run_resolves_main_ppo_with_the_mlite_engine_and_rollout()
     ],
 )
 def test_verl_grpo_refuses_bad_knobs_in_one_line(knobs, message):
-    done = run(["launchers/verl_grpo.sh"], {"DRY_RUN": "1", "MODEL_PATH": "/m", "TRAIN_FILES": "t.parquet", **knobs})
+    done = run(["launchers/verl_grpo.sh"],
+               {"DRY_RUN": "1", "MODEL_PATH": "/m", "TRAIN_FILES": "t.parquet", **knobs})
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
 def test_grpo_with_trainer_verl_hands_over_to_verl_grpo():
-    env = {"DRY_RUN": "1", "TRAINER": "verl", "MODEL_PATH": "/ckpt/m", "TRAIN_FILES": "p.parquet", "ROLLOUT_N": "3"}
+    env = {"DRY_RUN": "1", "TRAINER": "verl", "MODEL_PATH": "/ckpt/m", "TRAIN_FILES": "p.parquet",
+           "ROLLOUT_N": "3"}
     done = run(["launchers/grpo.sh"], env)
     assert done.returncode == 0, done.stderr
     assert "-m verl.trainer.main_ppo" in done.stdout and "actor_rollout_ref.rollout.n=3" in done.stdout
@@ -312,7 +316,7 @@ def test_sigusr1_reaches_the_ranks_and_spares_the_rank_parent(tmp_path):
     assert "rank: checkpoint and exit" in out and "SIGUSR1: asking the ranks" in err
 
 
-# ------------------------------------------------------------------------------------ mlite sbatch / templates
+# ----------------------------------------------------------------------------- mlite sbatch / templates
 def mlite_sbatch(*args, env=None):
     return run([sys.executable, "-m", "mlite", "sbatch", *args], env)
 

@@ -132,7 +132,8 @@ def test_models_are_changed_by_parallel_code_only_through_their_seams():
                 node, (ast.AugAssign, ast.AnnAssign)) else []
             for target in targets:
                 if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute):
-                    wrong.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} assigns {ast.unparse(target)}")
+                    wrong.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} "
+                                 f"assigns {ast.unparse(target)}")
                 if isinstance(target, ast.Attribute) and target.attr == "forward":
                     wrong.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} replaces a forward")
     assert not wrong, "\n".join(wrong)

@@ -42,7 +42,10 @@ def test_linear_logprobs_bf16_on_cuda_match_fp32_reference():
     h32, w32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
     ref = torch.log_softmax(h32 @ w32.t(), -1).gather(-1, labels[:, None]).squeeze(-1)
     ref.sum().backward()
-    rel = lambda a, b: float((a.float() - b).norm() / b.norm())
+
+    def rel(a, b):
+        return float((a.float() - b).norm() / b.norm())
+
     assert rel(out, ref) < 1e-2 and rel(hidden.grad, h32.grad) < 2e-2 and rel(weight.grad, w32.grad) < 2e-2
 
 

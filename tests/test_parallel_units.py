@@ -181,7 +181,8 @@ def test_context_split_keeps_positions_labels_and_sequence_of_every_token():
     ],
 )
 def test_what_the_layouts_cannot_do_yet_is_refused_before_any_group_exists(preset, parallel, world, words):
-    """The runtime asks the rule book (mlite.plan.rules) before it starts a process group or builds a model."""
+    """The runtime asks the rule book (mlite.plan.rules) before it starts a process group or builds a
+    model."""
     from mlite.config import job_from_dict
     from mlite.config.catalog import preset_arch
     from mlite.plan.rules import check_job
@@ -192,5 +193,6 @@ def test_what_the_layouts_cannot_do_yet_is_refused_before_any_group_exists(prese
 
     with pytest.raises(MliteError, match=words):
         check_job(job(preset, parallel), preset_arch(preset), world, "cpu", False)
-    check_job(job("tiny-qwen3-moe", {"tp": 2, "ep": 2}), preset_arch("tiny-qwen3-moe"), 2, "cpu", False)  # good
+    # good
+    check_job(job("tiny-qwen3-moe", {"tp": 2, "ep": 2}), preset_arch("tiny-qwen3-moe"), 2, "cpu", False)
     check_job(job("tiny-qwen3", {}), preset_arch("tiny-qwen3"), 2, "cpu", False)  # tied: one FSDP2 unit

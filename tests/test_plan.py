@@ -58,7 +58,8 @@ def test_published_layouts_are_valid_and_fit(preset, world, dp, edp, layers, ref
 def test_deepseek_v3_does_not_fit_without_offload():
     plan = sized("deepseek_v3_sft", ["offload.optimizer=false", "offload.optimizer_fraction=null"])
     assert not plan.memory.fits
-    assert items(plan)["optimizer state"] == pytest.approx(4 * items(plan)["weights"])  # Adam 8 B vs bf16 2 B, dp=1
+    # Adam 8 B vs bf16 2 B, dp=1
+    assert items(plan)["optimizer state"] == pytest.approx(4 * items(plan)["weights"])
 
 
 def test_offload_moves_optimizer_state_to_host_by_fraction():
@@ -88,7 +89,10 @@ def test_activations_follow_recompute_sp_cp_and_pipeline():
     base = ["parallel.pp=1", "parallel.cp=1", "parallel.ep=1", "parallel.pp_first_stage_layers=null",
             "parallel.pp_last_stage_layers=null", "cluster.nodes=1", "cluster.gpus_per_node=1",
             "precision.grad_reduce=fp32"]  # one GPU: nothing to reduce across
-    job = lambda *extra: plan_job(load_job("qwen3_30b_a3b_sft", base + list(extra)))
+
+    def job(*extra):
+        return plan_job(load_job("qwen3_30b_a3b_sft", base + list(extra)))
+
     none, selective, full = (job(f"recompute.granularity={g}") for g in ("none", "selective", "full"))
     assert items(none)["activations"] > items(selective)["activations"] > items(full)["activations"]
     assert items(full)["activations"] == pytest.approx(48 * 4096 * 2048 * 2 / GIB)  # one bf16 input per layer
@@ -97,7 +101,8 @@ def test_activations_follow_recompute_sp_cp_and_pipeline():
     assert items(longer)["activations"] == pytest.approx(2 * items(none)["activations"])
     assert items(longer)["logits"] == pytest.approx(items(none)["logits"])  # one 4096-token chunk at a time
     assert items(none)["logits"] == pytest.approx(4096 * 151936 * (2 + 2) / GIB)  # bf16 logits + bf16 grad
-    sp = plan_job(load_job("qwen3_30b_a3b_sft", ["recompute.granularity=none", "parallel.tp=4", "parallel.ep=2"]))
+    sp = plan_job(load_job("qwen3_30b_a3b_sft",
+                           ["recompute.granularity=none", "parallel.tp=4", "parallel.ep=2"]))
     assert items(sp)["activations"] == pytest.approx(items(none)["activations"] / 4)
 
 
@@ -110,7 +115,8 @@ def test_first_pipeline_stage_holds_most_micro_batches():
 # ------------------------------------------------------------------------------------------- rejections
 REJECTIONS = [  # the layout (check_layout)
     ("qwen3_30b_a3b_sft", ["parallel.tp=3"], r"world size 8 is not a multiple of pp x cp x tp = 3"),
-    ("qwen3_30b_a3b_sft", ["cluster.nodes=32", "parallel.ep=256"], r"128 routed experts, not divisible by ep=256"),
+    ("qwen3_30b_a3b_sft", ["cluster.nodes=32", "parallel.ep=256"],
+     r"128 routed experts, not divisible by ep=256"),
     ("qwen3_30b_a3b_sft", ["parallel.ep=3"], r"ep x etp must divide dp x cp x tp, the 8 ranks .*: 3 does"),
     ("qwen3_30b_a3b_sft", ["parallel.ep=1", "parallel.tp=8"], r"4 KV heads, not divisible by tp=8"),
     ("deepseek_v4_flash_sft", ["parallel.tp=2", "parallel.cp=2"], r"tp=1 only"),
@@ -120,20 +126,23 @@ REJECTIONS = [  # the layout (check_layout)
     ("deepseek_v4_flash_sft", ["parallel.vpp=2"], r"need vpp = 1"),
     ("deepseek_v4_flash_sft", ["data.seq_len=16000", "data.max_tokens_per_micro_batch=16384"],
      r"data.seq_len=16000 cannot be split evenly .* multiple of 1024"),
-    ("qwen3_235b_a22b_sft", ["data.seq_len=4098"], r"sequence parallel \(tp=4\).* multiple of 4; use 4096 or 4100"),
+    ("qwen3_235b_a22b_sft", ["data.seq_len=4098"],
+     r"sequence parallel \(tp=4\).* multiple of 4; use 4096 or 4100"),
     ("qwen3_235b_a22b_sft", ["parallel.ep=2", "parallel.etp=2", "optimizer.backend=fsdp2"],
      r"etp > 1 is not supported by optimizer.backend 'fsdp2' .*; set parallel.etp: 1 \(no trained backend"),
     ("qwen3_235b_a22b_sft", ["offload.grads=true", "optimizer.backend=dist_opt"],
      r"offload.grads is not supported by optimizer.backend 'dist_opt' .*; use optimizer.backend fsdp2"),
     ("demo_sft", ["optimizer.backend=dist_opt"], r"cpu \(gloo\) device is not supported by .*dist_opt"),
     ("demo_sft", ["parallel.ep=2", "cluster.gpus_per_node=2"], r"is dense \(no experts\)"),
-    ("demo_sft", ["data.global_batch_size=3", "cluster.gpus_per_node=2"], r"global_batch_size=3 is not divisible by dp=2"),
+    ("demo_sft", ["data.global_batch_size=3", "cluster.gpus_per_node=2"],
+     r"global_batch_size=3 is not divisible by dp=2"),
     ("qwen3_30b_a3b_sft", ["parallel.pp=2", "parallel.ep=4", "parallel.vpp=2", "data.global_batch_size=4",
                            "data.dynamic_batch=false"], r"micro-batches per step \(1\) divisible by pp=2"),
     ("qwen3_30b_a3b_sft", ["parallel.pp=2", "parallel.vpp=5", "parallel.ep=4"],
      r"48 layers do not split over pp=2 x vpp=5 = 10 chunks evenly; choose pp x vpp dividing 48"),
     ("deepseek_v4_flash_sft", ["recompute.num_layers=12"], r"recompute.num_layers=12 exceeds"),
-    ("qwen3_30b_a3b_sft", ["cluster.nodes=8", "parallel.pp=64", "parallel.ep=1"], r"pp=64 exceeds the model's 48 layers"),
+    ("qwen3_30b_a3b_sft", ["cluster.nodes=8", "parallel.pp=64", "parallel.ep=1"],
+     r"pp=64 exceeds the model's 48 layers"),
     ("deepseek_v4_flash_grpo", ["rollout.max_response_length=20000"], r"exceeds data.seq_len=16384"),
     ("deepseek_v4_flash_grpo", ["rollout.tp=2"], r"rollout.tp > 1 needs rollout.engine: vllm"),
 ] + [  # what the trainers run (check_runtime): valid layouts they refuse
@@ -162,7 +171,9 @@ def test_invalid_jobs_are_refused_with_the_fix(preset, overrides, message):
 
 
 def test_split_chunks_explicit_and_even():
-    sizes = lambda *args: [len(c) for c in split_chunks(*args)]
+    def sizes(*args):
+        return [len(c) for c in split_chunks(*args)]
+
     assert sizes(61, 12, 1, 6, 5) == [6] + [5] * 10 + [5]
     assert sizes(48, 4, 2, None, None) == [6] * 8  # pp x vpp chunks
     assert sizes(10, 2, 1, 10, 0) == [10, 0]  # a last stage with only the head

@@ -51,20 +51,21 @@ def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("layout_assets")
     files = write_demo_data(root / "data", train=64, val=8, seed=2)
     tokenizer = train_demo_tokenizer(root / "tokenizer", seed=2, vocab_size=256, rows=200)
-    common = {"vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+    common = {"vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+              "rms_norm_eps": 1e-6,
               "rope_theta": 10000.0, "tie_word_embeddings": False, "max_position_embeddings": 256}
     configs = {
         "dense": {"model_type": "qwen3", "intermediate_size": 128, **common},
-        "moe": {"model_type": "qwen3_moe", "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
-                "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                "router_aux_loss_coef": 0.1, **common},
+        "moe": {"model_type": "qwen3_moe", "intermediate_size": 128, "moe_intermediate_size": 32,
+                "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "router_aux_loss_coef": 0.1, **common},
     }
     for name, config in configs.items():
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(config))
-    return {"train": str(files["train.jsonl"]), "val": str(files["val.jsonl"]), "tokenizer": str(root / "tokenizer"),
-            "root": root}
+    return {"train": str(files["train.jsonl"]), "val": str(files["val.jsonl"]),
+            "tokenizer": str(root / "tokenizer"), "root": root}
 
 
 def job_dict(assets, model: str, out: Path, **sections) -> dict:
@@ -74,11 +75,11 @@ def job_dict(assets, model: str, out: Path, **sections) -> dict:
         "cluster": {"gpu": "cpu", "gpus_per_node": 1},
         "optimizer": {"lr": 2e-3, "warmup_steps": 1, "clip_grad": 1.0},
         "precision": {"compute": "fp32"},
-        "data": {"train_files": [assets["train"]], "val_files": [assets["val"]], "tokenizer": assets["tokenizer"],
-                 "seq_len": 128,
+        "data": {"train_files": [assets["train"]], "val_files": [assets["val"]],
+                 "tokenizer": assets["tokenizer"], "seq_len": 128,
                  "global_batch_size": 8, "max_tokens_per_micro_batch": 160},
-        "trainer": {"steps": STEPS, "seed": 5, "output_dir": str(out), "save_every": 2, "log_every": 1, "eval_every": 2,
-                    "device": "cpu", "tensorboard": False},
+        "trainer": {"steps": STEPS, "seed": 5, "output_dir": str(out), "save_every": 2, "log_every": 1,
+                    "eval_every": 2, "device": "cpu", "tensorboard": False},
     }
     if model == "moe":
         # one sequence per micro-batch: the balance loss pools router statistics per micro-batch, so the
@@ -113,9 +114,11 @@ def one_process(assets, tmp_path_factory):
 def mlite_sft(tmp_path: Path, job: dict, ranks: int, *overrides: str) -> subprocess.CompletedProcess:
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job))
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
+    launcher = (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+                if ranks > 1 else [])
     sets = [arg for o in overrides for arg in ("--set", o)]
-    return subprocess.run([sys.executable, *launcher, "-m", "mlite", "sft", str(config), "--no-progress", *sets],
+    return subprocess.run([sys.executable, *launcher, "-m", "mlite", "sft", str(config), "--no-progress",
+                           *sets],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, check=False)
 
 
@@ -124,7 +127,8 @@ def assert_same_curve(got: list[dict], want: list[dict], rtol: float = RTOL) -> 
     for ours, ref in zip(got, want):
         assert (ours["tokens"], ours["target_tokens"]) == (ref["tokens"], ref["target_tokens"]), ours["step"]
         assert ours["loss"] == pytest.approx(ref["loss"], rel=rtol), f"step {ours['step']}: loss"
-        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=rtol), f"step {ours['step']}: grad norm"
+        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=rtol), \
+            f"step {ours['step']}: grad norm"
 
 
 LAYOUTS = [
@@ -223,7 +227,8 @@ def test_selective_recompute_holds_under_context_parallel(tmp_path):
         got = torch.load(f"{out}.{rank}")
         (loss, grads, kept), (loss_rc, grads_rc, kept_rc) = got["none"], got["selective"]
         assert loss_rc == loss and all(torch.equal(a, b) for a, b in zip(grads, grads_rc))
-        assert kept_rc < kept, f"rank {rank}: {kept_rc} saved elements with selective recompute, {kept} without"
+        assert kept_rc < kept, \
+            f"rank {rank}: {kept_rc} saved elements with selective recompute, {kept} without"
 
 
 # --------------------------------------------------------------------------- keys refused, one line
@@ -231,7 +236,8 @@ def test_selective_recompute_holds_under_context_parallel(tmp_path):
     "override,message",
     [
         ("optimizer.backend=dist_opt", "cpu (gloo) device is not supported by optimizer.backend 'dist_opt'"),
-        ("precision.grad_reduce=bf16", "precision.grad_reduce: bf16 sets the dtype of the gradient reduction"),
+        ("precision.grad_reduce=bf16",
+         "precision.grad_reduce: bf16 sets the dtype of the gradient reduction"),
         ("offload.optimizer=true", "offload.* moves GPU state to host memory, but this run is on the CPU"),
     ],
     ids=["dist_opt", "grad_reduce-one-process", "offload-on-cpu"],
@@ -249,14 +255,16 @@ def test_bf16_master_weights_on_cpu_are_refused(assets, tmp_path):
     from mlite.runtime.engine import Runtime
 
     job = job_dict(assets, "dense", tmp_path / "run", precision={"compute": "bf16", "master": "bf16"})
-    with pytest.raises(MliteError, match="precision.master: bf16 keeps parameters and Adam state in bf16 on GPUs"):
+    with pytest.raises(MliteError,
+                       match="precision.master: bf16 keeps parameters and Adam state in bf16 on GPUs"):
         Runtime(job_from_dict(job))
 
 
 # ------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "overrides", [["parallel.tp=2"], [], ["offload.optimizer=true"]], ids=["tp2", "fsdp2-dp2", "fsdp2-dp2-offload"]
+    "overrides", [["parallel.tp=2"], [], ["offload.optimizer=true"]],
+    ids=["tp2", "fsdp2-dp2", "fsdp2-dp2-offload"],
 )
 def test_sft_on_two_gpus_in_bf16_matches_one_gpu(assets, tmp_path, overrides):
     if torch.cuda.device_count() < 2:
@@ -281,8 +289,8 @@ def test_bf16_master_weights_on_gpu_keep_parameters_and_adam_state_in_bf16(asset
     if not torch.cuda.is_available():
         pytest.fail("this test needs a CUDA GPU, none visible")
     gpu = {"cluster": {"gpu": "h100"}, "trainer": {"device": "cuda"}}
-    job = job_from_dict(job_dict(assets, "dense", tmp_path / "bf16", precision={"compute": "bf16", "master": "bf16"},
-                                 **gpu))
+    job = job_from_dict(job_dict(assets, "dense", tmp_path / "bf16",
+                                 precision={"compute": "bf16", "master": "bf16"}, **gpu))
     rt = Runtime(job)
     micro_batches, targets = build_sft_data(job).next_step()
     rt.forward_backward(micro_batches, sft_loss(targets))
@@ -291,7 +299,8 @@ def test_bf16_master_weights_on_gpu_keep_parameters_and_adam_state_in_bf16(asset
     moments = [s["exp_avg"] for s in rt.optim.optimizer.state.values()]
     assert moments and {m.dtype for m in moments} == {torch.bfloat16}
 
-    fp32 = train_sft(job_from_dict(job_dict(assets, "dense", tmp_path / "fp32", precision={"compute": "bf16"}, **gpu)),
+    fp32 = train_sft(job_from_dict(job_dict(assets, "dense", tmp_path / "fp32", precision={"compute": "bf16"},
+                                            **gpu)),
                      show_progress=False)
     bf16 = train_sft(job, show_progress=False)
     assert bf16.losses == pytest.approx(fp32.losses, rel=5e-2)
@@ -309,7 +318,8 @@ def write_untied_model(tmp_path: Path) -> None:
 def rl_job(tmp_path: Path, layout: dict) -> dict:
     return {"model": {"path": str(tmp_path / "untied"), "load_weights": False}, "parallel": layout,
             "data": {"seq_len": 256, "max_tokens_per_micro_batch": 256}, "cluster": {"gpu": "cpu"},
-            "precision": {"compute": "fp32"}, "optimizer": {"lr": 1e-3}, "trainer": {"device": "cpu", "seed": 3}}
+            "precision": {"compute": "fp32"}, "optimizer": {"lr": 1e-3},
+            "trainer": {"device": "cpu", "seed": 3}}
 
 
 def rl_batches():

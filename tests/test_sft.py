@@ -52,8 +52,8 @@ def assets(tmp_path_factory):
         "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
         "max_position_embeddings": 256,
     }))
-    return {"train": str(files["train.jsonl"]), "val": str(files["val.parquet"]), "tokenizer": str(root / "tokenizer"),
-            "model": str(root / "model")}
+    return {"train": str(files["train.jsonl"]), "val": str(files["val.parquet"]),
+            "tokenizer": str(root / "tokenizer"), "model": str(root / "model")}
 
 
 def job_dict(assets, out: Path, **trainer) -> dict:
@@ -65,8 +65,8 @@ def job_dict(assets, out: Path, **trainer) -> dict:
         "precision": {"compute": "fp32"},
         "data": {"train_files": [assets["train"]], "tokenizer": assets["tokenizer"], "seq_len": 128,
                  "global_batch_size": 16, "max_tokens_per_micro_batch": 200},
-        "trainer": {"steps": 30, "seed": 11, "output_dir": str(out), "save_every": 5, "keep_last": 2, "log_every": 1,
-                    "device": "cpu", **trainer},
+        "trainer": {"steps": 30, "seed": 11, "output_dir": str(out), "save_every": 5, "keep_last": 2,
+                    "log_every": 1, "device": "cpu", **trainer},
     }
 
 
@@ -80,8 +80,8 @@ def write_job(path: Path, data: dict) -> Path:
 
 
 def start_sft(config: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "mlite", "sft", str(config), "--no-progress"], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "mlite", "sft", str(config), "--no-progress"], cwd=ROOT,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for_step(proc: subprocess.Popen, metrics: Path, step: int, timeout: float = 120) -> int:
@@ -114,7 +114,8 @@ def test_sft_writes_metrics_tensorboard_plot_and_checkpoints(reference):
     assert raw["tokens_per_s"] > 0 and raw["tokens"] >= raw["target_tokens"] > 0
     assert result.tokens_per_s > 0 and result.last_step == 30
 
-    assert result.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and result.plot_path.stat().st_size > 5000
+    assert result.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result.plot_path.stat().st_size > 5000
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(result.output_dir / "tensorboard")).Reload()
@@ -130,7 +131,8 @@ def test_sft_writes_metrics_tensorboard_plot_and_checkpoints(reference):
 def test_resume_from_a_given_checkpoint_equals_the_uninterrupted_run_bitwise(assets, reference, tmp_path):
     result, records = reference
     mid = CheckpointManager(result.output_dir).path_for(25)
-    resumed = train_sft(job_from_dict(job_dict(assets, tmp_path / "run", resume=str(mid))), show_progress=False)
+    resumed = train_sft(job_from_dict(job_dict(assets, tmp_path / "run", resume=str(mid))),
+                        show_progress=False)
     assert resumed.start_step == 25 and resumed.last_step == 30
     assert exact(read_metrics(resumed.metrics_path)) == records[25:]
 
@@ -146,8 +148,8 @@ def test_sigkill_mid_run_then_auto_resume_equals_uninterrupted(assets, reference
     saved = CheckpointManager(out).steps()
     assert saved and saved[0] <= killed_at < 30, (saved, killed_at)
 
-    done = subprocess.run([sys.executable, "-m", "mlite", "sft", str(config), "--no-progress"], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run([sys.executable, "-m", "mlite", "sft", str(config), "--no-progress"], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from {CheckpointManager(out).path_for(saved[0])} at step {saved[0]}" in done.stderr
     assert exact(read_metrics(out / "metrics.jsonl")) == reference[1]
@@ -182,8 +184,8 @@ def test_a_corrupt_checkpoint_given_to_resume_is_one_line_exit_2(assets, referen
     shard = next((bad / "tensors").glob("*.distcp"))
     os.truncate(shard, shard.stat().st_size - 1)
     config = write_job(tmp_path / "job.yaml", job_dict(assets, tmp_path / "out", resume=str(bad)))
-    done = subprocess.run([sys.executable, "-m", "mlite", "sft", str(config)], cwd=ROOT, env=ENV, capture_output=True, check=False,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "mlite", "sft", str(config)], cwd=ROOT, env=ENV,
+                          capture_output=True, check=False, text=True, timeout=300)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith(f"mlite sft: error: checkpoint {bad} is corrupt")
     assert "Traceback" not in done.stderr
@@ -207,8 +209,10 @@ def test_auto_resume_falls_back_past_a_truncated_newest_checkpoint(assets, refer
 def test_resume_never_refuses_to_mix_with_an_earlier_run(assets, reference, tmp_path):
     from mlite.errors import MliteError
 
-    with pytest.raises(MliteError, match="trainer.resume is never but .* holds checkpoints of an earlier run"):
-        train_sft(job_from_dict(job_dict(assets, reference[0].output_dir, resume="never")), show_progress=False)
+    with pytest.raises(MliteError,
+                       match="trainer.resume is never but .* holds checkpoints of an earlier run"):
+        train_sft(job_from_dict(job_dict(assets, reference[0].output_dir, resume="never")),
+                  show_progress=False)
 
 
 def test_epochs_cap_the_steps_and_eval_logs_held_out_loss(assets, tmp_path):
@@ -254,14 +258,16 @@ def test_two_data_parallel_ranks_match_one_process(assets, reference, tmp_path):
     same steps as the one-process reference (to float rounding: the sums run in another order)."""
     out = tmp_path / "dp2"
     config = write_job(tmp_path / "job.yaml", job_dict(assets, out))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "mlite", "sft", str(config), "--no-progress"], cwd=ROOT, env=ENV,
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "-m", "mlite", "sft", str(config), "--no-progress"],
+                          cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     records = exact(read_metrics(out / "metrics.jsonl"))
     assert [r["step"] for r in records] == list(range(1, 31))  # one writer (rank 0), every step
     for ours, ref in zip(records, reference[1]):
-        assert (ours["tokens"], ours["target_tokens"], ours["lr"]) == (ref["tokens"], ref["target_tokens"], ref["lr"])
+        assert ((ours["tokens"], ours["target_tokens"], ours["lr"])
+                == (ref["tokens"], ref["target_tokens"], ref["lr"]))
         assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4), ours["step"]
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3), ours["step"]
     assert CheckpointManager(out).steps() == [30, 25]
@@ -272,8 +278,9 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks(assets, reference, tmp_pa
     mid = CheckpointManager(reference[0].output_dir).path_for(25)
     out = tmp_path / "dp2"
     config = write_job(tmp_path / "job.yaml", job_dict(assets, out, resume=str(mid)))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "mlite", "sft", str(config), "--no-progress"], cwd=ROOT, env=ENV,
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "-m", "mlite", "sft", str(config), "--no-progress"],
+                          cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     records = exact(read_metrics(out / "metrics.jsonl"))

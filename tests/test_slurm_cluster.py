@@ -245,8 +245,9 @@ def test_ray_cluster_over_two_nodes_runs_mlite_grpo(slurm_cluster, demo, tmp_pat
         "RAY": "1",
         "LAUNCHER": "ray",
         "TRAINER": "mlite",
-        "EXTRA_OVERRIDES": "model.load_weights=false trainer.log_every=1 job=grpo rollout.n=4 rollout.prompts_per_step=2 "
-        "rollout.max_prompt_length=48 rollout.max_response_length=8 grpo.reward=arithmetic",
+        "EXTRA_OVERRIDES": "model.load_weights=false trainer.log_every=1 job=grpo rollout.n=4 "
+        "rollout.prompts_per_step=2 rollout.max_prompt_length=48 rollout.max_response_length=8 "
+        "grpo.reward=arithmetic",
         "RAY_READY_TIMEOUT_S": "120",
     }
     job = submit_to(tmp_path, "grpo", knobs, "t-ray")

@@ -131,7 +131,8 @@ def test_sft_train_step_equals_the_runtime(model_dir):
     initial = flat_params(build_engine(model_dir).runtime.model)
     ours, direct_update = flat_params(engine.runtime.model) - initial, flat_params(reference.model) - initial
     assert direct_update.norm() > 0
-    # equal up to fp32 summation order (Adam turns 1e-9 gradient noise on near-zero entries into visible steps)
+    # equal up to fp32 summation order (Adam turns 1e-9 gradient noise on near-zero entries into visible
+    # steps)
     assert float((ours - direct_update).norm() / direct_update.norm()) < 1e-4
 
 

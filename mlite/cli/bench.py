@@ -27,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if args.list:
         for case in bench.CASES.values():
-            console.print(f"{case.name:28s} {case.model:16s} seq {case.seq_len:6d} {case.packing:5s} gpus {case.gpus}")
+            console.print(f"{case.name:28s} {case.model:16s} seq {case.seq_len:6d} {case.packing:5s} "
+                          f"gpus {case.gpus}")
         return 0
     names = args.cases or [c.name for c in bench.CASES.values() if c.gpus == 1 and c.name != "tiny-cpu"]
     unknown = [n for n in names if n not in bench.CASES]
@@ -39,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
 
     multi = [n for n in names if bench.CASES[n].gpus > 1]
     if multi and len(multi) != len(names):
-        raise MliteError("multi-GPU and one-GPU bench cases run in separate launches; name one kind at a time")
+        raise MliteError("multi-GPU and one-GPU bench cases run in separate launches; "
+                         "name one kind at a time")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if multi and world == 1:
         gpus = bench.CASES[multi[0]].gpus

@@ -11,5 +11,5 @@ from mlite.cli.training import add_training_parser
 
 
 def add_parser(subparsers) -> None:
-    add_training_parser(subparsers, "grpo", "GRPO reinforcement learning (built-in rollout, resumable)", __doc__,
-                        "grpo.kl_coef=0.01")
+    add_training_parser(subparsers, "grpo", "GRPO reinforcement learning (built-in rollout, resumable)",
+                        __doc__, "grpo.kl_coef=0.01")

@@ -15,7 +15,8 @@ EXIT_DOES_NOT_FIT = 3
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("plan", help="validate a layout, estimate memory, rank layouts (no GPU needed)",
+    parser = subparsers.add_parser("plan",
+                                   help="validate a layout, estimate memory, rank layouts (no GPU needed)",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", nargs="?", help="job YAML file or packaged preset name (default: demo_sft)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

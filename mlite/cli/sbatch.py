@@ -51,7 +51,8 @@ def add_parser(subparsers) -> None:
 
 
 def repo_root() -> Path:
-    """The checkout holding slurm/ and launchers/: $MLITE_ROOT, else the one this package is installed from."""
+    """The checkout holding slurm/ and launchers/: $MLITE_ROOT, else the one this package is installed
+    from."""
     candidates = [Path(os.environ["MLITE_ROOT"])] if os.environ.get("MLITE_ROOT") else []
     candidates.append(Path(__file__).resolve().parents[2])
     for root in candidates:

@@ -12,7 +12,8 @@ def add_training_parser(subparsers, kind: str, help: str, doc: str, example: str
     parser.add_argument("config", help="job YAML file or packaged preset name")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help=f"override a config key, e.g. --set {example} (repeatable)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress display (metrics still logged)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress display (metrics still logged)")
     parser.set_defaults(run=lambda args: run_training(kind, args))
 
 
@@ -47,7 +48,8 @@ def run_training(kind: str, args) -> int:
 
     job = load_job(args.config, args.overrides)
     if job.job != kind:
-        raise MliteError(f"{args.config} is a '{job.job}' job; run it with `mlite {job.job}` or set job: {kind}")
+        raise MliteError(f"{args.config} is a '{job.job}' job; run it with `mlite {job.job}` "
+                         f"or set job: {kind}")
     plan_for_this_world(job)
     logging.basicConfig(level=logging.INFO, format=f"mlite {kind}: %(message)s")
     console = Console(stderr=True)

@@ -6,9 +6,10 @@ Light by design: importing this module must not import torch (the planner and `m
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, get_args
+from typing import Any, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError

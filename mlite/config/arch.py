@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from mlite.errors import MliteError
 
@@ -51,7 +51,7 @@ class MoEArch:
 class MLAArch:
     """DeepSeek multi-head latent attention dimensions."""
 
-    q_lora_rank: Optional[int]
+    q_lora_rank: int | None
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
@@ -59,7 +59,8 @@ class MLAArch:
 
 
 # DeepSeek-V4 per-layer attention kinds, keyed by the compression ratio HF configs use (`compress_ratios`).
-V4_ATTENTION_KINDS = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+V4_ATTENTION_KINDS = {0: "sliding_attention", 4: "compressed_sparse_attention",
+                      128: "heavily_compressed_attention"}
 
 
 @dataclass(frozen=True)
@@ -99,13 +100,14 @@ class ModelArch:
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: Optional[dict] = None
+    rope_scaling: dict | None = None
     max_position_embeddings: int = 32768
     hidden_act: str = "silu"
-    moe: Optional[MoEArch] = None
-    mla: Optional[MLAArch] = None
-    extra: dict = field(default_factory=dict)  # family-specific figures not modelled above (kept for reference)
-    v4: Optional[DeepSeekV4Arch] = None  # DeepSeek-V4 attention, mHC and hash routing
+    moe: MoEArch | None = None
+    mla: MLAArch | None = None
+    # family-specific figures not modelled above (kept for reference)
+    extra: dict = field(default_factory=dict)
+    v4: DeepSeekV4Arch | None = None  # DeepSeek-V4 attention, mHC and hash routing
     mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint (DeepSeek num_nextn_predict_layers)
 
     @property
@@ -154,8 +156,10 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelArch:
                 shared_expert_ffn=int(cfg.get("n_shared_experts", 1)) * int(cfg["moe_intermediate_size"]),
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
                 router_aux_loss_coef=float(cfg.get("aux_loss_alpha", 0.0001)),
-                # V4 has no dense prefix (its first layers are hash-routed MoE), whatever first_k_dense_replace says
-                first_dense_layers=0 if model_type == "deepseek_v4" else int(cfg.get("first_k_dense_replace", 0)),
+                # V4 has no dense prefix (its first layers are hash-routed MoE), whatever
+                # first_k_dense_replace says
+                first_dense_layers=(0 if model_type == "deepseek_v4"
+                                    else int(cfg.get("first_k_dense_replace", 0))),
                 layer_freq=int(cfg.get("moe_layer_freq", 1)),
             )
         mla = None
@@ -184,14 +188,16 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelArch:
             attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
+            rope_scaling=(cfg.get("rope_scaling")
+                          or (rope if rope.get("rope_type", "default") != "default" else None)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
             hidden_act=str(cfg.get("hidden_act", "silu")),
             moe=moe,
             mla=mla,
             v4=v4,
             mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
-            extra={k: v for k, v in cfg.items() if k not in known and k.startswith(("compress", "index", "hc_", "num_nextn", "sliding"))},
+            extra={k: v for k, v in cfg.items()
+                   if k not in known and k.startswith(("compress", "index", "hc_", "num_nextn", "sliding"))},
         )
     except KeyError as err:
         raise MliteError(f"HF config ({model_type}) lacks key {err}; is it a complete config.json?") from None
@@ -199,7 +205,8 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelArch:
 
 def _v4_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV4Arch:
     """Read V4 attention kinds from either form HF configs use: `compress_ratios` (per layer 0/4/128, the
-    released checkpoints, which also list the MTP layer) or `layer_types` + `compress_rates` (transformers)."""
+    released checkpoints, which also list the MTP layer) or `layer_types` + `compress_rates`
+    (transformers)."""
     layers = int(cfg["num_hidden_layers"])
     if cfg.get("compress_ratios") is not None:
         ratios = tuple(int(r) for r in cfg["compress_ratios"][:layers])
@@ -209,7 +216,8 @@ def _v4_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV4Arch:
         # transformers' default when a config names neither: two HCA layers, then CSA/HCA alternating
         kinds = cfg.get("layer_types") or (
             ["heavily_compressed_attention"] * min(layers, 2)
-            + ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(layers - 2)]
+            + ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+               for i in range(layers - 2)]
         )
         ratios = tuple(int(rates[k]) for k in kinds[:layers])
     if len(ratios) != layers:

@@ -19,7 +19,8 @@ from mlite.errors import MliteError
 
 _QWEN3 = dict(model_type="qwen3", head_dim=128, vocab_size=151936, rope_theta=1000000.0,
               max_position_embeddings=40960, rms_norm_eps=1e-6, hidden_act="silu")
-_QWEN3_MOE = dict(_QWEN3, model_type="qwen3_moe", norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+_QWEN3_MOE = dict(_QWEN3, model_type="qwen3_moe", norm_topk_prob=True, decoder_sparse_step=1,
+                  mlp_only_layers=[])
 _LLAMA31 = dict(model_type="llama", vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
                 max_position_embeddings=131072, hidden_act="silu", tie_word_embeddings=False,
                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -33,9 +34,9 @@ PRESETS: dict[str, dict] = {
                        num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=256,
                        tie_word_embeddings=True, max_position_embeddings=512),
     "tiny-qwen3-moe": dict(_QWEN3_MOE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
-                           num_experts=8, num_experts_per_tok=2, vocab_size=256, tie_word_embeddings=False,
-                           max_position_embeddings=512),
+                           num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                           moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, vocab_size=256,
+                           tie_word_embeddings=False, max_position_embeddings=512),
     # ----------------------------------------------------------------------------------- dense Qwen3
     "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, intermediate_size=3072, tie_word_embeddings=True),
@@ -73,8 +74,9 @@ PRESETS: dict[str, dict] = {
                               q_lora_rank=1024, o_groups=8, o_lora_rank=1024, qk_rope_head_dim=64,
                               compress_ratios=[0, 0] + [4, 128] * 20 + [4], num_hash_layers=3,
                               index_n_heads=64, index_head_dim=128, index_topk=512, sliding_window=128,
-                              hc_mult=4, hc_sinkhorn_iters=20, rope_theta=10000.0, compress_rope_theta=160000.0,
-                              max_position_embeddings=1048576, scoring_func="sqrtsoftplus",
+                              hc_mult=4, hc_sinkhorn_iters=20, rope_theta=10000.0,
+                              compress_rope_theta=160000.0, max_position_embeddings=1048576,
+                              scoring_func="sqrtsoftplus",
                               routed_scaling_factor=1.5),
 }
 
@@ -172,7 +174,8 @@ def _attention_params(arch: ModelArch, layer: int) -> tuple[int, int]:
         m, heads = arch.mla, arch.num_heads
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         q = h * heads * qk if m.q_lora_rank is None else h * m.q_lora_rank + m.q_lora_rank * heads * qk
-        proj = q + h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+        proj = (q + h * (m.kv_lora_rank + m.qk_rope_head_dim)
+                + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim))
         proj += heads * m.v_head_dim * h
         return proj, m.kv_lora_rank + (m.q_lora_rank or 0)
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim

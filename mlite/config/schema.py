@@ -12,7 +12,7 @@ Every accepted key has an effect; a key that would do nothing in a given job is 
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -25,16 +25,18 @@ class Section(BaseModel):
 class ModelConfig(Section):
     """Which architecture: a preset from the catalog (`mlite plan --list-models`) or a local HF checkpoint."""
 
-    name: Optional[str] = None  # catalog preset, e.g. "qwen3-30b-a3b"
-    path: Optional[str] = None  # local HF checkpoint dir or its config.json
-    load_weights: Optional[bool] = None  # default: True for model.path, False for a preset (random init)
-    attention_backend: Literal["auto", "torch", "sdpa", "varlen", "cudnn", "packed", "flash_attn", "te"] = "auto"
+    name: str | None = None  # catalog preset, e.g. "qwen3-30b-a3b"
+    path: str | None = None  # local HF checkpoint dir or its config.json
+    load_weights: bool | None = None  # default: True for model.path, False for a preset (random init)
+    attention_backend: Literal["auto", "torch", "sdpa", "varlen", "cudnn", "packed", "flash_attn",
+                               "te"] = "auto"
     compile: bool = False  # torch.compile each decoder block's body (inside FSDP's hooks, around recompute)
 
     @model_validator(mode="after")
     def _one_source(self):
         if (self.name is None) == (self.path is None):
-            raise ValueError("give exactly one of model.name (a catalog preset) or model.path (an HF checkpoint)")
+            raise ValueError("give exactly one of model.name (a catalog preset) "
+                             "or model.path (an HF checkpoint)")
         if self.name is not None and self.load_weights:
             raise ValueError("model.load_weights: true needs model.path (a preset has no weights)")
         if self.load_weights is None:
@@ -65,7 +67,7 @@ class ClusterConfig(Section):
     nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(8, ge=1, le=72)
     gpu: Literal[GPU_TYPES] = "h100"  # type: ignore[valid-type]
-    gpu_memory_gb: Optional[float] = Field(None, gt=0)  # overrides the type's memory (e.g. 96 GB H20 / H800)
+    gpu_memory_gb: float | None = Field(None, gt=0)  # overrides the type's memory (e.g. 96 GB H20 / H800)
     host_memory_gb: float = Field(1800.0, gt=0)  # CPU RAM per node, for offloaded state
 
     @property
@@ -79,7 +81,8 @@ class ClusterConfig(Section):
 
 # ------------------------------------------------------------------------------------------ parallel
 class ParallelConfig(Section):
-    """Parallel layout. dp is derived: world = pp x dp x cp x tp; experts fold as ep x etp x edp = dp x cp x tp."""
+    """Parallel layout. dp is derived: world = pp x dp x cp x tp; experts fold as
+    ep x etp x edp = dp x cp x tp."""
 
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
@@ -87,9 +90,9 @@ class ParallelConfig(Section):
     cp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
     etp: int = Field(1, ge=1)
-    sequence_parallel: Optional[bool] = None  # None: on exactly when tp > 1
-    pp_first_stage_layers: Optional[int] = Field(None, ge=0)
-    pp_last_stage_layers: Optional[int] = Field(None, ge=0)
+    sequence_parallel: bool | None = None  # None: on exactly when tp > 1
+    pp_first_stage_layers: int | None = Field(None, ge=0)
+    pp_last_stage_layers: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -136,7 +139,8 @@ class OptimizerConfig(Section):
 class PrecisionConfig(Section):
     compute: Literal["bf16", "fp16", "fp32"] = "bf16"  # dtype of matmuls and activations
     # fp32: fp32 master weights and Adam state beside bf16 compute weights (the safe default);
-    # bf16: parameters, gradients and Adam state all in bf16 (half the state memory; what plain HF training does)
+    # bf16: parameters, gradients and Adam state all in bf16 (half the state memory; what plain HF
+    # training does)
     master: Literal["fp32", "bf16"] = "fp32"
     grad_reduce: Literal["fp32", "bf16"] = "fp32"
 
@@ -149,8 +153,8 @@ class PrecisionConfig(Section):
 
 class RecomputeConfig(Section):
     granularity: Literal["none", "selective", "full"] = "none"
-    method: Optional[Literal["uniform", "block"]] = None  # full only
-    num_layers: Optional[int] = Field(None, ge=1)  # full only: layers per chunk (uniform) or per stage (block)
+    method: Literal["uniform", "block"] | None = None  # full only
+    num_layers: int | None = Field(None, ge=1)  # full only: layers per chunk (uniform) or per stage (block)
 
     @model_validator(mode="after")
     def _full_only(self):
@@ -171,7 +175,7 @@ class OffloadConfig(Section):
     params: bool = False
     grads: bool = False
     optimizer: bool = False
-    optimizer_fraction: Optional[float] = Field(None, gt=0, le=1)  # share of optimizer state on the host
+    optimizer_fraction: float | None = Field(None, gt=0, le=1)  # share of optimizer state on the host
 
     @model_validator(mode="after")
     def _fraction(self):
@@ -186,13 +190,13 @@ class OffloadConfig(Section):
 class DataConfig(Section):
     train_files: list[str] = Field(default_factory=list)  # parquet or JSONL, messages format
     val_files: list[str] = Field(default_factory=list)
-    tokenizer: Optional[str] = None  # dir with tokenizer.json + chat template; default: the model path
+    tokenizer: str | None = None  # dir with tokenizer.json + chat template; default: the model path
     messages_key: str = "messages"
     seq_len: int = Field(4096, ge=8)  # longest sample (tokens); longer rows are counted and skipped
     micro_batch_size: int = Field(1, ge=1)  # sequences per micro-batch (used when dynamic_batch is off)
     global_batch_size: int = Field(8, ge=1)  # sequences per optimizer step, over all data-parallel ranks
     dynamic_batch: bool = True  # pack micro-batches to max_tokens_per_micro_batch, balanced by tokens
-    max_tokens_per_micro_batch: Optional[int] = Field(None, ge=8)
+    max_tokens_per_micro_batch: int | None = Field(None, ge=8)
     shuffle: bool = True
 
     @field_validator("train_files", "val_files", mode="before")
@@ -224,7 +228,7 @@ class DataConfig(Section):
 # --------------------------------------------------------------------------------------------- trainer
 class TrainerConfig(Section):
     steps: int = Field(100, ge=1)  # optimizer steps
-    epochs: Optional[int] = Field(None, ge=1)  # if set, steps = min(steps, epochs x steps per epoch)
+    epochs: int | None = Field(None, ge=1)  # if set, steps = min(steps, epochs x steps per epoch)
     seed: int = 1234
     output_dir: str = "runs/job"
     save_every: int = Field(0, ge=0)  # steps between checkpoints; 0: only at the end and on a signal
@@ -291,8 +295,8 @@ class JobConfig(Section):
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    rollout: Optional[RolloutConfig] = None
-    grpo: Optional[GRPOConfig] = None
+    rollout: RolloutConfig | None = None
+    grpo: GRPOConfig | None = None
 
     @model_validator(mode="after")
     def _job_sections(self):
@@ -304,8 +308,8 @@ class JobConfig(Section):
         elif self.rollout is not None or self.grpo is not None:
             raise ValueError("rollout / grpo sections apply to job: grpo only (this job is sft)")
         if self.trainer.device == "cuda" and self.cluster.gpu == "cpu":
-            raise ValueError("trainer.device: cuda contradicts cluster.gpu: cpu; set cluster.gpu to the GPU type "
-                             "(h100, h200, ...) or trainer.device to cpu")
+            raise ValueError("trainer.device: cuda contradicts cluster.gpu: cpu; set cluster.gpu to the "
+                             "GPU type (h100, h200, ...) or trainer.device to cpu")
         if self.offload.params and self.optimizer.backend == "dist_opt":
             raise ValueError(
                 "offload.params needs optimizer.backend: fsdp2 (Megatron-Core's distributed optimizer keeps "

@@ -17,13 +17,17 @@ from mlite.plan.rules import Layout
 
 GIB = 2**30
 HEADROOM = 0.90  # an estimate above this share of device (or host) memory does not fit
-GPU_OVERHEAD_GB = 4.0  # CUDA context, NCCL communicators and buffers, cuBLAS/attention workspaces, allocator slack
+# CUDA context, NCCL communicators and buffers, cuBLAS/attention workspaces, allocator slack
+GPU_OVERHEAD_GB = 4.0
 CPU_OVERHEAD_GB = 1.0  # torch + Python per process when the "GPU" is the host (gloo runs)
-HOST_OVERHEAD_PER_RANK_GB = 8.0  # per training process on the host: Python, CUDA host state, pinned buffers, data
+# per training process on the host: Python, CUDA host state, pinned buffers, data
+HOST_OVERHEAD_PER_RANK_GB = 8.0
 MOE_IMBALANCE = 1.0  # routed tokens a rank receives, relative to a perfectly balanced router
 LOGIT_CHUNK_TOKENS = 4096  # mlite.runtime.kernels.lm_head works on this many tokens' logits at a time
-LOGIT_GRAD_BYTES = 2  # per logit of a chunk beyond its compute-dtype copy: the compute-dtype d logits (fused path)
-LOGIT_ENTROPY_EXTRA_BYTES = 8  # the autograd path GRPO's entropy bonus needs: fp32 log-softmax and its gradient
+# per logit of a chunk beyond its compute-dtype copy: the compute-dtype d logits (fused path)
+LOGIT_GRAD_BYTES = 2
+# the autograd path GRPO's entropy bonus needs: fp32 log-softmax and its gradient
+LOGIT_ENTROPY_EXTRA_BYTES = 8
 FSDP_PREFETCH_LAYERS = 2  # FSDP2 holds the current layer and the prefetched next one unsharded
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -76,7 +80,8 @@ class MemoryEstimate:
             "stage": self.stage, "fits": self.fits, "total_gb": self.total_gb, "train_gb": self.train_gb,
             "rollout_gb": self.rollout_gb, "capacity_gb": self.capacity_gb, "usable_gb": self.usable_gb,
             "host_total_gb": self.host_total_gb, "host_capacity_gb": self.host_capacity_gb,
-            "items": [asdict(i) for i in self.items], "rollout_items": [asdict(i) for i in self.rollout_items],
+            "items": [asdict(i) for i in self.items],
+            "rollout_items": [asdict(i) for i in self.rollout_items],
             "host_items": [asdict(i) for i in self.host_items], "stage_totals_gb": self.stage_totals_gb,
             "notes": self.notes,
         }
@@ -104,7 +109,8 @@ def stage_params(arch: ModelArch, layout: Layout, stage: int) -> StageParams:
         dense += table
         largest = max(largest, table)
     if stage == layout.pp - 1:
-        head = embedding_params(arch) / layout.tp - table if layout.pp == 1 else table  # tied: a copy with pp > 1
+        # tied: a copy with pp > 1
+        head = embedding_params(arch) / layout.tp - table if layout.pp == 1 else table
         dense += head + final_params(arch)
         largest = max(largest, table)
     return StageParams(dense, experts, largest)
@@ -114,7 +120,8 @@ def stage_params(arch: ModelArch, layout: Layout, stage: int) -> StageParams:
 def layer_activation_bytes(arch: ModelArch, layer: int, act: int, granularity: str) -> tuple[float, float]:
     """Bytes per token one layer keeps for backward, before tp splits them: (attention + dense/shared MLP +
     residual streams, routed experts). `granularity` is none or selective (full is handled by the caller).
-    Attention is assumed fused (flash-style): only its log-sum-exp per head is kept, never the score matrix."""
+    Attention is assumed fused (flash-style): only its log-sum-exp per head is kept, never the score
+    matrix."""
     h = arch.hidden
     selective = granularity == "selective"  # norms, activation functions and attention cores recomputed
     norms = h if selective else 2 * h  # norm inputs are kept; their outputs are recomputed under selective
@@ -160,7 +167,8 @@ def in_flight_micro_batches(layout: Layout, stage: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- stages
-def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int) -> tuple[list[MemoryItem], float, list[MemoryItem]]:
+def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout,
+                 stage: int) -> tuple[list[MemoryItem], float, list[MemoryItem]]:
     """(training items per GPU, bytes offloaded to the host per GPU, resident state items for rollout)."""
     w = DTYPE_BYTES[job.precision.compute]
     act = w
@@ -185,18 +193,22 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int) ->
     if job.optimizer.backend == "dist_opt":
         put("weights", full * w, f"{job.precision.compute}, full copy of this stage after tp/ep split")
         put("gradients", full * (g if master == "fp32" else mb),
-            f"{job.precision.grad_reduce if master == 'fp32' else master} grad buffer, not sharded (Megatron DDP)")
+            f"{job.precision.grad_reduce if master == 'fp32' else master} grad buffer, "
+            "not sharded (Megatron DDP)")
         if not fp32_compute and master == "fp32":
-            put("master weights", sharded * 4, f"fp32, sharded over dp x cp={dense_shards} / edp={expert_shards}",
-                frac)
+            put("master weights", sharded * 4,
+                f"fp32, sharded over dp x cp={dense_shards} / edp={expert_shards}", frac)
         put("optimizer state", sharded * 2 * mb, f"Adam m, v {master}, sharded; {frac:.0%} offloaded", frac)
     else:
         put("master weights", sharded * mb,
-            f"{master} FSDP2 shards over dp x cp={dense_shards} / edp={expert_shards}", 1.0 if off.params else 0.0)
+            f"{master} FSDP2 shards over dp x cp={dense_shards} / edp={expert_shards}",
+            1.0 if off.params else 0.0)
         put("gathered weights", FSDP_PREFETCH_LAYERS * sp.largest_unit * w
-            if sharded < full or master != job.precision.compute else 0.0,  # one unsharded bf16 copy needs none
+            if sharded < full or master != job.precision.compute
+            else 0.0,  # one unsharded bf16 copy needs none
             f"{job.precision.compute}, {FSDP_PREFETCH_LAYERS} layers unsharded at a time")
-        put("gradients", sharded * mb + sp.largest_unit * w, f"{master} shards + one unsharded layer being reduced",
+        put("gradients", sharded * mb + sp.largest_unit * w,
+            f"{master} shards + one unsharded layer being reduced",
             (sharded * mb / (sharded * mb + sp.largest_unit * w)) if off.grads else 0.0)
         put("optimizer state", sharded * 2 * mb, f"Adam m, v {master}, sharded; {frac:.0%} offloaded", frac)
     resident = list(items)
@@ -227,7 +239,8 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int) ->
     if working:
         put("recompute working set", working * tokens, f"one group of {r.num_layers} layer(s) rebuilt")
     if stage == layout.pp - 1:
-        logit_tokens = min(layout.tokens_per_micro_batch / layout.cp, LOGIT_CHUNK_TOKENS)  # one chunk at a time
+        # one chunk at a time
+        logit_tokens = min(layout.tokens_per_micro_batch / layout.cp, LOGIT_CHUNK_TOKENS)
         entropy = job.job == "grpo" and job.grpo is not None and job.grpo.entropy_coef > 0
         per_logit = w + LOGIT_GRAD_BYTES + (LOGIT_ENTROPY_EXTRA_BYTES if entropy else 0)
         put("logits", logit_tokens * arch.vocab / layout.tp * per_logit,
@@ -255,12 +268,15 @@ def _rollout_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int, 
              if i.name not in ("gathered weights", "gradients") and i.gb > 0]
     if r.engine == "vllm":
         share = r.gpu_memory_utilization * capacity_gb
-        items.append(MemoryItem("vLLM (weights + KV cache)", share, f"rollout.gpu_memory_utilization x {capacity_gb:.0f} GB"))
+        items.append(MemoryItem("vLLM (weights + KV cache)", share,
+                                f"rollout.gpu_memory_utilization x {capacity_gb:.0f} GB"))
         weights_gb = count_params(arch).total * DTYPE_BYTES[job.precision.compute] / r.tp / GIB
         if weights_gb > share * HEADROOM:
-            notes.append(f"vLLM needs {weights_gb:.1f} GB per GPU for weights at rollout.tp={r.tp}, more than its "
-                         f"{share:.1f} GB share: raise rollout.tp or rollout.gpu_memory_utilization")
-            items.append(MemoryItem("vLLM weights beyond its share", weights_gb - share * HEADROOM, "does not fit"))
+            notes.append(f"vLLM needs {weights_gb:.1f} GB per GPU for weights at rollout.tp={r.tp}, "
+                         f"more than its {share:.1f} GB share: raise rollout.tp or "
+                         "rollout.gpu_memory_utilization")
+            items.append(MemoryItem("vLLM weights beyond its share", weights_gb - share * HEADROOM,
+                                    "does not fit"))
         return items
     act = DTYPE_BYTES[job.precision.compute]
     sequences = math.ceil(r.prompts_per_step * r.n / layout.dp)
@@ -302,9 +318,11 @@ def estimate_memory(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEs
     # Ranks are placed pipeline-outermost, so a node's GPUs usually share a stage: count the largest offload.
     offloaded = max(host for _, host, _ in stages) / GIB
     host_items = [
-        MemoryItem("offloaded state", offloaded * c.gpus_per_node, f"{offloaded:.1f} GB x {c.gpus_per_node} ranks")]
+        MemoryItem("offloaded state", offloaded * c.gpus_per_node,
+                   f"{offloaded:.1f} GB x {c.gpus_per_node} ranks")]
     if cpu:  # the ranks' "device" memory is host memory: their totals (overhead included) land here
-        host_items.append(MemoryItem("ranks' working memory", max(totals) * c.gpus_per_node, "gloo ranks on the host"))
+        host_items.append(MemoryItem("ranks' working memory", max(totals) * c.gpus_per_node,
+                                     "gloo ranks on the host"))
     else:
         host_items.append(MemoryItem("process overhead", HOST_OVERHEAD_PER_RANK_GB * c.gpus_per_node,
                                      f"{HOST_OVERHEAD_PER_RANK_GB:g} GB x {c.gpus_per_node} ranks"))

@@ -53,7 +53,8 @@ class Candidate:
     def as_dict(self) -> dict:
         p, r, o = self.job.parallel, self.job.recompute, self.job.offload
         return {
-            "layout": self.layout.describe(), "tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": self.layout.dp, "ep": p.ep,
+            "layout": self.layout.describe(), "tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": self.layout.dp,
+            "ep": p.ep,
             "edp": self.layout.edp, "pp_first_stage_layers": p.pp_first_stage_layers,
             "pp_last_stage_layers": p.pp_last_stage_layers, "recompute": r.granularity,
             "offload_optimizer": o.optimizer, "memory_gb": round(self.memory.total_gb, 2),
@@ -103,7 +104,8 @@ def _best_variant(job: JobConfig, arch: ModelArch, tp: int, pp: int, cp: int, ep
                             "pp_last_stage_layers": last}
         data["recompute"] = {"granularity": granularity}
         data["offload"] = dict(job.offload.model_dump(), optimizer=offload,
-                               optimizer_fraction=(job.offload.optimizer_fraction or 1.0) if offload else None)
+                               optimizer_fraction=((job.offload.optimizer_fraction or 1.0)
+                                                   if offload else None))
         try:
             variant = JobConfig.model_validate(data)
             layout = check_layout(variant, arch, trainer[0])
@@ -128,7 +130,8 @@ def step_cost(job: JobConfig, arch: ModelArch, layout: Layout, memory: MemoryEst
     tokens_step = d.global_batch_size * d.seq_len  # worst case: every sample seq_len long
     counts = count_params(arch)
     flops = 6 * (counts.active - arch.vocab * arch.hidden) * tokens_step  # input embedding is a lookup
-    flops += 6 * arch.num_layers * arch.num_heads * arch.head_dim * d.seq_len / 2 * tokens_step  # causal attention
+    # causal attention
+    flops += 6 * arch.num_layers * arch.num_heads * arch.head_dim * d.seq_len / 2 * tokens_step
     flops *= RECOMPUTE_FLOPS[job.recompute.granularity]
     compute = flops / layout.world / (GPU_BF16_TFLOPS[c.gpu] * 1e12 * ASSUMED_MFU)
 
@@ -138,7 +141,8 @@ def step_cost(job: JobConfig, arch: ModelArch, layout: Layout, memory: MemoryEst
         return (NVLINK_GBPS if group_span <= node else NETWORK_GBPS) * 1e9
 
     layers_here = max(len(s) for s in layout.stage_layers)
-    moe_layers_here = max(sum(1 for i in s if arch.moe and arch.moe.is_moe_layer(i)) for s in layout.stage_layers)
+    moe_layers_here = max(sum(1 for i in s if arch.moe and arch.moe.is_moe_layer(i))
+                          for s in layout.stage_layers)
     tokens_rank = tokens_step / (layout.dp * layout.cp)  # tokens each dp x cp rank processes per step
     passes = 3 if job.recompute.granularity == "full" else 2  # forward, backward (+ recomputed forward)
     tp_comm = 0.0

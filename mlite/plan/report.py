@@ -30,12 +30,14 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
 def render_plan(console: Console, plan: Plan) -> None:
     lay, mem, pc = plan.layout, plan.memory, plan.params
     c = plan.job.cluster
-    console.print(f"[bold]{plan.arch.name}[/]: {pc.total / 1e9:.1f}B parameters, {pc.active / 1e9:.1f}B active "
-                  f"({pc.non_embedding_total / 1e9:.1f}B / {pc.non_embedding_active / 1e9:.1f}B without embeddings)")
+    console.print(f"[bold]{plan.arch.name}[/]: {pc.total / 1e9:.1f}B parameters, "
+                  f"{pc.active / 1e9:.1f}B active ({pc.non_embedding_total / 1e9:.1f}B / "
+                  f"{pc.non_embedding_active / 1e9:.1f}B without embeddings)")
     console.print(f"cluster: {c.nodes} x {c.gpus_per_node} {c.gpu} ({mem.capacity_gb:.1f} GB each), "
                   f"host {c.host_memory_gb:g} GB per node")
     console.print(f"layout: {lay.describe()}  edp{lay.edp}  SP {'on' if lay.sequence_parallel else 'off'}  "
-                  f"stages {[len(s) for s in lay.stage_layers]} layers  {lay.micro_batches} micro-batches/step "
+                  f"stages {[len(s) for s in lay.stage_layers]} layers  "
+                  f"{lay.micro_batches} micro-batches/step "
                   f"of {lay.tokens_per_micro_batch} tokens  {plan.job.optimizer.backend}")
     table = Table(title=f"memory per GPU (pipeline stage {mem.stage}, the fullest)")
     table.add_column("item")
@@ -76,12 +78,15 @@ def render_candidates(console: Console, candidates: list[Candidate], title: str)
     table = Table(title=title)
     for name in ("#", "layout", "edp", "stages (first/last)", "recompute", "offload opt", "GB/GPU", "host GB",
                  "step s (est.)", "largest costs"):
-        table.add_column(name, justify="right" if name in ("#", "edp", "GB/GPU", "host GB", "step s (est.)") else "left")
+        table.add_column(name, justify="right" if name in ("#", "edp", "GB/GPU", "host GB", "step s (est.)")
+                         else "left")
     for rank, cand in enumerate(candidates, 1):
         p = cand.job.parallel
-        stages = f"{p.pp_first_stage_layers}/{p.pp_last_stage_layers}" if p.pp_first_stage_layers is not None else "even"
+        stages = (f"{p.pp_first_stage_layers}/{p.pp_last_stage_layers}"
+                  if p.pp_first_stage_layers is not None else "even")
         costs = sorted(cand.cost.items(), key=lambda kv: -kv[1])[:3]
-        table.add_row(str(rank), cand.layout.describe(), str(cand.layout.edp), stages, cand.job.recompute.granularity,
+        table.add_row(str(rank), cand.layout.describe(), str(cand.layout.edp), stages,
+                      cand.job.recompute.granularity,
                       "yes" if cand.job.offload.optimizer else "no", f"{cand.memory.total_gb:.1f}",
                       f"{cand.memory.host_total_gb:.0f}", f"{cand.step_s:.2f}",
                       ", ".join(f"{k} {v:.2f}" for k, v in costs))
@@ -98,6 +103,7 @@ def models_table() -> tuple[Table, list[dict[str, Any]]]:
         pc = count_params(arch)
         experts = f"{arch.moe.num_experts} top-{arch.moe.top_k}" if arch.moe else "-"
         table.add_row(name, arch.model_type, str(arch.num_layers), str(arch.hidden),
-                      f"{arch.num_heads}/{arch.num_kv_heads}", experts, f"{pc.total / 1e9:.2f}", f"{pc.active / 1e9:.2f}")
+                      f"{arch.num_heads}/{arch.num_kv_heads}", experts, f"{pc.total / 1e9:.2f}",
+                      f"{pc.active / 1e9:.2f}")
         rows.append({"name": name, "model_type": arch.model_type, **pc.as_dict()})
     return table, rows

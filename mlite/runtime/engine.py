@@ -55,7 +55,8 @@ class Runtime:
         self.device, self.dims, self.mesh = self.placement.device, self.placement.dims, self.placement.mesh
         compute = job.precision.compute if self.device.type == "cuda" else "fp32"
         if compute != job.precision.compute:
-            log.info("precision.compute %s applies on GPUs; this CPU run computes in fp32", job.precision.compute)
+            log.info("precision.compute %s applies on GPUs; this CPU run computes in fp32",
+                     job.precision.compute)
         if job.trainer.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=False)
         # bf16 master weights compute in bf16 without autocast; FSDP2 casts for compute on several ranks

@@ -57,7 +57,8 @@ def forward_backward(
     aux_weight = 1.0 / (len(fulls) * rt.dims.dp)
     with torch.set_grad_enabled(not forward_only), _autocast(rt), _vocab_parallel(rt):
         if rt.pipeline is not None:
-            computed = _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperature, aux_weight)
+            computed = _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperature,
+                                  aux_weight)
         else:
             computed = [_one(rt, full, share, loss_fn, forward_only, with_entropy, temperature, aux_weight,
                              last=i == len(fulls) - 1) for i, (full, share) in enumerate(zip(fulls, shares))]

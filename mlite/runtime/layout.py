@@ -35,7 +35,8 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.f
 def pick_device(choice: str) -> torch.device:
     """trainer.device: auto (cuda when visible, else cpu), cpu or cuda (refused when no GPU is visible)."""
     if choice == "cuda" and not torch.cuda.is_available():
-        raise MliteError("trainer.device: cuda but no CUDA GPU is visible; run on a GPU node or set trainer.device=cpu")
+        raise MliteError("trainer.device: cuda but no CUDA GPU is visible; "
+                         "run on a GPU node or set trainer.device=cpu")
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -53,7 +54,8 @@ def hf_config_of(job: JobConfig) -> dict[str, Any]:
     path = Path(job.model.path)
     config = path if path.name == "config.json" else path / "config.json"
     if not config.is_file():
-        raise MliteError(f"model.path {job.model.path}: no config.json there; point it at an HF checkpoint dir")
+        raise MliteError(f"model.path {job.model.path}: no config.json there; "
+                         "point it at an HF checkpoint dir")
     return json.loads(config.read_text())
 
 
@@ -116,7 +118,8 @@ def _pipeline(model: nn.Module, job: JobConfig, placement: Placement, arch: Mode
     """This pp rank's chunks of the model (chunk c of pp*vpp lives on rank c % pp), each parallelized like a
     whole model, and the runner that moves activations between them."""
     dims, par, mesh = placement.dims, job.parallel, placement.mesh
-    split = split_layers(arch.num_layers, dims.pp, dims.vpp, par.pp_first_stage_layers, par.pp_last_stage_layers)
+    split = split_layers(arch.num_layers, dims.pp, dims.vpp, par.pp_first_stage_layers,
+                         par.pp_last_stage_layers)
     pp_rank = mesh.rank_in("pp")
     chunks = {}
     for c in range(pp_rank, dims.pp * dims.vpp, dims.pp):
@@ -124,5 +127,6 @@ def _pipeline(model: nn.Module, job: JobConfig, placement: Placement, arch: Mode
         chunks[c] = parallelize_model(chunk, mesh, job, placement.device.type)
     runner = PipelineRunner(chunks, dims.pp * dims.vpp, dist.get_process_group_ranks(mesh.group("pp")))
     dtype = next(model.parameters()).dtype
-    runner.activation_dtype = COMPUTE_DTYPES[job.precision.compute] if placement.device.type == "cuda" else dtype
+    runner.activation_dtype = (COMPUTE_DTYPES[job.precision.compute] if placement.device.type == "cuda"
+                               else dtype)
     return runner, chunks

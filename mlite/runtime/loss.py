@@ -40,7 +40,8 @@ def _chunk_logprobs(hidden, labels, compute_logits, temperature: float, with_ent
 def linear_head_weight(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
     """W when `compute_logits(h)` is exactly `h @ W^T` with W whole on this rank: a bias-free nn.Linear, or a
     model's `compute_logits` over such a head (mlite's models). None for anything else, so the caller keeps
-    the autograd path: a DTensor weight (FSDP2 or tp shards), hooks on the head (FSDP2 gathers there), a bias."""
+    the autograd path: a DTensor weight (FSDP2 or tp shards), hooks on the head (FSDP2 gathers there), a
+    bias."""
     owner = getattr(compute_logits, "__self__", None)
     if isinstance(owner, Transformer) and compute_logits.__func__ is Transformer.compute_logits:
         compute_logits = owner.output

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 def rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     _, keys, pos, has_gauss, gauss = np.random.get_state()
-    state["numpy"] = {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "gauss": gauss}
+    state["numpy"] = {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "has_gauss": has_gauss,
+                      "gauss": gauss}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -158,5 +159,6 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     job_dict["trainer"]["device"] = "cpu"
     runtime = Runtime(job_from_dict(job_dict), hf_config=meta["hf_config"])
     runtime.load_checkpoint(path, weights_only=True)
-    config = None if runtime.job.model.name is not None else meta["hf_config"]  # presets: written from the arch
-    return save_hf_checkpoint(runtime.export_weights(dtype), runtime.arch, out_dir, config=config, dtype=dtype)
+    config = None if runtime.job.model.name is not None else meta["hf_config"]  # presets: from the arch
+    return save_hf_checkpoint(runtime.export_weights(dtype), runtime.arch, out_dir, config=config,
+                              dtype=dtype)

@@ -60,8 +60,9 @@ def checkpoint_to_resume(resume: str, manager: CheckpointManager) -> Path | None
     if resume == "never":
         if manager.steps():
             raise MliteError(
-                f"trainer.resume is never but {manager.root} holds checkpoints of an earlier run; choose a new "
-                "trainer.output_dir, delete them, or set trainer.resume=auto to continue that run"
+                f"trainer.resume is never but {manager.root} holds checkpoints of an earlier run; "
+                "choose a new trainer.output_dir, delete them, or set trainer.resume=auto "
+                "to continue that run"
             )
         return None
     if resume == "auto":

@@ -76,7 +76,8 @@ def total_steps(job: JobConfig, steps_per_epoch: int) -> int:
     return min(job.trainer.steps, job.trainer.epochs * steps_per_epoch)
 
 
-def run(job: JobConfig, runtime: Runtime, trainer: Trainer, console=None, show_progress: bool = True) -> RunResult:
+def run(job: JobConfig, runtime: Runtime, trainer: Trainer, console=None,
+        show_progress: bool = True) -> RunResult:
     """Train (or continue training) `trainer` on `runtime`; returns where everything went. The runtime's
     process group is closed on the way out, whatever happens."""
     try:
@@ -134,7 +135,8 @@ def _run(job, runtime, trainer, console, show_progress) -> RunResult:
             stopped = stop.should_stop(runtime.device)
             if stopped or step == total or (cfg.save_every and step % cfg.save_every == 0):
                 extra = {"step": step, **trainer.state_dict()}
-                last_saved = manager.save(step, lambda path, extra=extra: runtime.save_checkpoint(path, extra))
+                last_saved = manager.save(step,
+                                          lambda path, extra=extra: runtime.save_checkpoint(path, extra))
             if stopped:
                 stopped_by = stop.received
                 break
@@ -142,7 +144,8 @@ def _run(job, runtime, trainer, console, show_progress) -> RunResult:
     writer.close()
     plot = None
     if output and stopped_by is None:
-        plot = plot_metrics(writer.path, out / trainer.plot_file, trainer.plot_keys, f"{trainer.name} ({out.name})")
+        plot = plot_metrics(writer.path, out / trainer.plot_file, trainer.plot_keys,
+                            f"{trainer.name} ({out.name})")
     speeds = [r["tokens_per_s"] for r in read_metrics(writer.path) if "tokens_per_s" in r] if output else []
     result = RunResult(out, start, step, total, last_saved, writer.path, plot, stopped_by,
                        sum(speeds) / len(speeds) if speeds else None, output, evals)
@@ -154,7 +157,8 @@ def summary_lines(result: RunResult, lines: list[str]) -> list[str]:
     """The trainer's lines between the run's common ones: how it stopped, speed, where the files are."""
     head, tail = [], []
     if result.stopped_by:
-        head.append(f"[yellow]stopped by {result.stopped_by} after step {result.last_step}/{result.total_steps}; "
+        head.append(f"[yellow]stopped by {result.stopped_by} after step "
+                    f"{result.last_step}/{result.total_steps}; "
                     "checkpoint saved, rerun the same command (trainer.resume=auto) to continue[/yellow]")
     if result.tokens_per_s is not None and math.isfinite(result.tokens_per_s):
         # over the run's logged steps, from the metrics file: a run resumed at its last step still has them

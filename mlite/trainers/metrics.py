@@ -31,7 +31,8 @@ class MetricsWriter:
     TensorBoard. A run resumed from step k first drops the records after k (written by the interrupted
     run past its last checkpoint), so the file reads as if the run had never stopped."""
 
-    def __init__(self, output_dir: str | Path, tensorboard: bool = True, resume_step: int = 0, enabled: bool = True):
+    def __init__(self, output_dir: str | Path, tensorboard: bool = True, resume_step: int = 0,
+                 enabled: bool = True):
         self.enabled = enabled
         self.path = Path(output_dir) / METRICS_FILE
         self.tb = None
@@ -47,7 +48,8 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step hides the events the interrupted run wrote after the checkpoint
-            self.tb = SummaryWriter(str(Path(output_dir) / TENSORBOARD_DIR), purge_step=resume_step + 1 if resume_step else None)
+            self.tb = SummaryWriter(str(Path(output_dir) / TENSORBOARD_DIR),
+                                    purge_step=resume_step + 1 if resume_step else None)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
@@ -69,7 +71,8 @@ class MetricsWriter:
 
 
 def plot_metrics(
-    metrics_path: str | Path, png_path: str | Path, keys: Iterable[str] = ("loss",), title: str = "training loss"
+    metrics_path: str | Path, png_path: str | Path, keys: Iterable[str] = ("loss",),
+    title: str = "training loss",
 ) -> Path | None:
     """A PNG of `keys` against the step (matplotlib, no display needed). None when nothing was logged."""
     records = read_metrics(metrics_path)
@@ -105,7 +108,8 @@ class ProgressDisplay:
     """A live progress bar on a terminal (loss, tokens/s, ETA); one plain line per logged step otherwise
     (Slurm logs, CI). ETA extrapolates the mean step time of this process (a resumed run restarts it)."""
 
-    def __init__(self, total_steps: int, start_step: int = 0, description: str = "train", enabled: bool = True, console=None):
+    def __init__(self, total_steps: int, start_step: int = 0, description: str = "train",
+                 enabled: bool = True, console=None):
         from rich.console import Console
 
         self.enabled = enabled
@@ -120,7 +124,8 @@ class ProgressDisplay:
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("{task.fields[status]}"), console=self.console, transient=False,
             )
-            self.task = self.progress.add_task(description, total=total_steps, completed=start_step, status="")
+            self.task = self.progress.add_task(description, total=total_steps, completed=start_step,
+                                               status="")
             self.progress.start()
         self.description = description
 
@@ -128,11 +133,13 @@ class ProgressDisplay:
         done = step - self.start
         return (time.perf_counter() - self.started) / done * (self.total - step) if done > 0 else float("nan")
 
-    def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "", label: str = "loss") -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "",
+               label: str = "loss") -> None:
         if not self.enabled:
             return
         eta = self.eta(step)
-        status = f"{label} {loss:.4f}  {tokens_per_s:,.0f} tok/s  ETA {format_duration(eta) if math.isfinite(eta) else '?'}"
+        status = (f"{label} {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
+                  f"ETA {format_duration(eta) if math.isfinite(eta) else '?'}")
         status += f"  {extra}" if extra else ""
         if self.live:
             self.progress.update(self.task, completed=step, status=status)

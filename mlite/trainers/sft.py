@@ -18,9 +18,10 @@ from mlite.runtime.data.sft import build_sft_data
 from mlite.runtime.engine import Runtime
 from mlite.runtime.loss import sft_loss
 from mlite.trainers import loop
-from mlite.trainers.loop import print_summary  # noqa: F401  (the CLI and the demo print with it)
 from mlite.trainers.common import first_rank
+from mlite.trainers.loop import print_summary  # noqa: F401  (the CLI and the demo print with it)
 from mlite.trainers.metrics import PLOT_FILE, read_metrics
+
 
 @dataclass
 class SFTResult(loop.RunResult):
@@ -54,7 +55,8 @@ class SFTTrainer:
         loss = rt.global_sum(sum(o["loss"] for o in outs))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped_steps": rt.skipped_steps,
                    "tokens": int(tokens), "target_tokens": int(global_targets), "epoch": self.data.epoch}
-        return loop.StepResult(metrics, tokens, ("loss", loss), "(skipped: non-finite grads)" if skipped else "")
+        return loop.StepResult(metrics, tokens, ("loss", loss),
+                               "(skipped: non-finite grads)" if skipped else "")
 
     def evaluate(self) -> dict[str, float]:
         """Mean token NLL over the validation set (forward only); {} without one."""

@@ -6,9 +6,10 @@
 rollout (`rollout.py`) and a `cpu` platform (selected only with `VERL_PLATFORM=cpu`). The Hydra config
 ships in `mlite/integrations/verl/config`:
 
-    python -m verl.trainer.sft_trainer hydra.searchpath=[pkg://mlite.integrations.verl.config] engine=mlite ...
-    python -m verl.trainer.main_ppo hydra.searchpath=[pkg://mlite.integrations.verl.config] model_engine=mlite \
-        actor_rollout_ref.rollout.name=mlite ...
+    python -m verl.trainer.sft_trainer hydra.searchpath=[pkg://mlite.integrations.verl.config] \
+        engine=mlite ...
+    python -m verl.trainer.main_ppo hydra.searchpath=[pkg://mlite.integrations.verl.config] \
+        model_engine=mlite actor_rollout_ref.rollout.name=mlite ...
 
 Nothing here patches verl: its registries are its extension points.
 """

@@ -49,7 +49,8 @@ class CpuPPOTrainerSync(PPOTrainerSync):
 
 @ray.remote
 class CpuTaskRunner:
-    """verl's TaskRunnerV1 (verl/trainer/main_ppo.py) with the CPU trainer; the same steps in the same order."""
+    """verl's TaskRunnerV1 (verl/trainer/main_ppo.py) with the CPU trainer; the same steps in the same
+    order."""
 
     def run(self, config) -> None:
         import transfer_queue as tq

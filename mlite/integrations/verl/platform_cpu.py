@@ -18,8 +18,13 @@ from verl.plugin.platform.platform_base import PlatformBase
 
 def _cpu_device_module() -> SimpleNamespace:
     """What verl calls on `get_torch_device()`, answered for host memory (no device memory to report)."""
-    zero = lambda *_, **__: 0
-    nothing = lambda *_, **__: None
+
+    def zero(*_, **__):
+        return 0
+
+    def nothing(*_, **__):
+        return None
+
     return SimpleNamespace(
         is_available=lambda: True,
         get_device_name=lambda *_: "CPU",  # verl's FLOPs counter looks it up (no promised FLOPs: MFU is 0)

@@ -54,8 +54,9 @@ def check_rollout_layout(config) -> None:
     if wrong:
         key, value = next(iter(wrong.items()))
         raise ValueError(
-            f"actor_rollout_ref.rollout.{key}={value} with rollout.name=mlite: the built-in rollout decodes a "
-            f"whole model per rank; set actor_rollout_ref.rollout.{key}=1 (or use rollout.name=vllm)"
+            f"actor_rollout_ref.rollout.{key}={value} with rollout.name=mlite: the built-in rollout "
+            f"decodes a whole model per rank; set actor_rollout_ref.rollout.{key}=1 "
+            "(or use rollout.name=vllm)"
         )
 
 
@@ -220,8 +221,9 @@ class MliteReplica(RolloutReplica):
         check_rollout_layout(self.config)
         if self.rollout_mode != RolloutMode.HYBRID:
             raise ValueError(
-                f"rollout.name=mlite runs colocated with the actor (hybrid engine), not in {self.rollout_mode.value} "
-                "mode; set actor_rollout_ref.hybrid_engine=true and trainer.v1.trainer_mode=sync"
+                "rollout.name=mlite runs colocated with the actor (hybrid engine), "
+                f"not in {self.rollout_mode.value} mode; set actor_rollout_ref.hybrid_engine=true and "
+                "trainer.v1.trainer_mode=sync"
             )
         worker = self.workers[0]
         node_id, devices = await worker.__ray_call__.remote(

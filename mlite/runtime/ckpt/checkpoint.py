@@ -93,7 +93,8 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 # -------------------------------------------------------------------------------------- save / load
-def save_checkpoint(path: str | Path, tensors: dict[str, Any], rank_state: dict[str, Any], meta: dict[str, Any]) -> Path:
+def save_checkpoint(path: str | Path, tensors: dict[str, Any], rank_state: dict[str, Any],
+                    meta: dict[str, Any]) -> Path:
     """Write a checkpoint at `path` atomically. Collective: every rank calls it with its own shards.
 
     tensors: DCP state (nested dicts of tensors / DTensors); rank_state: this rank's torch-saveable state;
@@ -111,7 +112,8 @@ def save_checkpoint(path: str | Path, tensors: dict[str, Any], rank_state: dict[
     if _rank() == 0:
         _write_json(partial / META, meta)
         files = sorted(p for p in partial.rglob("*") if p.is_file())
-        manifest = {str(p.relative_to(partial)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+        manifest = {str(p.relative_to(partial)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                    for p in files}
         _write_json(partial / MANIFEST, manifest)
         for folder in [partial / TENSORS, partial]:
             _fsync_dir(folder)
@@ -132,25 +134,29 @@ def verify_checkpoint(path: str | Path) -> None:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except json.JSONDecodeError:
-        raise MliteError(f"checkpoint {path} has a corrupt {MANIFEST}; delete it or resume from an earlier one") from None
+        raise MliteError(f"checkpoint {path} has a corrupt {MANIFEST}; "
+                         "delete it or resume from an earlier one") from None
     for name, expected in manifest.items():
         file = path / name
         if not file.is_file():
-            raise MliteError(f"checkpoint {path} is missing {name}; delete it or resume from an earlier checkpoint")
+            raise MliteError(f"checkpoint {path} is missing {name}; "
+                             "delete it or resume from an earlier checkpoint")
         size = file.stat().st_size
         if size != expected["bytes"]:
             raise MliteError(f"checkpoint {path} is corrupt: {name} has {size} bytes, the manifest says "
-                             f"{expected['bytes']} (truncated copy?); delete it or resume from an earlier one")
+                             f"{expected['bytes']} (truncated copy?); "
+                             "delete it or resume from an earlier one")
         if _sha256(file) != expected["sha256"]:
-            raise MliteError(f"checkpoint {path} is corrupt: {name} does not match its sha256 in the manifest; "
-                             "delete it or resume from an earlier checkpoint")
+            raise MliteError(f"checkpoint {path} is corrupt: {name} does not match its sha256 in the "
+                             "manifest; delete it or resume from an earlier checkpoint")
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / META).read_text())
 
 
-def load_checkpoint(path: str | Path, tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def load_checkpoint(path: str | Path,
+                    tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Verify, then load the tensors in place into `tensors` (same structure as saved, any layout).
 
     Returns (meta, this rank's state), the latter None when the checkpoint was written by fewer ranks."""
@@ -178,7 +184,8 @@ class CheckpointManager:
         """Steps of the finished checkpoints (renamed into place), newest first; not yet verified."""
         if not self.root.is_dir():
             return []
-        found = [int(m.group(1)) for p in self.root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+        found = [int(m.group(1)) for p in self.root.iterdir()
+                 if p.is_dir() and (m := _STEP_DIR.match(p.name))]
         return sorted(found, reverse=True)
 
     def save(self, step: int, write: Callable[[Path], Path]) -> Path:
@@ -218,4 +225,5 @@ def resolve_checkpoint(where: str | Path) -> Path:
             return found
     if (where / "checkpoints").is_dir() or where.name == "checkpoints":
         raise MliteError(f"no checkpoint under {where} yet; train first (mlite sft)")
-    raise MliteError(f"{where} is not a checkpoint nor a run directory with checkpoints/step_*; check the path")
+    raise MliteError(f"{where} is not a checkpoint nor a run directory with checkpoints/step_*; "
+                     "check the path")

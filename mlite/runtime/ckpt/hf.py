@@ -95,7 +95,8 @@ class _SafetensorsCheckpoint:
 
 
 def _expected_names(model: nn.Module) -> set[str]:
-    """Every tensor name a complete checkpoint of this architecture holds (all pipeline stages, all experts)."""
+    """Every tensor name a complete checkpoint of this architecture holds (all pipeline stages, all
+    experts)."""
     from mlite.runtime.models import build_model
 
     whole = build_model(model.arch, attention_backend="torch", device="meta", init=False)
@@ -122,8 +123,8 @@ def load_hf_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | Non
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise MliteError(
-            f"tensor '{extra[0]}'{more} in {path} is not a parameter of {_describe(model.arch)}; the weights do "
-            "not match the config: use the config.json that came with them"
+            f"tensor '{extra[0]}'{more} in {path} is not a parameter of {_describe(model.arch)}; "
+            "the weights do not match the config: use the config.json that came with them"
         )
     params = dict(model.named_parameters())
     for entry in model.hf_layout():
@@ -140,9 +141,9 @@ def load_hf_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | Non
             have = ckpt.shape(name)
             if have != list(want.shape):
                 raise MliteError(
-                    f"tensor '{name}' has shape {have} in {ckpt.file_of[name].name} but {_describe(model.arch)} "
-                    f"expects {list(want.shape)}; the weights do not match the config: use the config.json that "
-                    "came with them"
+                    f"tensor '{name}' has shape {have} in {ckpt.file_of[name].name} but "
+                    f"{_describe(model.arch)} expects {list(want.shape)}; the weights do not match the "
+                    "config: use the config.json that came with them"
                 )
         with torch.no_grad():
             param.copy_(entry.join([ckpt.tensor(name) for name in entry.hf_names]))

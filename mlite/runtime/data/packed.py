@@ -9,8 +9,8 @@ parallel splits and pipeline sends move them with the tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 import torch
 
@@ -32,7 +32,7 @@ class PackedBatch:
         sequences: Sequence[Sequence[int]],
         loss_masks: Sequence[Sequence[int | bool]] | None = None,
         extras: dict[str, Sequence[Sequence[float]]] | None = None,
-    ) -> "PackedBatch":
+    ) -> PackedBatch:
         """Pack token lists. `loss_masks[i][t]` says token t of sequence i is a training target."""
         if not sequences or any(len(s) == 0 for s in sequences):
             raise ValueError("from_sequences needs at least one sequence and no empty sequence")
@@ -88,8 +88,10 @@ class PackedBatch:
         lens = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
         return torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens.long())
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "PackedBatch":
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
         return replace(
             self,
             input_ids=move(self.input_ids),

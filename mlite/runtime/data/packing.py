@@ -165,7 +165,8 @@ class GlobalBatchSampler:
             if state[key] != getattr(self, key):
                 raise MliteError(
                     f"the checkpoint's data position was taken with {key}={state[key]}, this run has "
-                    f"{getattr(self, key)}; resume with the same data and data settings, or trainer.resume=never"
+                    f"{getattr(self, key)}; resume with the same data and data settings, "
+                    "or trainer.resume=never"
                 )
         self.consumed = int(state["consumed"])
 
@@ -189,8 +190,9 @@ class StepBatcher:
     ):
         if micro_batch_size is not None and global_batch_size % (dp_size * micro_batch_size):
             raise MliteError(
-                f"data.global_batch_size={global_batch_size} is not a multiple of data-parallel size {dp_size} x "
-                f"data.micro_batch_size={micro_batch_size}; change one of them, or set data.dynamic_batch: true"
+                f"data.global_batch_size={global_batch_size} is not a multiple of data-parallel size "
+                f"{dp_size} x data.micro_batch_size={micro_batch_size}; change one of them, "
+                "or set data.dynamic_batch: true"
             )
         self.samples, self.dp_rank, self.dp_size = samples, dp_rank, dp_size
         self.max_tokens, self.micro_batch_size, self.pad_id = max_tokens, micro_batch_size, pad_id

@@ -14,7 +14,6 @@ without an assistant turn and rows longer than `data.seq_len` are counted in `Da
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -62,7 +61,8 @@ class DataReport:
 
 # ---------------------------------------------------------------------------------------------- reading
 def read_messages(path: Path, messages_key: str, report: DataReport) -> Iterator[tuple[str, Any]]:
-    """(where, the `messages_key` value) of every row of one file; unreadable rows are counted as malformed."""
+    """(where, the `messages_key` value) of every row of one file; unreadable rows are counted as
+    malformed."""
     before, malformed_before = report.rows, report.malformed
 
     def count(problem: str) -> None:
@@ -72,7 +72,8 @@ def read_messages(path: Path, messages_key: str, report: DataReport) -> Iterator
     for where, row in read_rows(path, count):
         report.rows += 1
         if messages_key not in row:
-            _malformed(report, f"{where}: no column '{messages_key}' (columns: {', '.join(row)}); set data.messages_key")
+            _malformed(report, f"{where}: no column '{messages_key}' (columns: {', '.join(row)}); "
+                               "set data.messages_key")
             continue
         yield where, row[messages_key]
     report.files += 1
@@ -129,8 +130,9 @@ def check_assistant_mask(tokenizer, name: str = "the tokenizer") -> None:
         g[len(w) :] not in ends or not g.startswith(w) for g, w in zip(got, wanted)
     ):
         raise MliteError(
-            f"the chat template of {name} does not mark exactly the assistant turns for the loss (masked: {got!r}, "
-            f"wanted each of {wanted!r} + its end token); use a template with {{% generation %}} around the "
+            f"the chat template of {name} does not mark exactly the assistant turns for the loss "
+            f"(masked: {got!r}, wanted each of {wanted!r} + its end token); "
+            "use a template with {% generation %} around the "
             "assistant content, e.g. the demo tokenizer's (mlite/runtime/data/tokenizer.py)"
         )
 
@@ -212,7 +214,8 @@ class SFTData:
         return self.train.next_step()
 
     def validation_steps(self) -> Iterator[tuple[list[PackedBatch], int]]:
-        """The whole validation set once, in file order, one global batch at a time (the last may be short)."""
+        """The whole validation set once, in file order, one global batch at a time (the last may be
+        short)."""
         if self.val is None:
             return
         n, size = len(self.val.samples), self.val.sampler.batch_size

@@ -93,7 +93,8 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     if not Path(path, "tokenizer.json").is_file() and not Path(path, "tokenizer_config.json").is_file():
-        raise MliteError(f"no tokenizer in {path} (tokenizer.json missing); set data.tokenizer to a tokenizer dir")
+        raise MliteError(f"no tokenizer in {path} (tokenizer.json missing); "
+                         "set data.tokenizer to a tokenizer dir")
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as err:

@@ -3,8 +3,10 @@
 Every backend computes the same thing: for each sequence of the stream (bounded by `cu_seqlens`), causal
 softmax attention of its queries over its own keys, grouped-query heads repeated from the shapes.
 
-    torch       per-sequence matmul + fp32 softmax; always present, the reference the others are tested against
-    sdpa        per-sequence torch scaled_dot_product_attention (flash / cuDNN / math kernels, whichever torch picks)
+    torch       per-sequence matmul + fp32 softmax; always present, the reference the others are tested
+                against
+    sdpa        per-sequence torch scaled_dot_product_attention (flash / cuDNN / math kernels, whichever
+                torch picks)
     varlen      torch.nn.attention.varlen.varlen_attn: one call for the whole stream (CUDA, torch >= 2.10)
     cudnn       cuDNN's fused attention per sequence (CUDA): the fastest kernel for long sequences on Hopper
     packed      cudnn for a stream of one sequence, varlen for several (CUDA): auto's choice
@@ -84,7 +86,8 @@ def varlen_torch_attention(q, k, v, cu_seqlens, max_seqlen, scale):
     return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **causal)
 
 
-_CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                SDPBackend.MATH]
 
 
 def _cudnn_one_sequence(q, k, v, scale):
@@ -108,13 +111,14 @@ def cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale):
     `cu_seqlens`, so the step stays free of host syncs."""
     if cu_seqlens.numel() == 2:
         return _cudnn_one_sequence(q, k, v, scale)
-    return torch.cat([_cudnn_one_sequence(q[a:b], k[a:b], v[a:b], scale) for a, b in _sequence_bounds(cu_seqlens)])
+    return torch.cat([_cudnn_one_sequence(q[a:b], k[a:b], v[a:b], scale)
+                      for a, b in _sequence_bounds(cu_seqlens)])
 
 
 def packed_cuda_attention(q, k, v, cu_seqlens, max_seqlen, scale):
-    """One sequence: cuDNN; several packed sequences: one varlen call (no host sync, no loop of small kernels).
-    fp32 (compute: fp32 without autocast, as the demo runs): the flash kernel behind varlen takes fp16/bf16
-    only, so SDPA per sequence picks its fp32 kernel."""
+    """One sequence: cuDNN; several packed sequences: one varlen call (no host sync, no loop of small
+    kernels). fp32 (compute: fp32 without autocast, as the demo runs): the flash kernel behind varlen takes
+    fp16/bf16 only, so SDPA per sequence picks its fp32 kernel."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         return sdpa_attention(q, k, v, cu_seqlens, max_seqlen, scale)
     if cu_seqlens.numel() == 2:
@@ -197,7 +201,8 @@ def available_attention_backends(device_type: str = "cpu") -> list[str]:
 
 
 def resolve_attention_backend(name: str, device_type: str = "cpu") -> str:
-    """The concrete backend for `name` ("auto" or a backend) on `device_type`; a clear error if it can't run."""
+    """The concrete backend for `name` ("auto" or a backend) on `device_type`; a clear error if it can't
+    run."""
     if name == "auto":
         return next(
             n for n in _AUTO_ORDER.get(device_type, ("sdpa",)) if _missing_reason(n, device_type) is None

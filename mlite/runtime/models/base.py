@@ -30,7 +30,8 @@ torch.utils._pytree.register_dataclass(ModelOutput)
 
 @dataclass
 class KVCache:
-    """Keys and values per layer for decoding a padded batch; slot p of row b holds position p of sequence b."""
+    """Keys and values per layer for decoding a padded batch; slot p of row b holds position p of
+    sequence b."""
 
     k: dict[str, torch.Tensor]  # layer name -> [B, S, kv_heads, head_dim]
     v: dict[str, torch.Tensor]

@@ -52,7 +52,8 @@ def group_by_expert(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts:
 
 
 def combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Expert outputs in expert order -> sum_j weights[n, j] * out of choice j, for every token n -> [N, H]."""
+    """Expert outputs in expert order -> sum_j weights[n, j] * out of choice j, for every token n
+    -> [N, H]."""
     n, k = weights.shape
     combined = torch.empty_like(out)
     combined[order] = out  # back to (token, choice) order
@@ -74,7 +75,8 @@ def whole(weight: torch.Tensor) -> torch.Tensor:
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts: gate and up fused as [E, 2*ffn, hidden], down as [E, hidden, ffn] (nn.Linear layout)."""
+    """E SwiGLU experts: gate and up fused as [E, 2*ffn, hidden], down as [E, hidden, ffn] (nn.Linear
+    layout)."""
 
     def __init__(self, num_experts: int, hidden: int, ffn: int, act):
         super().__init__()
@@ -111,7 +113,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, batch=None) -> tuple[torch.Tensor, RouterStats]:
         """x [N, hidden] -> ([N, hidden], router statistics). `batch` is unused here; hash-routed families
         read token ids from it."""
-        logits = F.linear(x.float(), self.router.weight.float())  # [N, E] in fp32: routing is precision-sensitive
+        # [N, E] in fp32: routing is precision-sensitive
+        logits = F.linear(x.float(), self.router.weight.float())
         probs = logits.softmax(dim=-1)
         weights, expert_ids = probs.topk(self.top_k, dim=-1)  # [N, k]
         if self.norm_topk_prob:

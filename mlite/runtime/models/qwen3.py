@@ -170,7 +170,8 @@ class Transformer(nn.Module):
         super().__init__()
         if arch.moe is not None and arch.moe.shared_experts:
             raise MliteError(
-                f"{arch.model_type}: shared experts are not in the native MoE block yet; supported MoE: qwen3_moe"
+                f"{arch.model_type}: shared experts are not in the native MoE block yet; "
+                "supported MoE: qwen3_moe"
             )
         self.arch = arch
         held = sorted(range(arch.num_layers) if layers is None else layers)
@@ -188,7 +189,8 @@ class Transformer(nn.Module):
         return rope_cos_sin(positions, rope_inv_freq(*self.inv_freq_args, device=positions.device), dtype)
 
     def forward(self, batch: PackedBatch, hidden: torch.Tensor | None = None) -> ModelOutput:
-        """Packed batch -> hidden [T, H]. Without an embedding (a later pipeline stage) `hidden` is the input."""
+        """Packed batch -> hidden [T, H]. Without an embedding (a later pipeline stage) `hidden` is the
+        input."""
         x = self.embed(batch.input_ids) if self.embed is not None else hidden  # [T, H]
         if x is None:
             raise ValueError("this pipeline stage has no embedding: pass the previous stage's hidden states")
@@ -213,7 +215,10 @@ class Transformer(nn.Module):
     def new_kv_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
         ref = next(self.parameters())
         shape = (batch_size, max_len, self.arch.num_kv_heads, self.arch.head_dim)
-        make = lambda: torch.zeros(shape, dtype=dtype or ref.dtype, device=ref.device)
+
+        def make() -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype or ref.dtype, device=ref.device)
+
         return KVCache(k={n: make() for n in self.layers}, v={n: make() for n in self.layers})
 
     @torch.no_grad()

@@ -77,7 +77,8 @@ class OptimizerBackend(Protocol):
     skipped_steps: int
 
     def step(self) -> tuple[float, bool]:
-        """Clip, then update unless the grad norm is non-finite. Returns (grad norm before clipping, skipped)."""
+        """Clip, then update unless the grad norm is non-finite. Returns (grad norm before clipping,
+        skipped)."""
 
     def zero_grad(self) -> None: ...
 
@@ -101,7 +102,8 @@ class LocalAdamW:
         self.cfg = cfg
         decay = [p for p in self.params if p.ndim >= 2]  # no weight decay on norms and biases
         no_decay = [p for p in self.params if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
         # fused: on MoE layers the optimizer step moves more bytes than anything else (docs/PERFORMANCE.md)
         fused = bool(self.params) and all(p.is_cuda and not isinstance(p, DTensor) for p in self.params)
         impl = {"fused": True} if fused else {"foreach": True}

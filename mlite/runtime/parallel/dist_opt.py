@@ -158,7 +158,8 @@ def build_dist_opt(
     off_gpu = sorted({str(p.device) for p in model.parameters() if p.device.type != "cuda"})
     if off_gpu:
         raise MliteError(
-            f"optimizer.backend dist_opt wraps a model on the GPU, but parameters are on {', '.join(off_gpu)}; "
+            "optimizer.backend dist_opt wraps a model on the GPU, "
+            f"but parameters are on {', '.join(off_gpu)}; "
             "move the model to its rank's GPU first"
         )
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed.tensor import DTensor
 
 from mlite.runtime.models.moe import ExpertsFn, RouterStats, combine, group_by_expert
 

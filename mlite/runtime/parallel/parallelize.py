@@ -111,7 +111,8 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
         if ep.size() > 1:
             experts = layer.mlp.experts
             for name, param in list(experts.named_parameters(recurse=False)):
-                experts.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), ep, [Shard(0)])))
+                experts.register_parameter(
+                    name, nn.Parameter(distribute_tensor(param.detach(), ep, [Shard(0)])))
             experts.set_local_view(local_slice)
         layer.mlp.set_parallel(dispatch, reduce_stats)
 
@@ -165,7 +166,8 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, devi
     apply_tensor_parallel(model, mesh)
     rc = job.recompute
     cp_group = mesh.group("cp") if mesh.dims.cp > 1 else None
-    apply_recompute(model, rc.granularity, rc.method, rc.num_layers, cp_group, compile_blocks=job.model.compile)
+    apply_recompute(model, rc.granularity, rc.method, rc.num_layers, cp_group,
+                    compile_blocks=job.model.compile)
     apply_expert_parallel(model, mesh)
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     apply_fsdp(
@@ -261,7 +263,8 @@ def apply_recompute(
         if method == "uniform" and (num_layers or 1) != 1:
             raise MliteError(
                 f"recompute.method uniform with num_layers={num_layers}: mlite recomputes layer by layer; "
-                "set recompute.num_layers: 1, or use method: block to recompute the first N layers of each stage"
+                "set recompute.num_layers: 1, or use method: block to recompute the first N layers "
+                "of each stage"
             )
         recomputed = layers if method == "uniform" else layers[: num_layers or 1]
     for layer in layers:

@@ -28,7 +28,8 @@ from mlite.runtime.parallel.mesh import ParallelMesh
 
 
 def pad_to_multiple(batch: PackedBatch, multiple: int) -> PackedBatch:
-    """Append one padding sequence (token 0, ignored labels, zero extras) up to a multiple of `multiple` tokens."""
+    """Append one padding sequence (token 0, ignored labels, zero extras) up to a multiple of `multiple`
+    tokens."""
     pad = -batch.num_tokens % multiple
     if pad == 0:
         return batch

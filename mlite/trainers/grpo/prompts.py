@@ -9,10 +9,10 @@ The whole row travels to the reward function as `sample` (with `prompt` as text 
 
 from __future__ import annotations
 
-import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from mlite.errors import MliteError
 from mlite.runtime.data.rows import read_rows

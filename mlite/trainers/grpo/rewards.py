@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib
 import math
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 from mlite.errors import MliteError
 
@@ -95,8 +95,8 @@ class RewardFailure:
 
     def describe(self) -> str:
         return (
-            f"reward function failed on response {self.index} ({self.error}); prompt={self.sample.get('prompt')!r} "
-            f"response={self.response[:200]!r}"
+            f"reward function failed on response {self.index} ({self.error}); "
+            f"prompt={self.sample.get('prompt')!r} response={self.response[:200]!r}"
         )
 
 

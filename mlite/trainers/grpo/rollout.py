@@ -7,8 +7,8 @@ its row, so no shifting), then every row advances one token per step. A row fini
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

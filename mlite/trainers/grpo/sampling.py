@@ -37,7 +37,8 @@ def sample(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """[B, V] -> [B] next tokens. Sampling draws on `generator` (on the logits' device) for reproducibility."""
+    """[B, V] -> [B] next tokens. Sampling draws on `generator` (on the logits' device) for
+    reproducibility."""
     if temperature == 0:
         return torch.argmax(logits, dim=-1)
     probs = torch.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)

@@ -26,7 +26,6 @@ from mlite.runtime.data.packing import plan_step
 from mlite.runtime.data.tokenizer import load_tokenizer
 from mlite.runtime.engine import Runtime
 from mlite.trainers import loop
-from mlite.trainers.loop import print_summary  # noqa: F401  (the CLI and the demo print with it)
 from mlite.trainers.grpo.algorithm import (
     GRPOLossConfig,
     LossNorm,
@@ -38,6 +37,7 @@ from mlite.trainers.grpo.algorithm import (
 from mlite.trainers.grpo.prompts import Prompt, read_prompt_rows, render_prompts
 from mlite.trainers.grpo.rewards import RewardFailure, load_reward, score_responses
 from mlite.trainers.grpo.rollout import Completion, SamplingParams, generate
+from mlite.trainers.loop import print_summary  # noqa: F401  (the CLI and the demo print with it)
 from mlite.trainers.metrics import read_metrics
 
 log = logging.getLogger(__name__)
@@ -319,14 +319,19 @@ class GRPOTrainer:
                          f"by fifth of the run: {' '.join(f'{mean:.3f}' for _, _, mean in curve)}")
         before, after = held_out_before_after(result)
         if before is not None or after is not None:
-            fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-            lines.append(f"held-out reward ({self.eval_sampling()}) {fmt(before)} before -> {fmt(after)} after")
+            def fmt(v):
+                return "-" if v is None else f"{v:.3f}"
+
+            lines.append(f"held-out reward ({self.eval_sampling()}) {fmt(before)} before -> "
+                         f"{fmt(after)} after")
         lines += [f"[yellow]{line}[/yellow]" for line in self.failures]
         return lines
 
     def eval_sampling(self) -> str:
         r = self.rollout_cfg
-        return "greedy" if r.val_temperature == 0 else f"{r.val_n} per prompt at temperature {r.val_temperature:g}"
+        if r.val_temperature == 0:
+            return "greedy"
+        return f"{r.val_n} per prompt at temperature {r.val_temperature:g}"
 
     # ---------------------------------------------------------------------------------- evaluate
     def evaluate(self, prompts: Sequence[Prompt] | None = None, batch_size: int = 64) -> dict[str, float]:
@@ -342,7 +347,8 @@ class GRPOTrainer:
         params, n = self.sampling_params(held_out=True), self.rollout_cfg.val_n
         generator = None
         if params.temperature > 0:
-            generator = torch.Generator(device=self.runtime.device).manual_seed(self.job.trainer.seed * 1_000_003 - 1)
+            generator = torch.Generator(device=self.runtime.device).manual_seed(
+                self.job.trainer.seed * 1_000_003 - 1)
         asked = [p for p in prompts for _ in range(n)]
         scores: list[float] = []
         for start in range(0, len(asked), batch_size):
@@ -369,7 +375,8 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
 # ------------------------------------------------------------------------------------------ the run
 @dataclass
 class GRPOResult(loop.RunResult):
-    eval_before: float | None = None  # held-out mean reward before the first update (None without val prompts)
+    # held-out mean reward before the first update (None without val prompts)
+    eval_before: float | None = None
     eval_after: float | None = None
     reward_failures: list[str] = field(default_factory=list)  # the first few, each with its sample
     eval_sampling: str = "greedy"  # how the held-out prompts were answered, e.g. "4 samples at T=0.7"

@@ -41,7 +41,8 @@ class VLLMRollout:
         self.llm.sleep(level=1)
 
     def sync_weights(self, weights) -> None:
-        """Push HF-named tensors (a stream from Runtime.export_weights) into the sleeping-then-woken engine."""
+        """Push HF-named tensors (a stream from Runtime.export_weights) into the sleeping-then-woken
+        engine."""
         self.llm.wake_up()
         model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
         model.load_weights(weights)
