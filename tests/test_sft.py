@@ -206,6 +206,24 @@ def test_auto_resume_falls_back_past_a_truncated_newest_checkpoint(assets, refer
     assert manager.latest_good() == manager.path_for(30)
 
 
+def test_a_run_resumed_at_its_last_step_reports_the_runs_speed(assets, reference, tmp_path):
+    """A finished run started again (resume=auto) trains nothing, and its summary still gives the run's
+    tokens/s (from the metrics of the whole run), not "0 tokens/s"."""
+    import shutil
+
+    from mlite.trainers.loop import summary_lines
+
+    out = tmp_path / "run"
+    shutil.copytree(reference[0].output_dir, out)
+    again = train_sft(job_from_dict(job_dict(assets, out)), show_progress=False)
+    assert again.start_step == again.last_step == 30
+    logged = [r["tokens_per_s"] for r in read_metrics(out / "metrics.jsonl") if "tokens_per_s" in r]
+    assert again.tokens_per_s == pytest.approx(sum(logged) / len(logged)) and again.tokens_per_s > 0
+    speed = [line for line in summary_lines(again, []) if line.startswith("speed")]
+    assert speed == [f"speed       {again.tokens_per_s:,.0f} tokens/s"]
+    assert not speed[0].startswith("speed       0 ")
+
+
 def test_resume_never_refuses_to_mix_with_an_earlier_run(assets, reference, tmp_path):
     from mlite.errors import MliteError
 

@@ -603,6 +603,6 @@ def check_offload(job: JobConfig, world_size: int, device_type: str) -> None:
 def check_rollout_engine(job: JobConfig) -> None:
     if job.rollout is not None and job.rollout.engine == "vllm":  # the trainer would roll out with builtin
         raise MliteError(
-            "rollout.engine vllm is not wired into the GRPO trainer yet (VLLMRollout is never built); "
-            "use rollout.engine builtin"
+            "rollout.engine vllm is not wired into the GRPO trainer yet (it rolls out with its built-in "
+            "sampler); use rollout.engine builtin"
         )
