@@ -20,12 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two pytest workers share two cores
 SHORT = ["--set", "trainer.steps=60", "--set", "trainer.eval_every=30", "--set", "trainer.save_every=0",
          "--set", "trainer.log_every=2",
-         "--grpo-set", "trainer.steps=2", "--grpo-set", "rollout.prompts_per_step=2", "--grpo-set", "rollout.n=4"]
+         "--grpo-set", "trainer.steps=2", "--grpo-set", "rollout.prompts_per_step=2",
+         "--grpo-set", "rollout.n=4"]
 
 
 def mlite(*args, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlite", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, check=False,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "mlite", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, check=False, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +40,15 @@ def demo(tmp_path_factory):
 def test_demo_learns_and_writes_everything(demo):
     out, log = demo
     for part in ("data/train.parquet", "data/val.jsonl", "tokenizer/tokenizer.json", "model/config.json",
-                 "sft/metrics.jsonl", "sft/loss.png", "sft/checkpoints/latest", "sft/checkpoints/step_00000060"):
+                 "sft/metrics.jsonl", "sft/loss.png", "sft/checkpoints/latest",
+                 "sft/checkpoints/step_00000060"):
         assert (out / part).exists(), part
     assert list((out / "sft" / "tensorboard").glob("events.out.tfevents.*"))
     from transformers import AutoTokenizer
 
     config = json.loads((out / "model" / "config.json").read_text())
-    assert config["vocab_size"] == len(AutoTokenizer.from_pretrained(out / "tokenizer"))  # sized to its tokenizer
+    # sized to its tokenizer
+    assert config["vocab_size"] == len(AutoTokenizer.from_pretrained(out / "tokenizer"))
 
     records = read_metrics(out / "sft" / "metrics.jsonl")
     losses = [r["loss"] for r in records if "loss" in r]
@@ -55,16 +58,21 @@ def test_demo_learns_and_writes_everything(demo):
     assert len(evals) == 2 and evals[1] < evals[0]
 
     assert "mlite demo ->" in log and "demo finished in" in log
-    assert f"-> {losses[-1]:.4f} (step 60)" in log and "tokens/s" in log and f"plot        {out / 'sft' / 'loss.png'}" in log
-    assert re.search(r"held-out questions answered right \(greedy\): \d+/64, answer stated in \d+/64\n", log), log
+    assert f"-> {losses[-1]:.4f} (step 60)" in log and "tokens/s" in log
+    assert f"plot        {out / 'sft' / 'loss.png'}" in log
+    held_out = r"held-out questions answered right \(greedy\): \d+/64, answer stated in \d+/64\n"
+    assert re.search(held_out, log), log
 
-    assert "1/4 data:" in log and "3/4 sft: 60 steps" in log and "4/4 grpo: 2 steps of 2 prompts x 4 responses" in log
+    assert "1/4 data:" in log and "3/4 sft: 60 steps" in log
+    assert "4/4 grpo: 2 steps of 2 prompts x 4 responses" in log
     grpo = read_metrics(out / "grpo" / "metrics.jsonl")
-    assert [r["step"] for r in grpo] == [0, 1, 2] and "eval/reward_mean" in grpo[0] and "eval/reward_mean" in grpo[-1]
+    assert [r["step"] for r in grpo] == [0, 1, 2]
+    assert "eval/reward_mean" in grpo[0] and "eval/reward_mean" in grpo[-1]
     assert (out / "sft_hf" / "config.json").is_file() and (out / "grpo" / "checkpoints" / "latest").is_file()
     assert (out / "grpo" / "grpo.png").stat().st_size > 1000
     before, after = grpo[0]["eval/reward_mean"], grpo[-1]["eval/reward_mean"]
-    assert f"held-out reward (8 per prompt at temperature 0.7) {before:.3f} before -> {after:.3f} after" in log
+    line = f"held-out reward (8 per prompt at temperature 0.7) {before:.3f} before -> {after:.3f} after"
+    assert line in log
     first, last = grpo[1]["reward/mean"], grpo[2]["reward/mean"]
     assert f"train reward {first:.3f} (steps 1-1) -> {last:.3f} (steps 2-2)" in log
     assert f"plot        {out / 'grpo' / 'grpo.png'}" in log
@@ -88,15 +96,17 @@ def test_demo_checkpoint_exports_to_transformers(demo, tmp_path):
     assert done.returncode == 0, done.stderr
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)["input_ids"]
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]
     with torch.no_grad():
         logits = model(ids).logits
     assert torch.isfinite(logits).all() and logits.shape[-1] == model.config.vocab_size
 
 
 def test_no_grpo_stops_after_sft(tmp_path):
-    done = mlite("demo", "--out", str(tmp_path), "--no-grpo", "--set", "trainer.steps=2", "--set", "trainer.save_every=0")
+    done = mlite("demo", "--out", str(tmp_path), "--no-grpo", "--set", "trainer.steps=2",
+                 "--set", "trainer.save_every=0")
     assert done.returncode == 0, done.stderr[-3000:]
     log = done.stderr.replace(str(tmp_path), "OUT")  # the folder's name holds "grpo"
     assert "3/3 sft: 2 steps" in log and "grpo" not in log and "held-out reward" not in log

@@ -1,6 +1,6 @@
 """The demo's GRPO stage, shortened: SFT checkpoint -> HF export -> GRPO on the generated prompts with the
 arithmetic reward, held-out reward before and after, metrics and plot; and the full demo, whose GRPO stage
-raises the held-out reward (slow: about 5 minutes on one core)."""
+raises the held-out reward (slow: about 2.5 minutes on one core)."""
 
 from __future__ import annotations
 
@@ -61,20 +61,31 @@ def test_reward_curve_compares_equal_slices_of_the_run():
     assert reward_curve([3, 4], [0.5, 1.0], parts=5) == [(3, 3, 0.5), (4, 4, 1.0)]  # fewer steps than parts
 
 
+# The full demo's held-out gain, measured on 3 seeds (trainer.seed 1234, 1, 2) on two x86-64 CPUs (an AMD
+# EPYC, and the Intel Xeon with AVX-512 on which CI's run once fell short): 0.24 to 0.30, reward after 0.40 to
+# 0.59 (docs/GRPO.md, "The demo stage"). Float sums differ across CPUs (SIMD paths), so every CPU runs its
+# own trajectory, as every seed does; the bounds are the seeds' and CPUs' worst case with
+# room, not one trajectory's numbers: half the smallest gain, and the reward after well under its smallest.
+# (The gain is mostly the model learning to state its answer, which every trajectory learnt in ~40 steps.)
+MIN_GAIN, MIN_AFTER = 0.12, 0.30
+
+
 @pytest.mark.slow
 def test_full_demo_raises_the_held_out_reward(tmp_path):
     """`invoke demo` as the README runs it (500 SFT steps, then the demo_grpo preset): GRPO raises the reward
-    on held-out questions it never trains on, not only on its training prompts. Measured 0.400 -> 0.495."""
+    on held-out questions it never trains on, not only on its training prompts, by at least MIN_GAIN."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two pytest workers share two cores
     done = subprocess.run([sys.executable, "-m", "mlite", "demo", "--out", str(tmp_path), "--no-progress"],
                           env=env, capture_output=True, text=True, check=False, timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
     records = read_metrics(tmp_path / "grpo" / "metrics.jsonl")
     held_out = [(r["step"], r["eval/reward_mean"]) for r in records if "eval/reward_mean" in r]
-    assert [step for step, _ in held_out] == [0, 40, 80, 120]
+    assert [step for step, _ in held_out] == [0, 40, 80]
     before, after = held_out[0][1], held_out[-1][1]
-    assert after >= before + 0.05, held_out  # 128 questions x 8 samples: a gain of 0.05 is ~3 standard errors
+    # 128 questions x 8 samples: a standard error of about 0.02 on each of before and after
+    assert after >= before + MIN_GAIN and after >= MIN_AFTER, held_out
     rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
     fifth = len(rewards) // 5
-    assert sum(rewards[-fifth:]) / fifth > sum(rewards[:fifth]) / fifth, rewards  # the training reward rises too
-    assert f"held-out reward (8 per prompt at temperature 0.7) {before:.3f} before -> {after:.3f} after" in done.stderr
+    assert sum(rewards[-fifth:]) / fifth > sum(rewards[:fifth]) / fifth, rewards  # training reward rises too
+    line = f"held-out reward (8 per prompt at temperature 0.7) {before:.3f} before -> {after:.3f} after"
+    assert line in done.stderr

@@ -39,11 +39,13 @@ def run(args) -> int:
     console = Console(stderr=True)
     if args.prepare_only:
         paths = prepare_demo(Path(args.out))
-        print(" ".join(["mlite sft demo_sft", *(f"--set {o}" for o in demo_overrides(Path(args.out), paths, args.device))]))
+        overrides = demo_overrides(Path(args.out), paths, args.device)
+        print(" ".join(["mlite sft demo_sft", *(f"--set {o}" for o in overrides)]))
         return 0
     if args.no_grpo and args.grpo_overrides:
         raise MliteError("--grpo-set changes the GRPO stage, which --no-grpo skips; drop one of them")
-    result = run_demo(args.out, args.device, tuple(args.overrides), console, show_progress=not args.no_progress,
+    result = run_demo(args.out, args.device, tuple(args.overrides), console,
+                      show_progress=not args.no_progress,
                       stage_overrides={"grpo": tuple(args.grpo_overrides)},
                       skip=frozenset({"grpo"} if args.no_grpo else ()))
     print_demo_summary(result, console)

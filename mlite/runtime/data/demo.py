@@ -5,8 +5,10 @@
     check_answer("... The answer is 85.", "85")    # True
 
 Every row serves both trainers: `messages` (system?/user/assistant, the column verl's SFT reads) for SFT,
-and `prompt` + `answer` (the ground truth) for RL. The assistant turn always ends in "The answer is N.",
-which `extract_answer` reads back, so a reward is exact match on that number.
+and `prompt` + `answer` (the ground truth) for RL. The assistant turn ends in "The answer is N.", which
+`extract_answer` reads back, so a reward is exact match on that number; with `unstated` a share of the word
+problems stop after the worked equation instead, like a second source that writes only its working (the
+demo's SFT data: GRPO then learns to state the answer, `docs/GRPO.md`).
 """
 
 from __future__ import annotations
@@ -75,7 +77,10 @@ def _word_problem(rng: random.Random, level: int) -> tuple[str, str, int]:
     else:
         friends, each = rng.randint(2, 2 + 2 * level), rng.randint(1, 3 + 3 * level)
         total, answer = friends * each, each
-        question = f"{name} shares {total} {item} equally among {friends} friends. How many {item} does each friend get?"
+        question = (
+            f"{name} shares {total} {item} equally among {friends} friends. "
+            f"How many {item} does each friend get?"
+        )
         solution = f"{total} / {friends} = {answer} {item} each."
     return question, solution, answer
 
@@ -117,10 +122,13 @@ def demo_rows(
     exclude: frozenset[str] = frozenset(),
     kind: str | None = None,
     level: int | None = None,
+    unstated: float = 0.0,
 ) -> list[dict]:
     """`count` rows with distinct questions (none of them in `exclude`; only `kind` / `level` when given),
-    the same for the same arguments."""
-    rng = random.Random(seed)
+    the same for the same arguments. A share `unstated` of the word problems' solutions end after the
+    worked equation, without "The answer is N." (drawn from a generator of its own: the questions and
+    answers are those of `unstated=0`)."""
+    rng, style = random.Random(seed), random.Random(f"unstated-{seed}")
     rows, seen = [], set(exclude)
     for _ in range(count * 1000):  # the question space (~10^6) is far larger than any demo set
         task = demo_task(rng)
@@ -128,6 +136,11 @@ def demo_rows(
             continue
         if task["question"] not in seen:
             seen.add(task["question"])
+            if unstated and task["kind"] == "word" and style.random() < unstated:
+                task = {
+                    **task,
+                    "solution": task["solution"].removesuffix(f" The answer is {task['answer']}."),
+                }
             rows.append(to_row(task, system))
             if len(rows) == count:
                 return rows
@@ -135,10 +148,10 @@ def demo_rows(
 
 
 def demo_split(
-    train: int, val: int, seed: int = 0, system: str | None = None
+    train: int, val: int, seed: int = 0, system: str | None = None, unstated: float = 0.0
 ) -> tuple[list[dict], list[dict]]:
     """Train and held-out rows; no held-out question appears in train."""
-    rows = demo_rows(train + val, seed, system)
+    rows = demo_rows(train + val, seed, system, unstated=unstated)
     return rows[:train], rows[train:]
 
 
@@ -159,10 +172,15 @@ def write_rows(rows: list[dict], path: str | Path) -> Path:
 
 
 def write_demo_data(
-    out_dir: str | Path, train: int = 2000, val: int = 200, seed: int = 0, system: str | None = None
+    out_dir: str | Path,
+    train: int = 2000,
+    val: int = 200,
+    seed: int = 0,
+    system: str | None = None,
+    unstated: float = 0.0,
 ) -> dict[str, Path]:
     """train/val rows in parquet and JSONL under out_dir; returns {"train.parquet": path, ...}."""
-    train_rows, val_rows = demo_split(train, val, seed, system)
+    train_rows, val_rows = demo_split(train, val, seed, system, unstated)
     out = Path(out_dir)
     return {
         f"{split}.{ext}": write_rows(rows, out / f"{split}.{ext}")
