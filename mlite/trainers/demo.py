@@ -172,8 +172,7 @@ def held_out_accuracy(job: JobConfig, checkpoint: Path, val_file: Path, question
 
 
 def print_demo_summary(result: DemoResult, console) -> None:
-    from mlite.trainers.grpo.trainer import print_summary as print_grpo_summary
-    from mlite.trainers.sft import print_summary
+    from mlite.trainers.loop import print_summary
 
     console.print(f"\n[bold]demo finished in {result.seconds:.0f} s[/bold] ({result.output_dir})")
     console.print("[bold]sft[/bold]")
@@ -189,4 +188,4 @@ def print_demo_summary(result: DemoResult, console) -> None:
     grpo = result.stages.get("grpo")
     if grpo:
         console.print("[bold]grpo[/bold] (from the SFT checkpoint)")
-        print_grpo_summary(grpo, console)
+        print_summary(grpo, console)

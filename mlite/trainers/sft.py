@@ -19,7 +19,6 @@ from mlite.runtime.engine import Runtime
 from mlite.runtime.loss import sft_loss
 from mlite.trainers import loop
 from mlite.trainers.common import first_rank
-from mlite.trainers.loop import print_summary  # noqa: F401  (the CLI and the demo print with it)
 from mlite.trainers.metrics import PLOT_FILE, read_metrics
 
 

@@ -14,13 +14,10 @@ from collections.abc import Iterable
 import torch
 
 from mlite.config.arch import ModelArch
-from mlite.errors import MliteError
-from mlite.plan.rules import TRAINED_FAMILIES
+from mlite.plan.rules import check_model_built
 from mlite.runtime.kernels import resolve_attention_backend
 from mlite.runtime.models.base import KVCache, ModelOutput
 from mlite.runtime.models.qwen3 import Transformer
-
-SUPPORTED_FAMILIES = TRAINED_FAMILIES  # the rule book's list (qwen3/qwen2/llama/mistral, qwen3_moe)
 
 
 def build_model(
@@ -35,11 +32,7 @@ def build_model(
 
     `layers`: the global layer indices of this pipeline stage (all by default). `device="meta"` builds the
     structure without memory (names and shapes only). `init=False` leaves the weights uninitialised."""
-    if arch.family not in SUPPORTED_FAMILIES:
-        raise MliteError(
-            f"model_type '{arch.model_type}' has no native model yet; native families: qwen3, qwen2, llama, "
-            "mistral, qwen3_moe"
-        )
+    check_model_built(arch)  # the rule book's list of the families built here
     device = torch.device(device)
     backend = resolve_attention_backend(attention_backend, device.type if device.type != "meta" else "cpu")
     with device:

@@ -168,11 +168,6 @@ class Transformer(nn.Module):
         """`layers`: the global layer indices this model holds (all by default). The stage holding layer 0
         has the embedding; the one holding the last layer has the final norm and the LM head."""
         super().__init__()
-        if arch.moe is not None and arch.moe.shared_experts:
-            raise MliteError(
-                f"{arch.model_type}: shared experts are not in the native MoE block yet; "
-                "supported MoE: qwen3_moe"
-            )
         self.arch = arch
         held = sorted(range(arch.num_layers) if layers is None else layers)
         first, last = 0 in held, arch.num_layers - 1 in held

@@ -37,7 +37,6 @@ from mlite.trainers.grpo.algorithm import (
 from mlite.trainers.grpo.prompts import Prompt, read_prompt_rows, render_prompts
 from mlite.trainers.grpo.rewards import RewardFailure, load_reward, score_responses
 from mlite.trainers.grpo.rollout import Completion, SamplingParams, generate
-from mlite.trainers.loop import print_summary  # noqa: F401  (the CLI and the demo print with it)
 from mlite.trainers.metrics import read_metrics
 
 log = logging.getLogger(__name__)
