@@ -84,6 +84,9 @@ def _entry(rank, world, port, rendezvous, fn, args, errors, backend):
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        # every rank done with its collectives before any tears its group down: a gloo group destroyed
+        # while a peer still talks to it can abort that peer's process at exit (seen once in CI)
+        dist.barrier()
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
