@@ -23,7 +23,7 @@ FAMILIES = {
     "qwen3_moe": "moe",
     "qwen2_moe": "moe",
     "deepseek_v3": "deepseek",
-    "deepseek_v4": "deepseek",
+    "deepseek_v4": "deepseek_v4",
 }
 
 
@@ -82,6 +82,12 @@ class DeepSeekV4Arch:
     sliding_window: int
     hc_mult: int  # mHC: copies of the residual stream
     num_hash_layers: int  # leading MoE layers routed by token-id hash
+    compress_rope_theta: float = 160000.0  # RoPE base of the compressed (CSA/HCA) layers
+    compress_rope_scaling: dict | None = None  # YaRN, on the compressed layers' rope only (when given)
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0  # routed and shared experts clamp gate/up pre-activations
 
 
 @dataclass(frozen=True)
@@ -155,7 +161,9 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelArch:
                 shared_experts=int(cfg.get("n_shared_experts", 1)),
                 shared_expert_ffn=int(cfg.get("n_shared_experts", 1)) * int(cfg["moe_intermediate_size"]),
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                router_aux_loss_coef=float(cfg.get("aux_loss_alpha", 0.0001)),
+                router_aux_loss_coef=float(cfg["router_aux_loss_coef"] if model_type == "deepseek_v4"
+                                           and "router_aux_loss_coef" in cfg
+                                           else cfg.get("aux_loss_alpha", 0.0001)),
                 # V4 has no dense prefix (its first layers are hash-routed MoE), whatever
                 # first_k_dense_replace says
                 first_dense_layers=(0 if model_type == "deepseek_v4"
@@ -187,9 +195,11 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelArch:
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
-            rope_scaling=(cfg.get("rope_scaling")
-                          or (rope if rope.get("rope_type", "default") != "default" else None)),
+            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta")
+                             or (rope.get("main") or {}).get("rope_theta", 10000.0)),
+            # V4's scaling applies to its compressed layers only (DeepSeekV4Arch.compress_rope_scaling)
+            rope_scaling=None if v4 is not None else (
+                cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
             hidden_act=str(cfg.get("hidden_act", "silu")),
             moe=moe,
@@ -227,7 +237,26 @@ def _v4_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV4Arch:
         hash_layers = sum(1 for k in cfg.get("mlp_layer_types") or ["hash_moe"] * 3 if k == "hash_moe")
     head_dim = int(cfg.get("head_dim") or 512)
     rope_dim = cfg.get("qk_rope_head_dim") or int(head_dim * float(cfg.get("partial_rotary_factor") or 0.125))
+    if cfg.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
+        raise MliteError(f"DeepSeek-V4 scoring_func '{cfg['scoring_func']}' is not supported; the native "
+                         "model routes with sqrtsoftplus, as the released models do")
+    rope = cfg.get("rope_parameters") or {}
+    compress_rope = rope.get("compress") if isinstance(rope.get("compress"), dict) else {}
+    scaling = cfg.get("rope_scaling") or (
+        compress_rope if compress_rope.get("rope_type", "default") != "default" else None)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "yarn":
+        raise MliteError("DeepSeek-V4 rope scaling must be yarn (or absent); got "
+                         f"{scaling.get('rope_type', scaling.get('type'))}")
+    if scaling is not None:
+        scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
     return DeepSeekV4Arch(
+        compress_rope_theta=float(cfg.get("compress_rope_theta")
+                                  or compress_rope.get("rope_theta", 160000.0)),
+        compress_rope_scaling=scaling,
+        hc_sinkhorn_iters=int(cfg.get("hc_sinkhorn_iters", 20)),
+        hc_eps=float(cfg.get("hc_eps", 1e-6)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.5)),
+        swiglu_limit=float(cfg.get("swiglu_limit", 10.0)),
         q_lora_rank=int(cfg["q_lora_rank"]),
         o_groups=int(cfg["o_groups"]),
         o_lora_rank=int(cfg["o_lora_rank"]),

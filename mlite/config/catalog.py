@@ -37,6 +37,16 @@ PRESETS: dict[str, dict] = {
                            num_key_value_heads=2, head_dim=16, intermediate_size=128,
                            moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, vocab_size=256,
                            tie_word_embeddings=False, max_position_embeddings=512),
+    # sliding, CSA, HCA (ratio 16 here, 128 in the released models), CSA; the first layer hash-routed
+    "tiny-deepseek-v4": dict(_DEEPSEEK, model_type="deepseek_v4", hidden_size=64, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=1, head_dim=32, qk_rope_head_dim=8,
+                             moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                             q_lora_rank=32, o_groups=2, o_lora_rank=16, compress_ratios=[0, 4, 16, 4],
+                             num_hash_layers=1, index_n_heads=2, index_head_dim=16, index_topk=4,
+                             sliding_window=16, hc_mult=4, hc_sinkhorn_iters=20, rope_theta=10000.0,
+                             compress_rope_theta=160000.0, max_position_embeddings=512, vocab_size=256,
+                             scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
+                             router_aux_loss_coef=0.001),
     # ----------------------------------------------------------------------------------- dense Qwen3
     "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, intermediate_size=3072, tie_word_embeddings=True),
@@ -160,7 +170,7 @@ def _attention_params(arch: ModelArch, layer: int) -> tuple[int, int]:
         proj = h * v4.q_lora_rank + v4.q_lora_rank * heads * hd + h * hd  # q down, q up, shared kv
         proj += heads * hd * v4.o_lora_rank + v4.o_groups * v4.o_lora_rank * h  # grouped low-rank output
         small = heads + v4.q_lora_rank + hd  # attention sinks, q and kv norms
-        ratio = v4.compress_ratios[layer]
+        ratio = v4.compress_ratios[layer] if layer < len(v4.compress_ratios) else 0  # MTP: sliding window
         if ratio:
             width = 2 if ratio == 4 else 1  # CSA windows overlap: twice the compressed width
             proj += 2 * h * width * hd  # compressed kv + its gate
@@ -223,7 +233,9 @@ def mtp_params(arch: ModelArch) -> int:
     if not arch.mtp_layers:
         return 0
     h = arch.hidden
-    per_layer = 2 * h + 2 * h * h + layer_params(arch, arch.num_layers - 1).total + h
+    # V4's MTP block sits past the last layer: sliding-window attention (no compressor), bias-routed MoE
+    block = arch.num_layers if arch.v4 is not None else arch.num_layers - 1
+    per_layer = 2 * h + 2 * h * h + layer_params(arch, block).total + h
     if arch.v4 is not None:
         per_layer += final_params(arch) - h
     return arch.mtp_layers * per_layer

@@ -31,6 +31,10 @@ class ModelConfig(Section):
     attention_backend: Literal["auto", "torch", "sdpa", "varlen", "cudnn", "packed", "flash_attn",
                                "te"] = "auto"
     compile: bool = False  # torch.compile each decoder block's body (inside FSDP's hooks, around recompute)
+    # DeepSeek-V4: weight of the multi-token-prediction loss (0: no MTP block is built; DeepSeek-V3 trained
+    # with 0.3 then 0.1), and of the CSA indexer's KL loss (0: the indexer stays frozen, as in RL recipes)
+    mtp_loss_weight: float = Field(0.0, ge=0.0)
+    indexer_loss_weight: float = Field(0.0, ge=0.0)
 
     @model_validator(mode="after")
     def _one_source(self):

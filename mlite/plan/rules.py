@@ -78,7 +78,8 @@ SUPPORT: dict[str, Support] = {
     "checkpoints (save, resume)": Support(True, True, False, "the adapter has no DCP checkpoints yet", ""),
 }
 TRAINED_BACKENDS = ("fsdp2",)  # what the trainers' Runtime builds
-TRAINED_FAMILIES = ("dense", "moe")  # what mlite.runtime.models builds (mlite.config.arch.FAMILIES)
+# what mlite.runtime.models builds (mlite.config.arch.FAMILIES)
+TRAINED_FAMILIES = ("dense", "moe", "deepseek_v4")
 # Model families whose attention mlite does not split by tensor parallel.
 NO_TP_MODELS = {"deepseek_v4": "its one shared KV head and grouped low-rank output projection are not split"}
 
@@ -463,6 +464,7 @@ def check_runtime_keys(
 ) -> None:
     """The refusals no choice of parallel degrees changes (`recommend` asks these once, before its search)."""
     check_model_built(arch)
+    check_model_losses(job, arch)
     check_backend_trained(job, device_type, has_megatron)
     check_precision(job, world_size, device_type)
     check_offload(job, world_size, device_type)
@@ -481,22 +483,45 @@ def check_job(
 
 def check_model_built(arch: ModelArch) -> None:
     """The model families mlite.runtime.models builds (its build_model asks this too)."""
-    native = "qwen3, qwen2, llama, mistral, qwen3_moe"
+    native = "qwen3, qwen2, llama, mistral, qwen3_moe, deepseek_v4"
     if arch.family not in TRAINED_FAMILIES:
         raise MliteError(
             f"{arch.name or arch.model_type} (model_type '{arch.model_type}') has no native model yet, "
             f"so the trainers cannot build it; train a model_type they build: {native}"
         )
-    if arch.moe is not None and arch.moe.shared_experts:  # qwen2_moe
+    if arch.moe is not None and arch.moe.shared_experts and arch.v4 is None:  # qwen2_moe
         raise MliteError(
             f"{arch.name or arch.model_type} (model_type '{arch.model_type}'): shared experts are not in the "
             f"native MoE block yet, so the trainers cannot build it; train a model_type they build: {native}"
         )
 
 
+def check_model_losses(job: JobConfig, arch: ModelArch) -> None:
+    """The model's own extra losses exist in this architecture."""
+    m = job.model
+    if m.mtp_loss_weight > 0 and (arch.v4 is None or not arch.mtp_layers):
+        raise MliteError(
+            f"model.mtp_loss_weight={m.mtp_loss_weight}: {arch.name} has no multi-token-prediction layer "
+            "(DeepSeek-V4 with num_nextn_predict_layers >= 1 has); set model.mtp_loss_weight=0"
+        )
+    if m.indexer_loss_weight > 0 and (arch.v4 is None or 4 not in arch.v4.compress_ratios):
+        raise MliteError(
+            f"model.indexer_loss_weight={m.indexer_loss_weight}: {arch.name} has no lightning indexer "
+            "(DeepSeek-V4's compressed sparse attention layers have); set model.indexer_loss_weight=0"
+        )
+
+
 def check_model_layout(job: JobConfig, arch: ModelArch) -> None:
     """Degrees the runtime cannot run with this model yet (the degrees themselves are fine)."""
     p = job.parallel
+    if arch.v4 is not None:
+        split = ", ".join(f"{k}={v}" for k, v in {"pp": p.pp, "cp": p.cp, "ep": p.ep}.items() if v > 1)
+        if split:
+            raise MliteError(
+                f"{arch.name}: DeepSeek-V4 under {split} is not wired into the runtime yet (its pipeline, "
+                "context and expert parallel layouts are the next step); train it with data parallel "
+                "(pp=1, cp=1, ep=1) for now"
+            )
     if arch.tie_embeddings and (p.tp > 1 or p.pp > 1):  # one weight in the first and the last stage
         raise MliteError(
             f"tied embeddings (tie_word_embeddings) with tp={p.tp}, pp={p.pp} are not supported yet; use "

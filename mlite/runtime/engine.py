@@ -65,7 +65,9 @@ class Runtime:
         self.autocast_dtype = COMPUTE_DTYPES[compute] if use_autocast else None
 
         seed_everything(job.trainer.seed)  # same initial weights on every rank and every run
-        model = build_model(self.arch, job.model.attention_backend, dtype=torch.float32, device=self.device)
+        model = build_model(self.arch, job.model.attention_backend, dtype=torch.float32, device=self.device,
+                            mtp_weight=job.model.mtp_loss_weight,
+                            indexer_loss_weight=job.model.indexer_loss_weight)
         if job.model.load_weights and hf_config is None:
             from mlite.runtime.ckpt.hf import load_hf_weights
 

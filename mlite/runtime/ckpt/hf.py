@@ -24,6 +24,7 @@ from torch import nn
 
 from mlite.config.arch import ModelArch
 from mlite.errors import MliteError
+from mlite.runtime.ckpt import quant
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -34,12 +35,27 @@ WeightStream = Iterable[tuple[str, torch.Tensor]]
 
 # ---------------------------------------------------------------------------------------------- reading
 class _SafetensorsCheckpoint:
-    """The tensors of a checkpoint (a directory, an index file or one .safetensors file), read lazily."""
+    """The tensors of a checkpoint (a directory, an index file or one .safetensors file), read lazily.
 
-    def __init__(self, path: str | Path):
+    Released quantised checkpoints (DeepSeek's FP8 / FP4 weights with ue8m0 block scales, see
+    `mlite.runtime.ckpt.quant`) read as full precision: a weight's `X.scale` (or `X.weight_scale_inv`)
+    companion is part of `X.weight`, not one of `file_of`'s names; `shape` is the dequantised shape and
+    `tensor` the dequantised float32 tensor. Other checkpoints read as stored."""
+
+    def __init__(self, path: str | Path, canonical=None):
+        """`canonical(stored name) -> name`: the names the model asks for, when a checkpoint may spell them
+        another way (DeepSeek-V4 as transformers writes it vs DeepSeek's release)."""
         self.path = Path(path)
         self._open: dict[Path, object] = {}
-        self.file_of = self._weight_map()  # HF name -> file
+        self._root = self.path
+        self._files = self._weight_map()  # every stored tensor -> file
+        self.quantization = quant.read_quantization_config(self._root)
+        self.scale_of = self._pair_scales()  # quantised weight -> its scale tensor
+        scales = set(self.scale_of.values())
+        rename = canonical or (lambda name: name)
+        self._stored = {rename(name): name for name in self._files if name not in scales}
+        # HF name -> file
+        self.file_of = {name: self._files[stored] for name, stored in self._stored.items()}
 
     def _weight_map(self) -> dict[str, Path]:
         p = self.path
@@ -54,6 +70,7 @@ class _SafetensorsCheckpoint:
                 )
         if not p.is_file():
             raise MliteError(f"no checkpoint at {p}; pass an HF checkpoint directory or a .safetensors file")
+        self._root = p.parent  # where config.json lives
         if p.name.endswith(".json"):
             try:
                 weight_map = json.loads(p.read_text())["weight_map"]
@@ -80,18 +97,106 @@ class _SafetensorsCheckpoint:
                 ) from None
         return self._open[file]
 
-    def shape(self, name: str) -> list[int]:
-        return list(self._handle(self.file_of[name]).get_slice(name).get_shape())
+    def _slice(self, name: str):
+        return self._handle(self._files[name]).get_slice(name)
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def _pair_scales(self) -> dict[str, str]:
+        """Match each quantisation scale `X.scale` / `X.weight_scale_inv` to its weight `X.weight`.
+
+        A `.scale` is a companion when its weight is there and the checkpoint is quantised (a
+        quantization_config, or a quantised weight or ue8m0 scale dtype); a `.scale` that looks like a
+        quantisation scale (ue8m0 bytes, or a grid in a quantised checkpoint) without its weight is an
+        error. Other `.scale` tensors (e.g. a model's own 1-D scale parameters) are ordinary tensors."""
+        pairs: dict[str, str] = {}
+        orphans = []
+        for name in self._files:
+            suffix = next((s for s in quant.SCALE_SUFFIXES if name.endswith(s)), None)
+            if suffix is None:
+                continue
+            weight = name.removesuffix(suffix) + ".weight"
+            if weight not in self._files:
+                orphans.append((name, weight))
+            elif (
+                self.quantization is not None
+                or suffix != ".scale"
+                or self._slice(weight).get_dtype() in _QUANTISED_DTYPES
+                or self._slice(name).get_dtype() == "F8_E8M0"
+            ):
+                if weight in pairs:
+                    raise MliteError(
+                        f"tensor '{weight}' in {self._files[weight].name} has two scales, '{pairs[weight]}' "
+                        f"and '{name}'; the checkpoint is corrupt: re-download or re-export it"
+                    )
+                pairs[weight] = name
+        quantised = self.quantization is not None or bool(pairs)
+        for name, weight in orphans:
+            dtype, ndim = self._slice(name).get_dtype(), len(self._slice(name).get_shape())
+            grid_like = quantised and (dtype == "U8" or ndim >= 2)
+            if not name.endswith(".scale") or dtype == "F8_E8M0" or grid_like:
+                raise MliteError(
+                    f"tensor '{name}' in {self._files[name].name} is the quantisation scale of '{weight}', "
+                    f"which is not in {self.path}; the checkpoint is incomplete or corrupt: copy all of its "
+                    "files or re-download it"
+                )
+        return pairs
+
+    def _quantised_shape(self, name: str) -> tuple[list[int], tuple[int, int]]:
+        """The dequantised shape of quantised weight `name` and the block its scale grid tiles it with."""
+        stored, dtype = list(self._slice(name).get_shape()), self._slice(name).get_dtype()
+        fp4 = dtype in quant.FP4_SAFETENSORS
+        shape = stored if dtype == "F4" else quant.logical_shape(stored, fp4)  # F4 headers count values
+        scale = self.scale_of[name]
+        grid = list(self._slice(scale).get_shape())
+        prefer = None if fp4 or self.quantization is None else self.quantization.get("weight_block_size")
+        block = quant.scale_block(shape, grid, prefer)
+        if block is None:
+            layout = "1x32 blocks (FP4)" if fp4 else f"{prefer or [128, 128]} blocks"
+            raise MliteError(
+                f"tensor '{name}' has dequantised shape {shape} in {self._files[name].name} but its scale "
+                f"'{scale}' has grid {grid}, which does not tile it in {layout}; the checkpoint is corrupt: "
+                "re-download or re-export it"
+            )
+        return shape, block
+
+    def shape(self, name: str) -> list[int]:
+        name = self._stored[name]
+        if name in self.scale_of:
+            return self._quantised_shape(name)[0]
+        return list(self._slice(name).get_shape())
+
+    def _read(self, name: str) -> torch.Tensor:
         try:
-            return self._handle(self.file_of[name]).get_tensor(name)
+            return self._handle(self._files[name]).get_tensor(name)
         except MliteError:
             raise
         except Exception as err:  # noqa: BLE001 - any read failure is a corrupt file to the user
             raise MliteError(
-                f"cannot read tensor '{name}' from {self.file_of[name]} ({err}); the file is corrupt"
+                f"cannot read tensor '{name}' from {self._files[name]} ({err}); the file is corrupt"
             ) from None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        name = self._stored[name]
+        if name not in self.scale_of:
+            return self._read(name)
+        _, block = self._quantised_shape(name)
+        scale = self.scale_of[name]
+        try:
+            return quant.dequantize(self._read(name), self._read(scale), block)
+        except ValueError as err:
+            raise MliteError(
+                f"cannot dequantise tensor '{name}' with its scale '{scale}' from {self._files[name].name} "
+                f"({err}); the checkpoint is corrupt: re-download or re-export it"
+            ) from None
+
+
+# safetensors dtypes of weights that carry a scale (FP8, and FP4 packed in bytes or as F4)
+_QUANTISED_DTYPES = ("F8_E4M3", "F8_E5M2", *quant.FP4_SAFETENSORS)
+
+
+def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What `hf_layout` names: parameters, and the buffers a checkpoint holds (DeepSeek-V4's hash tables and
+    router correction biases)."""
+    return dict(model.named_parameters()) | dict(model.named_buffers())
 
 
 def _expected_names(model: nn.Module) -> set[str]:
@@ -99,7 +204,9 @@ def _expected_names(model: nn.Module) -> set[str]:
     experts)."""
     from mlite.runtime.models import build_model
 
-    whole = build_model(model.arch, attention_backend="torch", device="meta", init=False)
+    # with the MTP block when the architecture has one: a released checkpoint holds it, used or not
+    mtp = 1.0 if model.arch.v4 is not None and model.arch.mtp_layers else 0.0
+    whole = build_model(model.arch, attention_backend="torch", device="meta", init=False, mtp_weight=mtp)
     names = {name for t in whole.hf_layout() for name in t.hf_names}
     if model.arch.tie_embeddings:
         names.add("lm_head.weight")  # some tied checkpoints store the LM head too; it is the embedding
@@ -118,7 +225,7 @@ def load_hf_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | Non
     stage reads only its own tensors; a tensor that belongs to no stage of the architecture is an error."""
     if dtype is not None:
         model.to(dtype)
-    ckpt = _SafetensorsCheckpoint(path)
+    ckpt = _SafetensorsCheckpoint(path, getattr(model, "canonical_hf_name", None))
     extra = sorted(set(ckpt.file_of) - _expected_names(model))
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
@@ -126,7 +233,7 @@ def load_hf_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | Non
             f"tensor '{extra[0]}'{more} in {path} is not a parameter of {_describe(model.arch)}; "
             "the weights do not match the config: use the config.json that came with them"
         )
-    params = dict(model.named_parameters())
+    params = _tensors(model)
     for entry in model.hf_layout():
         missing = [name for name in entry.hf_names if name not in ckpt.file_of]
         if missing:
@@ -153,7 +260,7 @@ def load_hf_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | Non
 def load_hf_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """Fill `model`'s parameters from HF-named tensors in memory (a whole `Runtime.export_weights()` stream,
     e.g. a rollout replica's weight update), converted to each parameter's device and dtype."""
-    params = dict(model.named_parameters())
+    params = _tensors(model)
     with torch.no_grad():
         for entry in model.hf_layout():
             missing = [name for name in entry.hf_names if name not in tensors]
@@ -171,7 +278,7 @@ def iter_hf_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Itera
     unless `dtype` converts). FSDP-sharded parameters are gathered one at a time."""
     from mlite.runtime.parallel.parallelize import full_tensor
 
-    params = dict(model.named_parameters())
+    params = _tensors(model)
     for entry in model.hf_layout():
         tensor = full_tensor(params[entry.param].detach())
         for name, piece in zip(entry.hf_names, entry.split(tensor)):
@@ -184,6 +291,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v4": "DeepseekV4ForCausalLM",
 }
 
 
@@ -193,6 +301,8 @@ def hf_config_from_arch(arch: ModelArch, dtype: torch.dtype = torch.float32) -> 
         raise MliteError(
             f"cannot write an HF config for model_type '{arch.model_type}'; pass the source config.json"
         )
+    if arch.v4 is not None:
+        return _deepseek_v4_config(arch, dtype)
     rope = {"rope_type": "default", "rope_theta": arch.rope_theta}
     rope.update(arch.rope_scaling or {})
     cfg = {
@@ -223,6 +333,38 @@ def hf_config_from_arch(arch: ModelArch, dtype: torch.dtype = torch.float32) -> 
             "decoder_sparse_step": arch.moe.layer_freq,
             "mlp_only_layers": list(arch.moe.dense_layers),
         }
+    return cfg
+
+
+def _deepseek_v4_config(arch: ModelArch, dtype: torch.dtype) -> dict:
+    """transformers' DeepSeek-V4 config (layer kinds named, so no default schedule applies)."""
+    v4, moe = arch.v4, arch.moe
+    kinds = {0: "sliding_attention", 4: "compressed_sparse_attention"}
+    hca = [r for r in v4.compress_ratios if r not in kinds]
+    cfg = {
+        "architectures": [ARCHITECTURES["deepseek_v4"]], "model_type": "deepseek_v4",
+        "vocab_size": arch.vocab, "hidden_size": arch.hidden, "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_heads, "num_key_value_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim, "partial_rotary_factor": v4.qk_rope_head_dim / arch.head_dim,
+        "q_lora_rank": v4.q_lora_rank, "o_groups": v4.o_groups, "o_lora_rank": v4.o_lora_rank,
+        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+        "n_shared_experts": moe.shared_experts, "moe_intermediate_size": moe.expert_ffn,
+        "router_aux_loss_coef": moe.router_aux_loss_coef, "scoring_func": "sqrtsoftplus",
+        "routed_scaling_factor": v4.routed_scaling_factor, "swiglu_limit": v4.swiglu_limit,
+        "index_n_heads": v4.index_n_heads, "index_head_dim": v4.index_head_dim, "index_topk": v4.index_topk,
+        "sliding_window": v4.sliding_window, "hc_mult": v4.hc_mult, "hc_sinkhorn_iters": v4.hc_sinkhorn_iters,
+        "hc_eps": v4.hc_eps,
+        "layer_types": [kinds.get(r, "heavily_compressed_attention") for r in v4.compress_ratios],
+        "compress_rates": {"compressed_sparse_attention": 4,
+                           "heavily_compressed_attention": hca[0] if hca else 128},
+        "mlp_layer_types": ["hash_moe" if i < v4.num_hash_layers else "moe" for i in range(arch.num_layers)],
+        "rope_theta": arch.rope_theta, "compress_rope_theta": v4.compress_rope_theta,
+        "num_nextn_predict_layers": arch.mtp_layers, "max_position_embeddings": arch.max_position_embeddings,
+        "rms_norm_eps": arch.rms_norm_eps, "hidden_act": arch.hidden_act, "tie_word_embeddings": False,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    if v4.compress_rope_scaling:
+        cfg["rope_scaling"] = dict(v4.compress_rope_scaling)
     return cfg
 
 

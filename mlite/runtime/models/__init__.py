@@ -17,6 +17,7 @@ from mlite.config.arch import ModelArch
 from mlite.plan.rules import check_model_built
 from mlite.runtime.kernels import resolve_attention_backend
 from mlite.runtime.models.base import KVCache, ModelOutput
+from mlite.runtime.models.deepseek_v4 import DeepseekV4
 from mlite.runtime.models.qwen3 import Transformer
 
 
@@ -27,19 +28,27 @@ def build_model(
     device: torch.device | str = "cpu",
     layers: Iterable[int] | None = None,
     init: bool = True,
-) -> Transformer:
+    mtp_weight: float = 0.0,
+    indexer_loss_weight: float = 0.0,
+) -> Transformer | DeepseekV4:
     """A model for `arch` with freshly initialised weights (load real ones with mlite.runtime.ckpt.hf).
 
     `layers`: the global layer indices of this pipeline stage (all by default). `device="meta"` builds the
-    structure without memory (names and shapes only). `init=False` leaves the weights uninitialised."""
+    structure without memory (names and shapes only). `init=False` leaves the weights uninitialised.
+    DeepSeek-V4 only: `mtp_weight` > 0 builds the multi-token-prediction block, its loss weighted so;
+    `indexer_loss_weight` > 0 trains the CSA indexers with their KL loss."""
     check_model_built(arch)  # the rule book's list of the families built here
     device = torch.device(device)
     backend = resolve_attention_backend(attention_backend, device.type if device.type != "meta" else "cpu")
     with device:
-        model = Transformer(arch, attention_backend=backend, layers=layers)
+        if arch.v4 is not None:  # its attention has one torch path (gathered key sets); no backend choice
+            model = DeepseekV4(arch, layers=layers, mtp_weight=mtp_weight)
+            model.set_indexer_loss_weight(indexer_loss_weight)
+        else:
+            model = Transformer(arch, attention_backend=backend, layers=layers)
     if init and device.type != "meta":
         model.init_weights()
     return model.to(dtype)
 
 
-__all__ = ["KVCache", "ModelOutput", "Transformer", "build_model"]
+__all__ = ["DeepseekV4", "KVCache", "ModelOutput", "Transformer", "build_model"]

@@ -78,11 +78,12 @@ class Experts(nn.Module):
     """E SwiGLU experts: gate and up fused as [E, 2*ffn, hidden], down as [E, hidden, ffn] (nn.Linear
     layout)."""
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int, act):
+    def __init__(self, num_experts: int, hidden: int, ffn: int, act, limit: float | None = None):
         super().__init__()
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, ffn))
         self.act = act
+        self.limit = limit  # DeepSeek-V4 clamps gate (above) and up (both sides) before the product
         self.local_view: Callable[[torch.Tensor], torch.Tensor] = whole
 
     def set_local_view(self, view: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -93,15 +94,18 @@ class Experts(nn.Module):
         """tokens [M, hidden] grouped by local expert, counts[e] rows each -> [M, hidden]."""
         gate_up, down = self.local_view(self.gate_up), self.local_view(self.down)
         gate, up = grouped_gemm(tokens, gate_up, counts).chunk(2, dim=-1)  # [M, ffn] each
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
         return grouped_gemm(self.act(gate) * up, down, counts)
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden: int, num_experts: int, top_k: int, expert_ffn: int, norm_topk_prob: bool, act):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, expert_ffn: int, norm_topk_prob: bool, act,
+                 limit: float | None = None):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.router = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = Experts(num_experts, hidden, expert_ffn, act)
+        self.experts = Experts(num_experts, hidden, expert_ffn, act, limit)
         self.dispatch: DispatchFn = local_dispatch
         self.reduce_stats: Callable[[RouterStats], RouterStats] = local_stats
 

@@ -1,0 +1,727 @@
+"""DeepSeek-V4 over packed token streams: attention with sliding-window, compressed-sparse (CSA) and heavily
+compressed (HCA) key sets, manifold-constrained hyper-connections (mHC), hash- and bias-routed MoE and the
+multi-token-prediction (MTP) block. Exact against transformers' `models/deepseek_v4` (tests compare with
+a fixture it wrote), with every sequence of a packed batch computed as if it ran alone.
+
+Reads top to bottom: rotary embeddings, the packed-batch geometry every layer shares, the attention core,
+compressors and the indexer, attention, mHC, MoE, block, MTP, model, HF names.
+
+Attention is memory-linear: each query gathers the keys it may see (its sliding window, plus the compressed
+entries visible to it: all of them for HCA, the indexer's top-k for CSA) and attends over that set, so no
+T x T score matrix exists: O(T x (window + top-k)) memory, chunked over queries.
+
+Parallel seams as in qwen3.py (the model imports no parallel code): `Block.set_runner` (recompute), the MoE
+block's `set_parallel` and `Experts.set_local_view` (expert parallel).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mlite.config.arch import ModelArch
+from mlite.runtime.data.packed import IGNORE, PackedBatch
+from mlite.runtime.models.base import HFTensors, ModelOutput, same_tensor
+from mlite.runtime.models.moe import MoE, RouterStats, load_balancing_loss, router_stats
+
+CSA, HCA = 4, 128  # the released models' compression ratios; tiny configs may use others for HCA
+
+
+# ---------------------------------------------------------------------------------------------- norms
+class RMSNorm(nn.Module):
+    """RMSNorm whose weight stays fp32 and multiplies in fp32 (V4 keeps every norm weight in fp32)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------- rotary embeddings
+def yarn_inv_freq(dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN frequencies (transformers' `_compute_yarn_parameters` with truncation). V4 applies no YaRN
+    attention factor: its compressed layers use the frequencies alone."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    base_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolate = 1 - ramp
+    return (1.0 / (factor * base_freqs)) * (1 - extrapolate) + (1.0 / base_freqs) * extrapolate
+
+
+def inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "yarn":
+        return yarn_inv_freq(dim, theta, scaling)
+    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+
+
+def rope_angles(positions: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype):
+    """positions [...] -> cos, sin [..., rope_dim / 2] (one angle per interleaved pair)."""
+    angles = positions.float().unsqueeze(-1) * freqs.to(positions.device)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE on the trailing rope channels of x [T, ..., d]; cos/sin [T, rope_dim / 2].
+
+    Pairs are adjacent channels (2i, 2i+1); the leading channels carry no position. Computed in fp32."""
+    rope_dim = 2 * cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim,)
+    cos = cos.repeat_interleave(2, dim=-1).view(shape)
+    sin = sin.repeat_interleave(2, dim=-1).view(shape)
+    plain, rope = x[..., :-rope_dim], x[..., -rope_dim:].float()
+    rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([plain, (rope * cos + rotated * sin).to(x.dtype)], dim=-1)
+
+
+# ------------------------------------------------------------------------------ packed-batch geometry
+@dataclass
+class Windows:
+    """The complete compression windows of every sequence for one ratio: entry c covers tokens
+    rows[c] (ratio consecutive tokens of one sequence); windows restart at each sequence start."""
+
+    ratio: int
+    rows: torch.Tensor  # [C, ratio] token indices of each entry's window
+    has_prev: torch.Tensor  # [C] bool: the previous window belongs to the same sequence
+    positions: torch.Tensor  # [C] position of the window's first token within its sequence
+    visible: torch.Tensor  # [T, V] entry index each query may see (its sequence's first V entries)
+    visible_mask: torch.Tensor  # [T, V] bool: entry complete before the query (causal)
+
+
+@dataclass
+class Geometry:
+    """What every layer needs to know about a packed batch, computed once per forward."""
+
+    window: torch.Tensor  # [T, W] token index of each query's sliding-window keys
+    window_mask: torch.Tensor  # [T, W] bool: key in the same sequence (and not before its start)
+    positions: torch.Tensor  # [T]
+    compressed: dict[int, Windows]
+
+
+def batch_geometry(batch: PackedBatch, sliding_window: int, ratios: Iterable[int]) -> Geometry:
+    device = batch.input_ids.device
+    t = batch.input_ids.shape[0]
+    lens = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long().to(device)
+    starts = batch.cu_seqlens[:-1].long().to(device)
+    seq_of = torch.repeat_interleave(torch.arange(lens.numel(), device=device), lens, output_size=t)
+    token = torch.arange(t, device=device)
+    window = token[:, None] - (sliding_window - 1) + torch.arange(sliding_window, device=device)
+    window_mask = window >= starts[seq_of][:, None]
+    longest = batch.max_seqlen or int(lens.max())
+    compressed = {}
+    for ratio in set(ratios):
+        count = lens // ratio  # complete windows per sequence
+        first = torch.cumsum(count, 0) - count  # entry index of each sequence's first window
+        total = int(count.sum())
+        entry_seq = torch.repeat_interleave(torch.arange(lens.numel(), device=device), count,
+                                            output_size=total)
+        index_in_seq = torch.arange(total, device=device) - first[entry_seq]
+        rows = (starts[entry_seq] + index_in_seq * ratio)[:, None] + torch.arange(ratio, device=device)
+        most = max(longest // ratio, 1)
+        slots = torch.arange(most, device=device)
+        visible = first[seq_of][:, None] + slots
+        # query at position p sees entry w once its window is complete: w < (p + 1) // ratio
+        visible_mask = slots < ((batch.position_ids + 1) // ratio)[:, None]
+        compressed[ratio] = Windows(ratio, rows, index_in_seq > 0, index_in_seq * ratio,
+                                    visible.clamp(max=max(total - 1, 0)), visible_mask)
+    return Geometry(window.clamp(min=0), window_mask, batch.position_ids, compressed)
+
+
+# ------------------------------------------------------------------------------------ attention core
+def gathered_attention(q, bank, keys, mask, sinks, scale: float, chunk: int = 0) -> torch.Tensor:
+    """Attention of each query over its own key set.
+
+    q [T, H, D]; bank [N, D] (one shared K=V head); keys [T, K] rows of the bank each query sees, mask
+    [T, K] which of them count; sinks [H]: a learned logit per head in the softmax denominator only.
+    Returns [T, H, D]. Chunked over queries (recomputed in backward) to bound the gathered memory."""
+    def core(q, keys, mask):
+        kv = bank[keys]  # [t, K, D]
+        scores = torch.einsum("thd,tkd->thk", q, kv) * scale
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+        logits = torch.cat([scores, sinks.view(1, -1, 1).expand(q.shape[0], -1, 1).to(scores.dtype)], -1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = logits.softmax(dim=-1)[..., :-1]
+        return torch.einsum("thk,tkd->thd", probs.to(kv.dtype), kv)
+
+    t = q.shape[0]
+    chunk = chunk or max(1, (1 << 26) // max(1, keys.shape[1] * (bank.shape[1] + q.shape[1])))
+    if chunk >= t:
+        return core(q, keys, mask)
+    outs = []
+    for start in range(0, t, chunk):
+        part = slice(start, start + chunk)
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(core, q[part], keys[part], mask[part], use_reentrant=False))
+        else:
+            outs.append(core(q[part], keys[part], mask[part]))
+    return torch.cat(outs)
+
+
+# ------------------------------------------------------------------------ compressors and the indexer
+class Compressor(nn.Module):
+    """One compressed entry per complete window of `ratio` tokens: a softmax-gated sum of the window's
+    projected rows (plus a learned bias per slot), normalised, with RoPE at the window's first position.
+
+    CSA (`overlap`) projects two series per token: entry w mixes the previous window's first series with
+    its own second series (2 x ratio slots), so neighbouring entries overlap."""
+
+    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float):
+        super().__init__()
+        width = 2 if overlap else 1
+        self.dim, self.ratio, self.overlap = dim, ratio, overlap
+        self.kv_proj = nn.Linear(hidden, width * dim, bias=False)
+        self.gate_proj = nn.Linear(hidden, width * dim, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(ratio, width * dim))
+        self.norm = RMSNorm(dim, eps)
+
+    def forward(self, x: torch.Tensor, windows: Windows, cos, sin) -> torch.Tensor:
+        """x [T, hidden] -> [C, dim] entries (C: the batch's complete windows); cos/sin at their positions."""
+        kv = self.kv_proj(x)[windows.rows]  # [C, ratio, width * dim]
+        gate = self.gate_proj(x)[windows.rows] + self.position_bias.float()
+        if self.overlap:
+            d = self.dim
+            prev = (torch.arange(kv.shape[0], device=x.device) - 1).clamp(min=0)
+            has_prev = windows.has_prev[:, None, None]
+            kv = torch.cat([torch.where(has_prev, kv[prev, :, :d], 0.0), kv[..., d:]], dim=1)
+            gate = torch.cat([torch.where(has_prev, gate[prev, :, :d], float("-inf")), gate[..., d:]], dim=1)
+        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        return apply_rope(self.norm((kv * weights).sum(dim=1)), cos, sin)
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of CSA: scores compressed entries for each query,
+    sum_h w[t, h] * relu(q[t, h] . k[c]), and keeps the top-k visible ones."""
+
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        v4 = arch.v4
+        self.heads, self.dim, self.top_k = v4.index_n_heads, v4.index_head_dim, v4.index_topk
+        self.compressor = Compressor(arch.hidden, self.dim, CSA, overlap=True, eps=arch.rms_norm_eps)
+        self.q_proj = nn.Linear(v4.q_lora_rank, self.heads * self.dim, bias=False)
+        self.weights_proj = nn.Linear(arch.hidden, self.heads, bias=False)
+
+    def scores(self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+        """q [t, heads, dim], keys [t, V, dim] (each query's candidates), head_weights [t, heads] -> [t, V]."""
+        dots = torch.einsum("thd,tvd->thv", q.float(), keys.float()).relu() * self.dim**-0.5
+        return (dots * (head_weights.float() * self.heads**-0.5).unsqueeze(-1)).sum(dim=1)
+
+    def forward(self, x, q_residual, windows: Windows, entry_rope, query_rope):
+        """-> (picked [T, k] entry indices, picked_mask [T, k], query/key tensors for the indexer loss)."""
+        keys = self.compressor(x, windows, *entry_rope)  # [C, dim]
+        q = apply_rope(self.q_proj(q_residual).view(x.shape[0], self.heads, self.dim), *query_rope)
+        head_weights = self.weights_proj(x)
+        top_k = min(self.top_k, windows.visible.shape[1])
+        picked, picked_mask = [], []
+        chunk = max(1, (1 << 24) // (self.heads * windows.visible.shape[1]))
+        with torch.no_grad():  # top-k is not differentiable: the indexer trains only through its own loss
+            for start in range(0, x.shape[0], chunk):
+                part = slice(start, start + chunk)
+                scores = self.scores(q[part], keys[windows.visible[part]], head_weights[part])
+                scores = scores.masked_fill(~windows.visible_mask[part], float("-inf"))
+                best = scores.topk(top_k, dim=-1)
+                picked.append(windows.visible[part].gather(1, best.indices))
+                picked_mask.append(best.values > float("-inf"))
+        return torch.cat(picked), torch.cat(picked_mask), (q, keys, head_weights)
+
+
+# ----------------------------------------------------------------------------------------- attention
+class Attention(nn.Module):
+    """One shared 512-wide K=V head; low-rank queries with a weightless per-head norm; partial interleaved
+    RoPE (undone on the output, since values carry it too); a learned sink per head; a grouped low-rank
+    output projection. Keys: the sliding window, plus compressed entries on CSA/HCA layers."""
+
+    def __init__(self, arch: ModelArch, layer: int):
+        super().__init__()
+        v4, h, d = arch.v4, arch.hidden, arch.head_dim
+        self.heads, self.head_dim, self.eps = arch.num_heads, d, arch.rms_norm_eps
+        self.groups = v4.o_groups
+        self.ratio = v4.compress_ratios[layer] if layer < len(v4.compress_ratios) else 0
+        self.q_a_proj = nn.Linear(h, v4.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(v4.q_lora_rank, arch.rms_norm_eps)
+        self.q_b_proj = nn.Linear(v4.q_lora_rank, self.heads * d, bias=False)
+        self.kv_proj = nn.Linear(h, d, bias=False)
+        self.kv_norm = RMSNorm(d, arch.rms_norm_eps)
+        # per group: heads * d / groups -> o_lora_rank, stacked as one [groups * o_lora_rank, in] weight
+        self.o_a_proj = nn.Linear(self.heads * d // v4.o_groups, v4.o_groups * v4.o_lora_rank, bias=False)
+        self.o_b_proj = nn.Linear(v4.o_groups * v4.o_lora_rank, h, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(self.heads))
+        self.compressor = (Compressor(h, d, self.ratio, overlap=self.ratio == CSA, eps=arch.rms_norm_eps)
+                           if self.ratio else None)
+        self.indexer = Indexer(arch) if self.ratio == CSA else None
+        self.indexer_loss_weight = 0.0  # > 0 trains the indexer towards the attention's own distribution
+        self.core = gathered_attention
+
+    def set_core(self, core) -> None:
+        """The seam: `core(q, bank, keys, mask, sinks, scale)` replaces the gathered attention (recompute,
+        a fused GPU kernel)."""
+        self.core = core
+
+    @property
+    def rope_kind(self) -> str:
+        return "compress" if self.ratio else "main"  # sliding layers keep the plain rope
+
+    def forward(self, x: torch.Tensor, geo: Geometry, ropes: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> ([T, hidden], the indexer loss of this layer: 0 unless it is trained)."""
+        t = x.shape[0]
+        cos, sin = ropes[self.rope_kind]
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_residual).view(t, -1, self.head_dim)
+        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, d]: key and value at once
+        bank, keys, mask, scored = kv, geo.window, geo.window_mask, None
+        indexer_loss = torch.zeros((), device=x.device)
+        windows = geo.compressed.get(self.ratio)
+        if self.compressor is not None and windows.rows.shape[0] > 0:  # some window is complete
+            entries = self.compressor(x, windows, *ropes["entries", self.ratio])
+            bank = torch.cat([kv, entries])
+            if self.indexer is not None:
+                picked, picked_mask, scored = self.indexer(
+                    x, q_residual, windows, ropes["entries", self.ratio], (cos, sin))
+            else:
+                picked, picked_mask = windows.visible, windows.visible_mask
+            keys = torch.cat([keys, picked + t], dim=1)
+            mask = torch.cat([mask, picked_mask], dim=1)
+        out = self.core(q, bank, keys, mask, self.sinks.float(), self.head_dim**-0.5)
+        if scored is not None and self.indexer_loss_weight > 0:
+            indexer_loss = self.indexer_loss_weight * self._indexer_loss(
+                q, bank, keys, mask, picked, picked_mask, scored, t)
+        out = apply_rope(out, cos, -sin)  # undo the values' rotation at the query position
+        grouped = out.reshape(t, self.groups, -1)  # [T, groups, heads * d / groups]
+        w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])  # [groups, o_lora_rank, in]
+        low_rank = torch.einsum("tgi,goi->tgo", grouped, w).reshape(t, -1)
+        return self.o_b_proj(low_rank), indexer_loss
+
+    def _indexer_loss(self, q, bank, keys, mask, picked, picked_mask, scored, t) -> torch.Tensor:
+        """KL(attention || indexer) over the picked entries, as DeepSeek-V3.2 trains its indexer: the target
+        is the attention's probability mass on each picked entry, summed over heads and renormalised
+        (no gradient into the attention); the indexer's distribution is its softmax over the same entries."""
+        index_q, index_keys, head_weights = scored
+        with torch.no_grad():
+            k = keys.shape[1] - picked.shape[1]
+            kv = bank[keys[:, k:]]
+            scores = torch.einsum("thd,tkd->thk", q, kv) * self.head_dim**-0.5
+            probs = scores.masked_fill(~picked_mask[:, None, :], float("-inf")).float().softmax(-1)
+            target = probs.nan_to_num(0.0).sum(1)
+            target = target / target.sum(-1, keepdim=True).clamp(min=1e-20)
+        logits = self.indexer.scores(index_q, index_keys[picked], head_weights)
+        logits = logits.masked_fill(~picked_mask, float("-inf"))
+        log_q = logits.log_softmax(-1).masked_fill(~picked_mask, 0.0)
+        rows = picked_mask.any(-1)
+        kl = (target * (target.clamp(min=1e-20).log() - log_q)).sum(-1)
+        return (kl * rows).sum() / rows.sum().clamp(min=1)
+
+
+# ------------------------------------------------------------------------------------------------ mHC
+class HyperConnection(nn.Module):
+    """mHC before a sub-block: from the n residual copies, a pre map (folds them into the sub-block's
+    input), a post map (spreads its output back) and a Sinkhorn-normalised n x n mixing map. All fp32."""
+
+    def __init__(self, hidden: int, copies: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        n = copies
+        self.copies, self.iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, streams: torch.Tensor):
+        """streams [T, n, hidden] -> (post [T, n], mix [T, n, n], the sub-block's input [T, hidden])."""
+        n = self.copies
+        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
+        pre, post, mix = F.linear(flat, self.fn.float()).split([n, n, n * n], dim=-1)
+        pre_b, post_b, mix_b = self.base.float().split([n, n, n * n])
+        scale = self.scale.float()
+        pre = torch.sigmoid(pre * scale[0] + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post * scale[1] + post_b)
+        mix = torch.softmax(mix.view(-1, n, n) * scale[2] + mix_b.view(n, n), dim=-1) + self.hc_eps
+        mix = mix / (mix.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.iters - 1):  # Sinkhorn-Knopp: rows and columns sum to 1
+            mix = mix / (mix.sum(dim=-1, keepdim=True) + self.hc_eps)
+            mix = mix / (mix.sum(dim=-2, keepdim=True) + self.hc_eps)
+        folded = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, mix, folded
+
+
+def merge_streams(streams, post, mix, out) -> torch.Tensor:
+    """New copy k = post[k] * out + sum_j mix[j, k] * copy j: the mixing map applies transposed."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(mix.to(dtype).transpose(-1, -2),
+                                                                            streams)
+
+
+class HyperHead(nn.Module):
+    """Folds the n residual copies back into one before the final norm (sigmoid weights, no mixing)."""
+
+    def __init__(self, hidden: int, copies: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        self.hc_eps, self.norm_eps = hc_eps, norm_eps
+        self.fn = nn.Parameter(torch.empty(copies, copies * hidden))
+        self.base = nn.Parameter(torch.zeros(copies))
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float() + self.base.float())
+        return ((pre + self.hc_eps).unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ MoE
+def clamped_silu_glu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, hidden: int, ffn: int, limit: float):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_silu_glu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class V4MoE(MoE):
+    """Routed experts (top-k of sqrt(softplus) scores, chosen with a correction bias that does not weight
+    them, or by the token-id hash table on the first layers), normalised and scaled, plus a shared expert.
+
+    Router statistics for the balance loss follow transformers' V4 (softmax top-k of the learned router's
+    logits, bias-routed layers only), so the aux loss matches its `aux_loss`."""
+
+    def __init__(self, arch: ModelArch, layer: int):
+        m, v4 = arch.moe, arch.v4
+        super().__init__(arch.hidden, m.num_experts, m.top_k, m.expert_ffn, True, F.silu, v4.swiglu_limit)
+        self.hashed = layer < v4.num_hash_layers
+        self.scaling = v4.routed_scaling_factor
+        if self.hashed:  # token id -> its experts, from the checkpoint (not derivable)
+            self.register_buffer("tid2eid", torch.zeros(arch.vocab, m.top_k, dtype=torch.long))
+        else:  # selects experts, never weights them; balanced by updates outside the gradient
+            self.register_buffer("correction_bias", torch.zeros(m.num_experts))
+        self.shared = SharedExpert(arch.hidden, m.shared_expert_ffn, v4.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, RouterStats | None]:
+        logits = F.linear(x.float(), self.router.weight.float())  # [N, E] fp32
+        scores = F.softplus(logits).sqrt()
+        if self.hashed:
+            expert_ids = self.tid2eid[batch.input_ids]
+        else:
+            expert_ids = (scores + self.correction_bias.float()).topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, expert_ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+        out = self.dispatch(x, expert_ids, weights.to(x.dtype), self.experts, self.num_experts)
+        stats = None
+        if not self.hashed:
+            probs = logits.softmax(dim=-1)
+            stats = self.reduce_stats(router_stats(probs, probs.topk(self.top_k, dim=-1).indices,
+                                                   self.num_experts))
+        return out + self.shared(x), stats
+
+
+# ---------------------------------------------------------------------------------------------- block
+class Block(nn.Module):
+    def __init__(self, arch: ModelArch, layer: int):
+        super().__init__()
+        v4 = arch.v4
+        hc = (arch.hidden, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, arch.rms_norm_eps)
+        self.attn_hc, self.mlp_hc = HyperConnection(*hc), HyperConnection(*hc)
+        self.attn_norm = RMSNorm(arch.hidden, arch.rms_norm_eps)
+        self.attn = Attention(arch, layer)
+        self.mlp_norm = RMSNorm(arch.hidden, arch.rms_norm_eps)
+        self.mlp = V4MoE(arch, layer)
+        self.runner = None
+
+    def set_runner(self, runner) -> None:
+        """The seam: `runner(body, x, batch, geo, ropes)` runs the block's body another way (recompute)."""
+        self.runner = runner
+
+    def forward(self, x, batch: PackedBatch, geo: Geometry, ropes: dict):
+        """x [T, n, hidden] -> (x, router statistics or None, indexer loss)."""
+        if self.runner is not None:
+            return self.runner(self.body, x, batch, geo, ropes)
+        return self.body(x, batch, geo, ropes)
+
+    def body(self, x, batch: PackedBatch, geo: Geometry, ropes: dict):
+        post, mix, folded = self.attn_hc(x)
+        out, indexer_loss = self.attn(self.attn_norm(folded), geo, ropes)
+        x = merge_streams(x, post, mix, out)
+        post, mix, folded = self.mlp_hc(x)
+        out, stats = self.mlp(self.mlp_norm(folded), batch)
+        return merge_streams(x, post, mix, out), stats, indexer_loss
+
+
+class MTP(nn.Module):
+    """Multi-token prediction: at position t, one more block over [its hidden copies ; the embedding of
+    token t+1] predicts token t+2 through the shared LM head (DeepSeek-V3 section 2.2)."""
+
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        h, v4 = arch.hidden, arch.v4
+        self.embed_norm = RMSNorm(h, arch.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, arch.rms_norm_eps)
+        self.embed_proj = nn.Linear(h, h, bias=False)
+        self.hidden_proj = nn.Linear(h, h, bias=False)
+        self.block = Block(arch, arch.num_layers)  # past the last layer: sliding window, bias-routed
+        self.head = HyperHead(h, v4.hc_mult, v4.hc_eps, arch.rms_norm_eps)
+        self.norm = RMSNorm(h, arch.rms_norm_eps)
+
+    def forward(self, streams, next_embeds, batch, geo, ropes):
+        x = self.embed_proj(self.embed_norm(next_embeds)).unsqueeze(1) + self.hidden_proj(
+            self.hidden_norm(streams))
+        x, stats, _ = self.block(x, batch, geo, ropes)
+        return self.norm(self.head(x)), stats
+
+
+def shift_in_sequence(values: torch.Tensor, batch: PackedBatch, fill: int) -> torch.Tensor:
+    """values[t + 1] at t, `fill` at the last token of each sequence."""
+    shifted = torch.cat([values[1:], values.new_full((1,), fill)])
+    last = batch.cu_seqlens[1:].long().to(values.device) - 1
+    return shifted.index_fill(0, last, fill)
+
+
+# ---------------------------------------------------------------------------------------------- model
+class DeepseekV4(nn.Module):
+    def __init__(self, arch: ModelArch, layers: Iterable[int] | None = None, mtp_weight: float = 0.0):
+        """`layers`: the global layer indices of this pipeline stage (all by default). `mtp_weight` > 0
+        builds the MTP block and adds its loss, times the weight, to `aux_loss`."""
+        super().__init__()
+        self.arch, v4 = arch, arch.v4
+        held = sorted(range(arch.num_layers) if layers is None else layers)
+        first, last = 0 in held, arch.num_layers - 1 in held
+        self.embed = nn.Embedding(arch.vocab, arch.hidden) if first else None
+        self.layers = nn.ModuleDict({str(i): Block(arch, i) for i in held})
+        self.head = HyperHead(arch.hidden, v4.hc_mult, v4.hc_eps, arch.rms_norm_eps) if last else None
+        self.norm = RMSNorm(arch.hidden, arch.rms_norm_eps) if last else None
+        self.output = nn.Linear(arch.hidden, arch.vocab, bias=False) if last else None
+        self.mtp_weight = mtp_weight
+        self.mtp = MTP(arch) if mtp_weight > 0 and last else None
+        if self.mtp is not None and self.embed is None:
+            raise ValueError("the MTP block needs the embedding on its stage")
+        rope_dim = v4.qk_rope_head_dim
+        self.freqs = {"main": inv_freq(rope_dim, arch.rope_theta, None),
+                      "compress": inv_freq(rope_dim, v4.compress_rope_theta, v4.compress_rope_scaling)}
+        self.ratios = sorted({r for r in v4.compress_ratios if r})
+
+    def set_indexer_loss_weight(self, weight: float) -> None:
+        """> 0 trains every CSA indexer with its KL loss (frozen by default, as in the RL recipes)."""
+        for layer in self.layers.values():
+            layer.attn.indexer_loss_weight = weight
+
+    def ropes(self, geo: Geometry, dtype: torch.dtype) -> dict:
+        ropes = {kind: rope_angles(geo.positions, freqs, dtype) for kind, freqs in self.freqs.items()}
+        for ratio, windows in geo.compressed.items():
+            ropes["entries", ratio] = rope_angles(windows.positions, self.freqs["compress"], dtype)
+        return ropes
+
+    def forward(self, batch: PackedBatch, hidden: torch.Tensor | None = None) -> ModelOutput:
+        """Packed batch -> hidden [T, hidden] after the final norm (on the last stage; the residual copies
+        [T, n, hidden] on earlier stages, and `hidden` is a later stage's input)."""
+        if self.embed is not None:
+            embeds = self.embed(batch.input_ids)
+            x = embeds.unsqueeze(1).expand(-1, self.arch.v4.hc_mult, -1).contiguous()
+        elif hidden is None:
+            raise ValueError("this pipeline stage has no embedding: pass the previous stage's hidden states")
+        else:
+            x = hidden
+        geo = batch_geometry(batch, self.arch.v4.sliding_window, self.ratios)
+        ropes = self.ropes(geo, x.dtype)
+        stats, extra = [], torch.zeros((), device=x.device, dtype=torch.float32)
+        for layer in self.layers.values():
+            x, layer_stats, indexer_loss = layer(x, batch, geo, ropes)
+            extra = extra + indexer_loss
+            if layer_stats is not None:
+                stats.append(layer_stats)
+        if self.mtp is not None:
+            next_embeds = self.embed(shift_in_sequence(batch.input_ids, batch, 0))
+            mtp_hidden, mtp_stats = self.mtp(x, next_embeds, batch, geo, ropes)
+            extra = extra + self.mtp_weight * self.mtp_loss(mtp_hidden, batch)
+            stats.append(mtp_stats)
+        if self.head is not None:
+            x = self.norm(self.head(x))
+        aux = extra
+        if stats:
+            moe = self.arch.moe
+            aux = aux + load_balancing_loss(stats, moe.num_experts, moe.router_aux_loss_coef)
+        return ModelOutput(hidden=x, aux_loss=aux, router_stats=stats)
+
+    def mtp_loss(self, mtp_hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """Mean cross-entropy of predicting token t+2 at t, over this micro-batch's MTP targets."""
+        targets = shift_in_sequence(batch.labels, batch, IGNORE)
+        logits = self.compute_logits(mtp_hidden).float()
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum") / (
+            (targets != IGNORE).sum().clamp(min=1))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output(hidden)
+
+    # ------------------------------------------------------------------ rollout (no compressed-KV cache)
+    def new_kv_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> TokenCache:
+        return TokenCache(torch.zeros(batch_size, max_len, dtype=torch.long,
+                                      device=next(self.parameters()).device))
+
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: TokenCache) -> torch.Tensor:
+        """As the dense models' decode, by re-running each row's prefix: V4 has no incremental compressed
+        KV cache here (rollout at scale is vLLM's job); exact and simple, O(length^2) per sequence."""
+        b, t = input_ids.shape
+        valid = positions >= 0
+        rows = torch.arange(b, device=input_ids.device)[:, None].expand(b, t)
+        cache.tokens[rows[valid], positions[valid]] = input_ids[valid]
+        lengths = (positions.max(dim=1).values + 1).clamp(min=1)
+        seqs = [cache.tokens[i, : int(lengths[i])].tolist() for i in range(b)]
+        batch = PackedBatch.from_sequences(seqs)
+        batch = PackedBatch(batch.input_ids.to(input_ids.device), batch.position_ids.to(input_ids.device),
+                            batch.cu_seqlens.to(input_ids.device), batch.labels.to(input_ids.device),
+                            batch.max_seqlen)
+        logits = self.compute_logits(self(batch).hidden)  # [T, vocab]
+        starts = batch.cu_seqlens[:-1].long()
+        index = (starts[:, None] + positions.clamp(min=0)).clamp(max=logits.shape[0] - 1)
+        return logits[index]  # [B, t, vocab]
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, seed_hash: int = 0) -> None:
+        """transformers' initialisation (normal matrices, unit norms and mHC scales, zero sinks, biases and
+        mHC bases), and a balanced random hash table for a run from scratch (a real one comes from the
+        checkpoint)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, (HyperConnection, HyperHead)):
+                nn.init.normal_(module.fn, std=std)
+                nn.init.zeros_(module.base)
+                nn.init.ones_(module.scale)
+            elif isinstance(module, Compressor):
+                nn.init.zeros_(module.position_bias)
+            elif isinstance(module, Attention):
+                nn.init.zeros_(module.sinks)
+            elif isinstance(module, V4MoE):
+                nn.init.normal_(module.experts.gate_up, std=std)
+                nn.init.normal_(module.experts.down, std=std)
+                if module.hashed:
+                    module.tid2eid.copy_(balanced_hash_table(self.arch.vocab, module.num_experts,
+                                                             module.top_k, seed_hash))
+                else:
+                    module.correction_bias.zero_()
+
+    @staticmethod
+    def canonical_hf_name(name: str) -> str:
+        """DeepSeek's release names for a checkpoint transformers wrote (it keeps a `model.` prefix, its
+        own embedding and mHC-head names, and writes the attention's kv_norm as `attn.norm`)."""
+        name = name.removeprefix("model.")
+        name = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
+                "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
+                "hc_head.hc_scale": "hc_head_scale"}.get(name, name)
+        return re.sub(r"^((?:layers\.\d+|mtp\.\d+)\.attn)\.norm\.weight$", r"\1.kv_norm.weight", name)
+
+    def hf_layout(self) -> list[HFTensors]:
+        """Native tensor <-> DeepSeek's official checkpoint names (what transformers 5.23 writes too),
+        the hash tables and correction biases included (buffers)."""
+        tensors = list(self.named_parameters()) + [(n, b) for n, b in self.named_buffers()
+                                                   if n.endswith(("tid2eid", "correction_bias"))]
+        return [_official(name, self) for name, _ in tensors]
+
+
+@dataclass
+class TokenCache:
+    tokens: torch.Tensor  # [B, max_len] the tokens decoded so far
+
+    @property
+    def max_len(self) -> int:
+        return self.tokens.shape[1]
+
+
+def balanced_hash_table(vocab: int, experts: int, top_k: int, seed: int = 0) -> torch.Tensor:
+    """[vocab, top_k] distinct experts per token, each expert used by vocab * top_k / experts tokens (+-1)."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.arange(vocab * top_k) % experts  # every expert equally often
+    for _ in range(8):  # reshuffle until no token repeats an expert
+        table = slots[torch.randperm(slots.numel(), generator=gen)].view(vocab, top_k)
+        if top_k == 1 or bool((table.sort(-1).values.diff(dim=-1) != 0).all()):
+            return table
+    # a fallback that is always distinct: consecutive experts from a random offset per token
+    offset = torch.randint(0, experts, (vocab, 1), generator=gen)
+    return (offset + torch.arange(top_k)) % experts
+
+
+# ------------------------------------------------------------------------------------------- HF names
+_TOP = {"embed.weight": "embed.weight", "output.weight": "head.weight", "norm.weight": "norm.weight",
+        "head.fn": "hc_head_fn", "head.base": "hc_head_base", "head.scale": "hc_head_scale"}
+_BLOCK = {  # native suffix inside a block -> official suffix
+    "attn_hc.fn": "hc_attn_fn", "attn_hc.base": "hc_attn_base", "attn_hc.scale": "hc_attn_scale",
+    "mlp_hc.fn": "hc_ffn_fn", "mlp_hc.base": "hc_ffn_base", "mlp_hc.scale": "hc_ffn_scale",
+    "attn_norm.weight": "attn_norm.weight", "mlp_norm.weight": "ffn_norm.weight",
+    "attn.q_a_proj.weight": "attn.wq_a.weight", "attn.q_a_norm.weight": "attn.q_norm.weight",
+    "attn.q_b_proj.weight": "attn.wq_b.weight", "attn.kv_proj.weight": "attn.wkv.weight",
+    "attn.kv_norm.weight": "attn.kv_norm.weight", "attn.o_a_proj.weight": "attn.wo_a.weight",
+    "attn.o_b_proj.weight": "attn.wo_b.weight", "attn.sinks": "attn.attn_sink",
+    "attn.compressor.kv_proj.weight": "attn.compressor.wkv.weight",
+    "attn.compressor.gate_proj.weight": "attn.compressor.wgate.weight",
+    "attn.compressor.position_bias": "attn.compressor.ape",
+    "attn.compressor.norm.weight": "attn.compressor.norm.weight",
+    "attn.indexer.compressor.kv_proj.weight": "attn.indexer.compressor.wkv.weight",
+    "attn.indexer.compressor.gate_proj.weight": "attn.indexer.compressor.wgate.weight",
+    "attn.indexer.compressor.position_bias": "attn.indexer.compressor.ape",
+    "attn.indexer.compressor.norm.weight": "attn.indexer.compressor.norm.weight",
+    "attn.indexer.q_proj.weight": "attn.indexer.wq_b.weight",
+    "attn.indexer.weights_proj.weight": "attn.indexer.weights_proj.weight",
+    "mlp.router.weight": "ffn.gate.weight", "mlp.correction_bias": "ffn.gate.bias",
+    "mlp.tid2eid": "ffn.gate.tid2eid",
+    "mlp.shared.gate_proj.weight": "ffn.shared_experts.w1.weight",
+    "mlp.shared.up_proj.weight": "ffn.shared_experts.w3.weight",
+    "mlp.shared.down_proj.weight": "ffn.shared_experts.w2.weight",
+}
+_MTP = {"mtp.embed_norm.weight": "enorm.weight", "mtp.hidden_norm.weight": "hnorm.weight",
+        "mtp.embed_proj.weight": "e_proj.weight", "mtp.hidden_proj.weight": "h_proj.weight",
+        "mtp.head.fn": "hc_head_fn", "mtp.head.base": "hc_head_base", "mtp.head.scale": "hc_head_scale",
+        "mtp.norm.weight": "norm.weight"}
+
+
+def _official(name: str, model: DeepseekV4) -> HFTensors:
+    if name in _TOP:
+        return same_tensor(_TOP[name], name)
+    if name in _MTP:
+        return same_tensor("mtp.0." + _MTP[name], name)
+    if name.startswith("mtp.block."):
+        prefix, rest, block = "mtp.0.", name[len("mtp.block."):], model.mtp.block
+    else:
+        _, index, rest = name.split(".", 2)  # layers.{i}.{rest}
+        prefix, block = f"layers.{index}.", model.layers[index]
+    if rest.startswith("mlp.experts."):
+        ids = range(block.mlp.experts.down.shape[0])  # the global shape, also under ep (DTensor)
+        if rest == "mlp.experts.gate_up":  # [E, 2F, H] <-> w1 (gate) and w3 (up) per expert
+            names = [f"{prefix}ffn.experts.{e}.{w}.weight" for e in ids for w in ("w1", "w3")]
+            return HFTensors(
+                name, names,
+                split=lambda t: [half for expert in t for half in expert.chunk(2, dim=0)],
+                join=lambda ts: torch.stack([torch.cat(ts[i: i + 2]) for i in range(0, len(ts), 2)]))
+        names = [f"{prefix}ffn.experts.{e}.w2.weight" for e in ids]
+        return HFTensors(name, names, split=lambda t: list(t.unbind(0)), join=lambda ts: torch.stack(ts))
+    return same_tensor(prefix + _BLOCK[rest], name)
