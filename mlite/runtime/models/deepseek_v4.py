@@ -226,7 +226,7 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(arch.hidden, self.heads, bias=False)
 
     def scores(self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
-        """q [t, heads, dim], keys [t, V, dim] (each query's candidates), head_weights [t, heads] -> [t, V]."""
+        """q [t, heads, dim], keys [t, V, dim] (each query's candidates), head_weights [t, heads] -> [t, V]"""
         dots = torch.einsum("thd,tvd->thv", q.float(), keys.float()).relu() * self.dim**-0.5
         return (dots * (head_weights.float() * self.heads**-0.5).unsqueeze(-1)).sum(dim=1)
 
@@ -300,8 +300,9 @@ class Attention(nn.Module):
             entries = self.compressor(x, windows, *ropes["entries", self.ratio])
             bank = torch.cat([kv, entries])
             if self.indexer is not None:
+                # detached, as DeepSeek-V3.2 trains it: the indexer's loss reaches the indexer only
                 picked, picked_mask, scored = self.indexer(
-                    x, q_residual, windows, ropes["entries", self.ratio], (cos, sin))
+                    x.detach(), q_residual.detach(), windows, ropes["entries", self.ratio], (cos, sin))
             else:
                 picked, picked_mask = windows.visible, windows.visible_mask
             keys = torch.cat([keys, picked + t], dim=1)
@@ -431,7 +432,8 @@ class V4MoE(MoE):
         if self.hashed:
             expert_ids = self.tid2eid[batch.input_ids]
         else:
-            expert_ids = (scores + self.correction_bias.float()).topk(self.top_k, dim=-1, sorted=False).indices
+            biased = scores + self.correction_bias.float()
+            expert_ids = biased.topk(self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, expert_ids)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
         out = self.dispatch(x, expert_ids, weights.to(x.dtype), self.experts, self.num_experts)
@@ -659,16 +661,21 @@ class TokenCache:
 
 
 def balanced_hash_table(vocab: int, experts: int, top_k: int, seed: int = 0) -> torch.Tensor:
-    """[vocab, top_k] distinct experts per token, each expert used by vocab * top_k / experts tokens (+-1)."""
+    """[vocab, top_k] distinct experts per token, every expert used equally often (+-1): rows are cut from
+    a stream of random permutations of the experts; where a row straddles two permutations, a repeated
+    expert is swapped with a later one of the new permutation."""
     gen = torch.Generator().manual_seed(seed)
-    slots = torch.arange(vocab * top_k) % experts  # every expert equally often
-    for _ in range(8):  # reshuffle until no token repeats an expert
-        table = slots[torch.randperm(slots.numel(), generator=gen)].view(vocab, top_k)
-        if top_k == 1 or bool((table.sort(-1).values.diff(dim=-1) != 0).all()):
-            return table
-    # a fallback that is always distinct: consecutive experts from a random offset per token
-    offset = torch.randint(0, experts, (vocab, 1), generator=gen)
-    return (offset + torch.arange(top_k)) % experts
+    stream: list[int] = []
+    while len(stream) < vocab * top_k:
+        perm = torch.randperm(experts, generator=gen).tolist()
+        placed = len(stream) % top_k  # the current row's entries from the previous permutation
+        row = set(stream[len(stream) - placed:]) if placed else set()
+        for i in range(top_k - placed if placed else 0):
+            if perm[i] in row:
+                j = next(j for j in range(top_k - placed, experts) if perm[j] not in row)
+                perm[i], perm[j] = perm[j], perm[i]
+        stream.extend(perm)
+    return torch.tensor(stream[: vocab * top_k]).view(vocab, top_k)
 
 
 # ------------------------------------------------------------------------------------------- HF names

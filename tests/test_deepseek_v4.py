@@ -1,0 +1,277 @@
+"""DeepSeek-V4: the native model against transformers 5.23's reference (tests/fixtures/dsv4, written by
+scripts/dsv4_reference.py; tests/test_dsv4_reference.py regenerates it), and what the reference lacks
+against DeepSeek's published formulas: packed sequences, MTP, the indexer's training, the released
+quantised format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from mlite.config.arch import arch_from_hf_config
+from mlite.config.catalog import count_params, preset_arch
+from mlite.errors import MliteError
+from mlite.runtime.ckpt import quant
+from mlite.runtime.ckpt.hf import _tensors, iter_hf_weights, load_hf_weights, save_hf_checkpoint
+from mlite.runtime.data.packed import IGNORE, PackedBatch
+from mlite.runtime.models import build_model
+from mlite.runtime.models.deepseek_v4 import (
+    DeepseekV4,
+    balanced_hash_table,
+    batch_geometry,
+    shift_in_sequence,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "dsv4"
+CASES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def reference_model(case: str, **build) -> tuple[DeepseekV4, dict, list[torch.Tensor]]:
+    folder = FIXTURES / case
+    arch = arch_from_hf_config(json.loads((folder / "config.json").read_text()))
+    model = build_model(arch, init=False, **build)
+    load_hf_weights(model, folder)
+    ref = load_file(folder / "reference.safetensors")
+    seqs = [ref[f"input_ids.{i}"] for i in range(sum(k.startswith("input_ids.") for k in ref))]
+    return model, ref, seqs
+
+
+def packed(seqs) -> PackedBatch:
+    return PackedBatch.from_sequences([s.tolist() for s in seqs])
+
+
+def test_fixture_covers_every_layer_and_routing_kind():
+    kinds, routes, yarn = set(), set(), False
+    for case in CASES:
+        cfg = json.loads((FIXTURES / case / "config.json").read_text())
+        kinds |= set(cfg["layer_types"])
+        routes |= set(cfg["mlp_layer_types"])
+        yarn |= cfg["rope_parameters"]["compress"]["rope_type"] == "yarn"
+        assert cfg["rope_parameters"]["main"]["rope_type"] == "default"  # YaRN on compressed layers only
+    assert kinds == {"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"}
+    assert routes == {"hash_moe", "moe"} and yarn
+    assert sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file()) < 1_000_000
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_packed_logits_loss_and_gradients_equal_transformers(case):
+    """Three sequences packed into one stream: each one's logits equal transformers' run of it alone; the
+    token-mean CE and every parameter's gradient equal the reference's within 1e-5 (fp32)."""
+    model, ref, seqs = reference_model(case)
+    batch = packed(seqs)
+    logits = model.compute_logits(model(batch).hidden)
+    start = 0
+    for i, seq in enumerate(seqs):
+        torch.testing.assert_close(logits[start: start + len(seq)], ref[f"logits.{i}"], atol=ATOL, rtol=0)
+        start += len(seq)
+    targets = batch.labels != IGNORE
+    ce = F.cross_entropy(logits, batch.labels, ignore_index=IGNORE, reduction="sum") / targets.sum()
+    torch.testing.assert_close(ce, ref["ce_loss"], atol=ATOL, rtol=0)
+    ce.backward()
+
+    tensors, compared = _tensors(model), 0
+    reference_grads = {model.canonical_hf_name(k.removeprefix("grad.")): v for k, v in ref.items()
+                       if k.startswith("grad.")}
+    for entry in model.hf_layout():
+        tensor = tensors[entry.param]
+        if not tensor.requires_grad:  # the hash table and the correction bias are buffers
+            continue
+        grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
+        for name, piece in zip(entry.hf_names, entry.split(grad)):
+            torch.testing.assert_close(piece, reference_grads.pop(name), atol=ATOL, rtol=0, msg=name)
+            compared += 1
+    assert not reference_grads, f"reference gradients with no native parameter: {sorted(reference_grads)[:3]}"
+    assert compared > 100
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_balance_loss_equals_transformers_aux_loss(case):
+    model, ref, seqs = reference_model(case)
+    coef = model.arch.moe.router_aux_loss_coef
+    for i, seq in enumerate(seqs):
+        aux = model(packed([seq])).aux_loss / coef
+        torch.testing.assert_close(aux, ref[f"aux_loss.{i}"], atol=ATOL, rtol=0)
+
+
+def test_indexer_is_frozen_by_default_like_the_reference():
+    """Top-k selection has no gradient: the indexer's parameters get none (transformers' neither)."""
+    model, _, seqs = reference_model(CASES[0])
+    logits = model.compute_logits(model(packed(seqs)).hidden)
+    logits.logsumexp(-1).sum().backward()
+    indexer = [n for n, p in model.named_parameters() if ".indexer." in n]
+    assert indexer and all(dict(model.named_parameters())[n].grad is None for n in indexer)
+
+
+def test_indexer_kl_loss_trains_it_towards_the_attention():
+    """indexer_loss_weight > 0 adds KL(attention mass over the picked entries || the indexer's softmax over
+    them) per CSA layer to aux_loss, on detached inputs (DeepSeek-V3.2): its gradient reaches the indexer
+    only, and the attention output is unchanged."""
+    trained, _, seqs = reference_model(CASES[0], indexer_loss_weight=1.0)
+    frozen, _, _ = reference_model(CASES[0])
+    batch = packed(seqs)
+    terms = []
+
+    def keep(module, args, out):
+        terms.append(out[1])
+
+    for layer in trained.layers.values():
+        layer.attn.register_forward_hook(keep)
+    out = trained(batch)
+    reference = frozen(batch)
+    kl = torch.stack(terms).sum()
+    csa_layers = sum(block.attn.indexer is not None for block in trained.layers.values())
+    assert kl > 0 and sum(t > 0 for t in terms) == csa_layers
+    torch.testing.assert_close(out.aux_loss - reference.aux_loss, kl, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out.hidden, reference.hidden, atol=0, rtol=0)
+    kl.backward()
+    grads = {n: p.grad for n, p in trained.named_parameters()}
+    indexer = [n for n in grads if ".indexer." in n]
+    assert indexer and all(grads[n] is not None and grads[n].abs().sum() > 0 for n in indexer)
+    assert all(grads[n] is None or grads[n].abs().sum() == 0 for n in grads if ".indexer." not in n)
+
+
+def test_mtp_predicts_token_t_plus_2_from_the_next_embedding():
+    """DeepSeek-V3's MTP: at position t, block(e_proj(norm(embed(token t+1))) + h_proj(norm(h_t))) predicts
+    token t+2 through the shared head. Computed here sequence by sequence on the truncated streams and
+    compared with the model's loss on the packed batch (shifted within each sequence)."""
+    arch = preset_arch("tiny-deepseek-v4")
+    torch.manual_seed(0)
+    model = build_model(arch, mtp_weight=1.0)
+    seqs = [torch.randint(0, arch.vocab, (n,)) for n in (23, 40, 9)]
+    batch = packed(seqs)
+    streams = {}
+    last = model.layers[str(arch.num_layers - 1)]
+    def keep(module, args, out):
+        streams["x"] = out[0]
+
+    handle = last.register_forward_hook(keep)
+    full = model(batch).aux_loss
+    handle.remove()
+    geo = batch_geometry(batch, arch.v4.sliding_window, model.ratios)
+    next_embeds = model.embed(shift_in_sequence(batch.input_ids, batch, 0))
+    hidden, _ = model.mtp(streams["x"], next_embeds, batch, geo, model.ropes(geo, torch.float32))
+    ce = model.mtp_loss(hidden, batch)
+
+    mtp, total, count, start = model.mtp, 0.0, 0, 0
+    for seq in seqs:
+        n = len(seq)
+        x = mtp.embed_proj(mtp.embed_norm(model.embed(seq[1:]))).unsqueeze(1) + mtp.hidden_proj(
+            mtp.hidden_norm(streams["x"][start: start + n - 1]))
+        alone = packed([seq[:-1]])
+        geo = batch_geometry(alone, arch.v4.sliding_window, model.ratios)
+        x, _, _ = mtp.block(x, alone, geo, model.ropes(geo, x.dtype))
+        logits = model.compute_logits(mtp.norm(mtp.head(x)))
+        total = total + F.cross_entropy(logits[:-1], seq[2:], reduction="sum")
+        count, start = count + n - 2, start + n
+    torch.testing.assert_close(ce, total / count, atol=1e-5, rtol=1e-5)
+    # the job key weights it: aux_loss moves by (1 - 0.25) x the MTP loss between weights 1 and 0.25
+    model.mtp_weight = 0.25
+    torch.testing.assert_close(full - model(batch).aux_loss, 0.75 * ce, atol=1e-5, rtol=1e-5)
+
+
+def test_meta_presets_count_what_the_planner_counts():
+    for name in ("deepseek-v4-flash", "tiny-deepseek-v4"):
+        arch = preset_arch(name)
+        model = build_model(arch, device="meta", init=False, mtp_weight=1.0)
+        main = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("mtp."))
+        mtp = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
+        counts = count_params(arch)
+        assert (main, mtp) == (counts.total, counts.mtp), name
+    flash = count_params(preset_arch("deepseek-v4-flash"))
+    assert round(flash.total / 1e9, 1) == 284.3 and round(flash.active / 1e9, 1) == 13.8
+
+
+def test_official_names_and_the_transformers_spelling_load_alike(tmp_path):
+    """Export writes DeepSeek's release names; transformers' spelling of the same checkpoint (a `model.`
+    prefix, `embed_tokens`, `attn.norm`) loads to the same weights; export -> load round-trips exactly."""
+    model, _, seqs = reference_model(CASES[0])
+    out = save_hf_checkpoint(model, model.arch, tmp_path / "export")
+    names = set(load_file(out / "model.safetensors"))
+    assert {"embed.weight", "head.weight", "hc_head_fn", "layers.0.attn.kv_norm.weight",
+            "layers.0.ffn.gate.tid2eid", "layers.0.ffn.experts.0.w1.weight"} <= names
+    fixture = load_file(FIXTURES / CASES[0] / "model.safetensors")
+    stored = {model.canonical_hf_name(k): v for k, v in fixture.items()}
+    assert names == set(stored)
+    exported = load_file(out / "model.safetensors")
+    for name, tensor in stored.items():
+        assert torch.equal(exported[name], tensor), name
+    again = build_model(model.arch, init=False)
+    load_hf_weights(again, out)
+    batch = packed(seqs)
+    torch.testing.assert_close(again.compute_logits(again(batch).hidden),
+                               model.compute_logits(model(batch).hidden), atol=0, rtol=0)
+    config = json.loads((out / "config.json").read_text())
+    assert arch_from_hf_config(config) == model.arch
+
+
+def test_released_quantised_checkpoint_loads(tmp_path):
+    """DeepSeek's release: FP8 e4m3 linear weights with 128x128 ue8m0 block scales, FP4 e2m1 routed experts
+    with 1x32 scales, the compressor projections, norms, mHC and embeddings unquantised."""
+    model, _, seqs = reference_model(CASES[0])
+    tensors = dict(iter_hf_weights(model))
+    fp4 = [n for n in tensors if ".ffn.experts." in n]
+    fp8 = [n for n in tensors if n.endswith(".weight") and any(k in n for k in (
+        ".wq_a.", ".wq_b.", ".wkv.", ".wo_a.", ".wo_b.", ".shared_experts.")) and ".compressor." not in n]
+    config = json.loads((FIXTURES / CASES[0] / "config.json").read_text())
+    quant.save_quantized_checkpoint(tensors, tmp_path / "release", fp8_names=fp8, fp4_names=fp4,
+                                    config=config)
+    loaded = build_model(model.arch, init=False)
+    load_hf_weights(loaded, tmp_path / "release")
+    written = load_file(tmp_path / "release" / "model.safetensors")
+    back = dict(iter_hf_weights(loaded))
+    for name in fp8 + fp4:  # exactly the dequantisation of what was written
+        scale = written[name.removesuffix(".weight") + ".scale"]
+        torch.testing.assert_close(back[name], quant.dequantize(written[name], scale), atol=0, rtol=0)
+    assert any(written[n].dtype == torch.float8_e4m3fn for n in fp8)
+    original = dict(iter_hf_weights(model))
+    for name, tensor in back.items():
+        if name in fp8 or name in fp4:  # within the formats' rounding of the block's scale
+            bound = 0.5 if name in fp4 else 2**-3
+            assert (tensor - original[name]).abs().max() <= bound * original[name].abs().max(), name
+        else:  # everything else is stored as it is
+            assert torch.equal(tensor, original[name]), name
+
+
+def test_decode_equals_the_forward_logits():
+    arch = preset_arch("tiny-deepseek-v4")
+    torch.manual_seed(1)
+    model = build_model(arch)
+    seqs = [torch.randint(0, arch.vocab, (n,)) for n in (30, 19)]
+    full = model.compute_logits(model(packed(seqs)).hidden)
+    cache = model.new_kv_cache(2, 40)
+    ids = torch.zeros(2, 30, dtype=torch.long)
+    pos = torch.full((2, 30), -1)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], pos[i, : len(s)] = s, torch.arange(len(s))
+    step = model.decode(ids, pos, cache)
+    torch.testing.assert_close(step[0], full[:30], atol=1e-5, rtol=0)
+    torch.testing.assert_close(step[1, :19], full[30:], atol=1e-5, rtol=0)
+
+
+def test_balanced_hash_table_for_a_run_from_scratch():
+    table = balanced_hash_table(vocab=256, experts=8, top_k=2, seed=3)
+    assert table.shape == (256, 2) and bool((table[:, 0] != table[:, 1]).all())
+    assert torch.bincount(table.flatten(), minlength=8).tolist() == [64] * 8
+
+
+def test_bad_v4_configs_are_refused_in_one_line():
+    cfg = json.loads((FIXTURES / CASES[0] / "config.json").read_text())
+    with pytest.raises(MliteError, match="scoring_func 'softmax'"):
+        arch_from_hf_config({**cfg, "scoring_func": "softmax"})
+    with pytest.raises(MliteError, match="is missing from"):
+        model = build_model(arch_from_hf_config(cfg), init=False, mtp_weight=1.0)
+        load_hf_weights(model, FIXTURES / CASES[0])  # transformers' checkpoints carry no MTP block
