@@ -123,9 +123,13 @@ BAD_JOBS = [
      "tied embeddings (tie_word_embeddings) with tp=2, pp=1", None),
     ("tied-pp", "demo_sft", ["cluster.gpus_per_node=2", "parallel.pp=2"],
      "tied embeddings (tie_word_embeddings) with tp=1, pp=2", None),
-    ("no-native-model", "deepseek_v4_flash_sft", ["parallel.pp=1", "parallel.pp_first_stage_layers=null",
+    ("v4-layout-not-wired", "deepseek_v4_flash_sft", ["parallel.pp=1", "parallel.pp_first_stage_layers=null",
+                                                      "parallel.pp_last_stage_layers=null"],
+     "deepseek-v4-flash: DeepSeek-V4 under cp=4, ep=8 is not wired into the runtime yet", None),
+    ("no-native-model", "deepseek_v4_flash_sft", ["model.name=deepseek-v3", "parallel.pp=1",
+                                                  "parallel.pp_first_stage_layers=null",
                                                   "parallel.pp_last_stage_layers=null"],
-     "deepseek-v4-flash (model_type 'deepseek_v4') has no native model yet", None),
+     "deepseek-v3 (model_type 'deepseek_v3') has no native model yet", None),
 ]
 
 
