@@ -24,6 +24,7 @@ from mlite.runtime.models.deepseek_v4 import (
     DeepseekV4,
     balanced_hash_table,
     batch_geometry,
+    key_set_attention,
     shift_in_sequence,
 )
 
@@ -275,3 +276,59 @@ def test_bad_v4_configs_are_refused_in_one_line():
     with pytest.raises(MliteError, match="is missing from"):
         model = build_model(arch_from_hf_config(cfg), init=False, mtp_weight=1.0)
         load_hf_weights(model, FIXTURES / CASES[0])  # transformers' checkpoints carry no MTP block
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_fp32_and_bf16_match_the_reference(case):
+    """On a GPU: fp32 equals transformers' reference as on CPU (1e-4: other kernels); bf16 weights and
+    activations (the fp32 islands: norms, mHC, router, sinks, compressor gates) stay within bf16 tolerance."""
+    model, ref, seqs = reference_model(case)
+    batch = packed(seqs).to("cuda")
+    expected = torch.cat([ref[f"logits.{i}"] for i in range(len(seqs))]).cuda()
+    fp32 = model.cuda()
+    with torch.no_grad():
+        torch.testing.assert_close(fp32.compute_logits(fp32(batch).hidden), expected, atol=1e-4, rtol=0)
+    bf16 = model.to(torch.bfloat16)
+    logits = bf16.compute_logits(bf16(batch).hidden).float()
+    error = (logits - expected).abs()
+    assert error.mean() < 0.03 * expected.abs().mean() and error.max() < 0.25 * expected.abs().max()
+    logits.logsumexp(-1).mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in bf16.parameters() if p.grad is not None)
+
+
+def test_key_set_attention_layouts_agree_with_dense_attention():
+    """The three ways the core lays out a query's key set (all entries masked, per-query gathered entries,
+    chunks of blocks recomputed in backward) equal plain masked softmax attention with a sink column."""
+    torch.manual_seed(0)
+    t, h, d, w, c = 37, 3, 8, 4, 9
+    q, kv, entries = torch.randn(t, h, d), torch.randn(t, d), torch.randn(c, d)
+    sinks = torch.randn(h)
+    lens = [20, 17]
+    batch = PackedBatch.from_sequences([list(range(n)) for n in lens])
+    geo = batch_geometry(batch, w, [])
+    picked = torch.stack([torch.randperm(c)[:5] for _ in range(t)])  # distinct, as top-k picks are
+    picked_mask = torch.rand(t, 5) > 0.3
+    dense_mask = torch.zeros(t, c + 1, dtype=torch.bool).scatter_(
+        1, torch.where(picked_mask, picked, c), True)[:, :-1]
+    # reference: a dense [T, T + C] key matrix
+    pos, seq = batch.position_ids, torch.repeat_interleave(torch.arange(2), torch.tensor(lens))
+    window = (seq[:, None] == seq[None]) & (pos[:, None] - pos[None] >= 0) & (pos[:, None] - pos[None] < w)
+    keys = torch.cat([kv, entries])
+    mask = torch.cat([window, dense_mask], dim=1)
+    logits = torch.einsum("thd,kd->thk", q, keys) * 0.5
+    sink_column = sinks.view(1, h, 1).expand(t, h, 1)
+    logits = torch.cat([logits.masked_fill(~mask[:, None], float("-inf")), sink_column], -1)
+    expected = torch.einsum("thk,kd->thd", logits.softmax(-1)[..., :-1], keys)
+
+    for entry_keys, entry_mask, budget in ((None, dense_mask, 1 << 28), (picked, picked_mask, 1 << 28),
+                                           (picked, picked_mask, 2 * w * h * 13), (None, dense_mask, 1)):
+        qg = q.clone().requires_grad_()
+        out = key_set_attention(qg, kv, geo.window_mask, entries, entry_keys, entry_mask, sinks, 0.5, budget)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        out.sum().backward()
+        qr = q.clone().requires_grad_()
+        scores = (torch.einsum("thd,kd->thk", qr, keys) * 0.5).masked_fill(~mask[:, None], float("-inf"))
+        ref = torch.cat([scores, sink_column], -1)
+        torch.einsum("thk,kd->thd", ref.softmax(-1)[..., :-1], keys).sum().backward()
+        torch.testing.assert_close(qg.grad, qr.grad, atol=1e-5, rtol=1e-5)

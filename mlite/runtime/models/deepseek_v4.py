@@ -6,9 +6,9 @@ a fixture it wrote), with every sequence of a packed batch computed as if it ran
 Reads top to bottom: rotary embeddings, the packed-batch geometry every layer shares, the attention core,
 compressors and the indexer, attention, mHC, MoE, block, MTP, model, HF names.
 
-Attention is memory-linear: each query gathers the keys it may see (its sliding window, plus the compressed
-entries visible to it: all of them for HCA, the indexer's top-k for CSA) and attends over that set, so no
-T x T score matrix exists: O(T x (window + top-k)) memory, chunked over queries.
+Attention is memory-linear: each query attends over the keys it may see (its sliding window, by blocks
+that share their keys, plus the compressed entries visible to it: all of them for HCA, the indexer's top-k
+for CSA), so no T x T score matrix exists: O(T x (window + top-k)) memory, chunked over query blocks.
 
 Parallel seams as in qwen3.py (the model imports no parallel code): `Block.set_runner` (recompute), the MoE
 block's `set_parallel` and `Experts.set_local_view` (expert parallel).
@@ -115,23 +115,27 @@ class Windows:
 
 @dataclass
 class Geometry:
-    """What every layer needs to know about a packed batch, computed once per forward."""
+    """What every layer needs to know about a packed batch, computed once per forward.
 
-    window: torch.Tensor  # [T, W] token index of each query's sliding-window keys
-    window_mask: torch.Tensor  # [T, W] bool: key in the same sequence (and not before its start)
+    The sliding window is laid out by blocks of `window` tokens: a query in block b may see the keys of
+    blocks b-1 and b (2 x window of them), those of its own window marked in `window_mask`. So every query
+    of a block shares one key block, and attention is one batched matmul per block, without gathers."""
+
+    window: int
+    window_mask: torch.Tensor  # [T, 2 x window] bool: key j = (t // window - 1) * window + j is in t's window
     positions: torch.Tensor  # [T]
     compressed: dict[int, Windows]
 
 
 def batch_geometry(batch: PackedBatch, sliding_window: int, ratios: Iterable[int]) -> Geometry:
     device = batch.input_ids.device
-    t = batch.input_ids.shape[0]
+    t, w = batch.input_ids.shape[0], sliding_window
     lens = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long().to(device)
     starts = batch.cu_seqlens[:-1].long().to(device)
     seq_of = torch.repeat_interleave(torch.arange(lens.numel(), device=device), lens, output_size=t)
-    token = torch.arange(t, device=device)
-    window = token[:, None] - (sliding_window - 1) + torch.arange(sliding_window, device=device)
-    window_mask = window >= starts[seq_of][:, None]
+    token = torch.arange(t, device=device)[:, None]
+    key = (token // w - 1) * w + torch.arange(2 * w, device=device)  # [T, 2w] token index of each key
+    window_mask = (key <= token) & (key > token - w) & (key >= starts[seq_of][:, None])
     longest = batch.max_seqlen or int(lens.max())
     compressed = {}
     for ratio in set(ratios):
@@ -149,37 +153,64 @@ def batch_geometry(batch: PackedBatch, sliding_window: int, ratios: Iterable[int
         visible_mask = slots < ((batch.position_ids + 1) // ratio)[:, None]
         compressed[ratio] = Windows(ratio, rows, index_in_seq > 0, index_in_seq * ratio,
                                     visible.clamp(max=max(total - 1, 0)), visible_mask)
-    return Geometry(window.clamp(min=0), window_mask, batch.position_ids, compressed)
+    return Geometry(w, window_mask, batch.position_ids, compressed)
 
 
 # ------------------------------------------------------------------------------------ attention core
-def gathered_attention(q, bank, keys, mask, sinks, scale: float, chunk: int = 0) -> torch.Tensor:
-    """Attention of each query over its own key set.
+def key_set_attention(q, kv, window_mask, entries, entry_keys, entry_mask, sinks, scale: float,
+                      budget: int = 1 << 28) -> torch.Tensor:
+    """Attention of each query over its key set: its sliding window of raw keys, plus compressed entries.
 
-    q [T, H, D]; bank [N, D] (one shared K=V head); keys [T, K] rows of the bank each query sees, mask
-    [T, K] which of them count; sinks [H]: a learned logit per head in the softmax denominator only.
-    Returns [T, H, D]. Chunked over queries (recomputed in backward) to bound the gathered memory."""
-    def core(q, keys, mask):
-        kv = bank[keys]  # [t, K, D]
-        scores = torch.einsum("thd,tkd->thk", q, kv) * scale
-        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
-        logits = torch.cat([scores, sinks.view(1, -1, 1).expand(q.shape[0], -1, 1).to(scores.dtype)], -1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = logits.softmax(dim=-1)[..., :-1]
-        return torch.einsum("thk,tkd->thd", probs.to(kv.dtype), kv)
+    q [T, H, D]; kv [T, D] (one shared K=V head); window_mask [T, 2W] (see `Geometry`); entries [C, D] or
+    None; entry_keys [T, K] entries each query may see with entry_mask [T, K], or entry_keys None and
+    entry_mask [T, C] over all entries (dense, when C is small); sinks [H]: a learned logit per head in the
+    softmax denominator only. Returns [T, H, D]. Memory O(T x H x (2W + K)); above `budget` logits it runs
+    in chunks of blocks, recomputed in backward."""
+    t, h, d = q.shape
+    w = window_mask.shape[1] // 2
+    blocks = -(-t // w)
+    pad = blocks * w - t
 
-    t = q.shape[0]
-    chunk = chunk or max(1, (1 << 26) // max(1, keys.shape[1] * (bank.shape[1] + q.shape[1])))
-    if chunk >= t:
-        return core(q, keys, mask)
+    def rows(x: torch.Tensor, fill=0) -> torch.Tensor:  # pad the token dim to whole blocks
+        return F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad), value=fill) if pad else x
+
+    q, window_mask = rows(q), rows(window_mask, False)
+    kv_blocks = F.pad(kv, (0, 0, w, pad)).view(blocks + 1, w, d)  # an empty block before the first
+    dense = entries is not None and entry_keys is None
+    if entries is not None:
+        entry_mask = rows(entry_mask, False)
+        entry_keys = None if dense else rows(entry_keys)
+
+    def part(q, kv_blocks, window_mask, entry_keys, entry_mask):
+        n = q.shape[0] // w
+        keys = torch.cat([kv_blocks[:-1], kv_blocks[1:]], dim=1)  # [n, 2w, D]: blocks b-1 and b
+        scores = torch.bmm(q.reshape(n, w * h, d), keys.transpose(1, 2)).view(n * w, h, 2 * w)
+        logits = [(scores.float() * scale).masked_fill(~window_mask[:, None, :], float("-inf"))]
+        if entries is not None:
+            picked = entries if dense else entries[entry_keys]  # [C, D] or [t, K, D]
+            scores = torch.einsum("thd,cd->thc" if dense else "thd,tkd->thk", q, picked)
+            logits.append((scores.float() * scale).masked_fill(~entry_mask[:, None, :], float("-inf")))
+        logits.append(sinks.float().view(1, h, 1).expand(n * w, h, 1))
+        logits = torch.cat(logits, dim=-1)
+        probs = (logits - logits.max(dim=-1, keepdim=True).values).softmax(dim=-1).to(q.dtype)
+        out = torch.bmm(probs[..., : 2 * w].reshape(n, w * h, 2 * w), keys).view(n * w, h, d)
+        if entries is not None:
+            spec = "thc,cd->thd" if dense else "thk,tkd->thd"
+            out = out + torch.einsum(spec, probs[..., 2 * w: -1], picked)
+        return out
+
+    width = 2 * w + (0 if entries is None else entry_mask.shape[1])
+    per_block = max(1, budget // (w * h * width))
+    if per_block >= blocks:
+        return part(q, kv_blocks, window_mask, entry_keys, entry_mask)[:t]
     outs = []
-    for start in range(0, t, chunk):
-        part = slice(start, start + chunk)
-        if torch.is_grad_enabled():
-            outs.append(checkpoint(core, q[part], keys[part], mask[part], use_reentrant=False))
-        else:
-            outs.append(core(q[part], keys[part], mask[part]))
-    return torch.cat(outs)
+    for b in range(0, blocks, per_block):
+        e = min(b + per_block, blocks)
+        args = (q[b * w: e * w], kv_blocks[b: e + 1], window_mask[b * w: e * w],
+                None if entry_keys is None else entry_keys[b * w: e * w],
+                None if entry_mask is None else entry_mask[b * w: e * w])
+        outs.append(checkpoint(part, *args, use_reentrant=False) if torch.is_grad_enabled() else part(*args))
+    return torch.cat(outs)[:t]
 
 
 # ------------------------------------------------------------------------ compressors and the indexer
@@ -274,11 +305,11 @@ class Attention(nn.Module):
                            if self.ratio else None)
         self.indexer = Indexer(arch) if self.ratio == CSA else None
         self.indexer_loss_weight = 0.0  # > 0 trains the indexer towards the attention's own distribution
-        self.core = gathered_attention
+        self.core = key_set_attention
 
     def set_core(self, core) -> None:
-        """The seam: `core(q, bank, keys, mask, sinks, scale)` replaces the gathered attention (recompute,
-        a fused GPU kernel)."""
+        """The seam: `core(q, kv, window_mask, entries, entry_keys, entry_mask, sinks, scale)` replaces the
+        key-set attention (recompute, a fused GPU kernel)."""
         self.core = core
 
     @property
@@ -293,39 +324,40 @@ class Attention(nn.Module):
         q = self.q_b_proj(q_residual).view(t, -1, self.head_dim)
         q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, d]: key and value at once
-        bank, keys, mask, scored = kv, geo.window, geo.window_mask, None
+        entries = picked = picked_mask = scored = None
         indexer_loss = torch.zeros((), device=x.device)
         windows = geo.compressed.get(self.ratio)
         if self.compressor is not None and windows.rows.shape[0] > 0:  # some window is complete
             entries = self.compressor(x, windows, *ropes["entries", self.ratio])
-            bank = torch.cat([kv, entries])
             if self.indexer is not None:
                 # detached, as DeepSeek-V3.2 trains it: the indexer's loss reaches the indexer only
                 picked, picked_mask, scored = self.indexer(
                     x.detach(), q_residual.detach(), windows, ropes["entries", self.ratio], (cos, sin))
             else:
                 picked, picked_mask = windows.visible, windows.visible_mask
-            keys = torch.cat([keys, picked + t], dim=1)
-            mask = torch.cat([mask, picked_mask], dim=1)
-        out = self.core(q, bank, keys, mask, self.sinks.float(), self.head_dim**-0.5)
+        entry_keys, entry_mask = picked, picked_mask
+        if entries is not None and entries.shape[0] <= 4 * picked.shape[1]:  # few entries: all, masked
+            entry_keys, entry_mask = None, torch.zeros(t, entries.shape[0] + 1, dtype=torch.bool,
+                                                       device=x.device).scatter_(
+                1, torch.where(picked_mask, picked, entries.shape[0]), True)[:, :-1]
+        scale = self.head_dim**-0.5
+        out = self.core(q, kv, geo.window_mask, entries, entry_keys, entry_mask, self.sinks, scale)
         if scored is not None and self.indexer_loss_weight > 0:
             indexer_loss = self.indexer_loss_weight * self._indexer_loss(
-                q, bank, keys, mask, picked, picked_mask, scored, t)
+                q, entries, picked, picked_mask, scored)
         out = apply_rope(out, cos, -sin)  # undo the values' rotation at the query position
         grouped = out.reshape(t, self.groups, -1)  # [T, groups, heads * d / groups]
         w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])  # [groups, o_lora_rank, in]
         low_rank = torch.einsum("tgi,goi->tgo", grouped, w).reshape(t, -1)
         return self.o_b_proj(low_rank), indexer_loss
 
-    def _indexer_loss(self, q, bank, keys, mask, picked, picked_mask, scored, t) -> torch.Tensor:
+    def _indexer_loss(self, q, entries, picked, picked_mask, scored) -> torch.Tensor:
         """KL(attention || indexer) over the picked entries, as DeepSeek-V3.2 trains its indexer: the target
         is the attention's probability mass on each picked entry, summed over heads and renormalised
         (no gradient into the attention); the indexer's distribution is its softmax over the same entries."""
         index_q, index_keys, head_weights = scored
         with torch.no_grad():
-            k = keys.shape[1] - picked.shape[1]
-            kv = bank[keys[:, k:]]
-            scores = torch.einsum("thd,tkd->thk", q, kv) * self.head_dim**-0.5
+            scores = torch.einsum("thd,tkd->thk", q, entries[picked]) * self.head_dim**-0.5
             probs = scores.masked_fill(~picked_mask[:, None, :], float("-inf")).float().softmax(-1)
             target = probs.nan_to_num(0.0).sum(1)
             target = target / target.sum(-1, keepdim=True).clamp(min=1e-20)
