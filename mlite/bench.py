@@ -159,7 +159,10 @@ class BenchCase:
     accum: int = 1  # micro-batches per optimizer step (gradient accumulation), on both sides
     baseline: bool = True  # also run HF transformers
     note: str = ""
+    config: dict = field(default_factory=dict)  # HF config keys set over the preset's (after num_layers)
 
+
+_DSV4_4L = {"compress_ratios": [0, 4, 128, 4], "num_hash_layers": 1, "n_routed_experts": 32}
 
 CASES: dict[str, BenchCase] = {
     c.name: c
@@ -180,12 +183,26 @@ CASES: dict[str, BenchCase] = {
         BenchCase("moe-30b-a3b-8l-4k-ep4", "qwen3-30b-a3b", 4096, num_layers=8, gpus=4, dp=4, ep=4,
                   baseline=False),
         BenchCase("dense-1.7b-16k-cp4", "qwen3-1.7b", 16384, gpus=4, cp=4, baseline=False),
+        # DeepSeek-V4-Flash widths on one GPU: 4 layers (sliding, CSA, HCA, CSA; the first hash-routed),
+        # 32 routed experts top-6 + 1 shared; the layers of ../shared/REFERENCE.md section 4's HF anchor
+        BenchCase("dsv4-flash-4l-4k", "deepseek-v4-flash", 4096, num_layers=4, config=_DSV4_4L),
+        BenchCase("dsv4-flash-4l-2k", "deepseek-v4-flash", 2048, num_layers=4, config=_DSV4_4L),
         # the CPU suite's cases: exercise every code path in seconds (the multi-rank ones on gloo)
         BenchCase("tiny-cpu", "tiny-qwen3-moe", 128, packing="mixed"),
         BenchCase("tiny-cpu-dp2", "tiny-qwen3", 128, packing="mixed", gpus=2, dp=2, baseline=False),
         BenchCase("tiny-cpu-ep2", "tiny-qwen3-moe", 128, packing="mixed", gpus=2, dp=2, ep=2, baseline=False),
+        # the DeepSeek-V4 cases' code path (sliding, CSA, HCA ratio 16, CSA; first layer hash-routed)
+        BenchCase("tiny-dsv4", "tiny-deepseek-v4", 128, packing="mixed"),
     ]
 }
+
+# What the HF side is compared with where this transformers cannot build the model (measured for this
+# project, ../shared/REFERENCE.md section 4): model_type -> the reference figures.
+HF_ANCHORS = {
+    "deepseek_v4": "transformers 5.23 on one H100: 7,790 tokens/s, 8.5% MFU, 68.2 GB at 4096; "
+                   "8,945 tokens/s, 9.7% at 2048",
+}
+HF_CLASSES = {"deepseek_v4": "DeepseekV4ForCausalLM"}  # model types that not every transformers has
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -237,6 +254,7 @@ class BenchResult:
     estimate_gb: float | None = None
     device: str = ""
     extra: dict = field(default_factory=dict)
+    skipped: str = ""  # why this side did not run (then no figure is measured), and what to compare with
 
 
 def detect_gpu(device: str) -> tuple[str, float]:
@@ -284,13 +302,20 @@ def render_table(results: list[BenchResult]):
     table = Table(title="mlite bench (median step after warm-up)")
     for col in ("case", "side", "tokens/s", "MFU", "step ms", "peak GB", "plan GB", "plan err", "scaling"):
         table.add_column(col, justify="right" if col not in ("case", "side") else "left")
+    notes = []
     for r in results:
+        if r.skipped:
+            table.add_row(r.case, r.side, "skipped", "", "", "", "", "", "")
+            notes.append(f"{r.case} {r.side}: {r.skipped}")
+            continue
         err = "" if not r.estimate_gb or not r.peak_gb else f"{(r.estimate_gb - r.peak_gb) / r.peak_gb:+.0%}"
         table.add_row(
             r.case, r.side, f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}", f"{r.step_ms:.1f}", f"{r.peak_gb:.1f}",
             "" if r.estimate_gb is None else f"{r.estimate_gb:.1f}", err,
             f"{r.extra['scaling']:.0%}" if "scaling" in r.extra else "",
         )
+    if notes:
+        table.caption = "\n".join(notes)
     return table
 
 
@@ -304,6 +329,7 @@ def case_hf_config(case: BenchCase) -> dict:
     config = dict(PRESETS[case.model])
     if case.num_layers:
         config["num_hidden_layers"] = case.num_layers
+    config.update(case.config)
     if case.gpus > 1:
         config["tie_word_embeddings"] = False
     return config
@@ -405,9 +431,30 @@ def runtime_step_fn(case: BenchCase, sequences: list[list[int]], device: str, on
     return step, rt, last
 
 
+def _transformers_has(name: str) -> bool:
+    import transformers
+
+    return hasattr(transformers, name)
+
+
+def hf_skip_reason(arch: ModelArch) -> str:
+    """Why the HF side cannot run for `arch` with the installed transformers ('' when it can), with the
+    measured reference to compare the mlite side with instead."""
+    cls = HF_CLASSES.get(arch.model_type)
+    if cls is None or _transformers_has(cls):
+        return ""
+    import transformers
+
+    return (f"transformers {transformers.__version__} has no {arch.model_type}; "
+            f"anchor: {HF_ANCHORS[arch.model_type]}")
+
+
 def hf_step_fn(arch: ModelArch, sequences: list[list[int]], device: str, accum: int = 1):
     """The baseline: transformers' own model, SDPA attention, a right-padded batch (HF's usual way to train
-    on sequences of mixed lengths), loss computed by the model, fused AdamW."""
+    on sequences of mixed lengths), loss computed by the model, fused AdamW. DeepSeek-V4: eager attention
+    (the only one transformers has for it), grouped_mm experts, and a balanced random hash table on the
+    hash-routed layers (transformers initialises it to zeros: every token to expert 0), as the mlite side
+    has."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -416,8 +463,19 @@ def hf_step_fn(arch: ModelArch, sequences: list[list[int]], device: str, accum: 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     cfg = hf_config_from_arch(arch, dtype)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    kwargs = {"attn_implementation": "sdpa"}
+    if arch.v4 is not None:
+        kwargs = {"attn_implementation": "eager", "experts_implementation": "grouped_mm"}
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    if arch.v4 is not None:
+        from mlite.runtime.models.deepseek_v4 import balanced_hash_table
+
+        table = balanced_hash_table(arch.vocab, arch.moe.num_experts, arch.moe.top_k)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(getattr(module, "tid2eid", None), torch.Tensor):
+                    module.tid2eid.copy_(table)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.startswith("cuda"))
     longest = max(len(s) for s in sequences)
@@ -491,6 +549,11 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
     results = []
     for side in sides:
         if side == "hf" and not case.baseline:
+            continue
+        if side == "hf" and (reason := hf_skip_reason(arch)):
+            results.append(BenchResult(case=case.name, side=side, tokens_per_step=tokens, step_ms=0.0,
+                                       tokens_per_s=0.0, flops_per_token=fpt, mfu=0.0, peak_gb=0.0,
+                                       device=device, skipped=reason))
             continue
         if side == "mlite":
             m = measure(lambda: runtime_step_fn(case, sequences, device), device, steps, warmup)
@@ -608,6 +671,7 @@ __all__ = [
     "case_job",
     "effective_seq_len",
     "flops_per_token",
+    "hf_skip_reason",
     "matmul_params_per_token",
     "mfu",
     "mixed_lengths",
@@ -616,5 +680,7 @@ __all__ = [
     "run_parallel_cases",
     "runtime_step_fn",
     "time_steps",
+    "v4_flops_per_token",
+    "v4_matmul_params_per_token",
     "write_results",
 ]

@@ -140,3 +140,131 @@ def test_multi_rank_case_without_torchrun_says_how_to_launch_it():
                           text=True)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
     assert "torchrun --nproc-per-node 4 -m mlite bench dense-1.7b-4k-dp4" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------- DeepSeek-V4
+def test_v4_flops_at_flash_widths_match_the_reference_and_the_planners_active_count():
+    """../shared/REFERENCE.md: forward FLOPs per token at V4-Flash widths, one 16k sequence, about 29.5
+    GFLOP; the matmul weights counted are the planner's active parameters less the input embedding and
+    the parameters that multiply no activation (norms, sinks, biases, mHC bases and scales)."""
+    from mlite.bench import v4_flops_per_token, v4_matmul_params_per_token
+    from mlite.config.catalog import count_params
+
+    arch = preset_arch("deepseek-v4-flash")
+    forward = v4_flops_per_token(arch, [16384])
+    assert forward == pytest.approx(29.5e9, rel=0.05)
+    assert flops_per_token(arch, [16384]) == 3 * forward
+    matmul = v4_matmul_params_per_token(arch)
+    planner = count_params(arch).active - arch.vocab * arch.hidden  # the input embedding is a lookup
+    assert 0 < planner - matmul < 1e-3 * planner
+
+
+def test_v4_mfu_reproduces_the_reference_anchor():
+    # ../shared/REFERENCE.md section 4: transformers 5.23 on one H100, the dsv4-flash-4l cases' shapes
+    from mlite.bench import CASES, case_arch
+
+    for name, tokens_per_s, expected in (("dsv4-flash-4l-4k", 7_790, 0.085),
+                                         ("dsv4-flash-4l-2k", 8_945, 0.097)):
+        case = CASES[name]
+        arch = case_arch(case)
+        v4, moe = arch.v4, arch.moe
+        assert (arch.num_layers, v4.compress_ratios, v4.num_hash_layers) == (4, (0, 4, 128, 4), 1)
+        assert (moe.num_experts, moe.top_k, moe.shared_experts, arch.vocab) == (32, 6, 1, 129280)
+        assert (arch.hidden, arch.num_heads, arch.head_dim, v4.index_topk, v4.sliding_window) == (
+            4096, 64, 512, 512, 128)
+        assert mfu(arch, [case.seq_len], tokens_per_s, peak_tflops=989) == pytest.approx(expected, abs=0.001)
+
+
+def test_v4_flops_count_the_models_own_matmuls_and_key_sets():
+    """By the built model: its matmul weights (top-k of the routed experts), and the keys each query
+    sees from the model's own packed-batch geometry (sliding window, plus the HCA entries visible to
+    it, plus min(top_k, visible) CSA entries)."""
+    from torch import nn
+
+    from mlite.bench import v4_flops_per_token, v4_matmul_params_per_token
+    from mlite.runtime.data.packed import PackedBatch
+    from mlite.runtime.models import build_model
+    from mlite.runtime.models.deepseek_v4 import HyperConnection, HyperHead, batch_geometry
+    from mlite.runtime.models.moe import Experts
+
+    arch = preset_arch("tiny-deepseek-v4")  # window 16, ratios 0/4/16/4, index top-4
+    v4, moe = arch.v4, arch.moe
+    model = build_model(arch)
+    matmul = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            matmul += module.weight.numel()
+        elif isinstance(module, (HyperConnection, HyperHead)):
+            matmul += module.fn.numel()
+        elif isinstance(module, Experts):
+            matmul += (module.gate_up.numel() + module.down.numel()) * moe.top_k // moe.num_experts
+    assert v4_matmul_params_per_token(arch) == matmul
+
+    lens = [40, 24, 3]
+    geo = batch_geometry(PackedBatch.from_sequences([[1] * n for n in lens]), v4.sliding_window,
+                         {r for r in v4.compress_ratios if r})
+    keys = 0
+    for ratio in v4.compress_ratios:
+        seen = geo.window_mask.sum(1)
+        if ratio:
+            visible = geo.compressed[ratio].visible_mask.sum(1)
+            seen = seen + (visible.clamp(max=v4.index_topk) if ratio == 4 else visible)
+        keys += int(seen.sum())
+    csa_entries = int(geo.compressed[4].visible_mask.sum()) * v4.compress_ratios.count(4)
+    by_hand = 2 * matmul + (4 * arch.num_heads * arch.head_dim * keys
+                            + 2 * v4.index_n_heads * v4.index_head_dim * csa_entries) / sum(lens)
+    assert v4_flops_per_token(arch, lens) == pytest.approx(by_hand, rel=1e-12)
+    assert v4_flops_per_token(arch, lens) < v4_flops_per_token(arch, [sum(lens)])  # no key across sequences
+
+
+def test_tiny_dsv4_case_runs_the_runtime_and_notes_a_missing_hf_model(monkeypatch, tmp_path):
+    """The dsv4 cases' code path on the tiny preset; where transformers has no DeepSeek-V4 the HF side is
+    a row marked skipped, with the measured anchor to compare with."""
+    import json
+    import math
+
+    import mlite.bench as bench
+
+    monkeypatch.setattr(bench, "_transformers_has", lambda name: False)
+    case = bench.CASES["tiny-dsv4"]
+    results = bench.run_case(case, "cpu", steps=2, warmup=1, peak_tflops=0.5)
+    assert [r.side for r in results] == ["mlite", "hf"]
+    mlite_side, hf = results
+    arch = bench.case_arch(case)
+    seq_lens = mlite_side.extra["seq_lens"]
+    assert sum(seq_lens) == mlite_side.tokens_per_step == 128 and len(seq_lens) > 1
+    assert mlite_side.tokens_per_s > 0 and not mlite_side.skipped
+    assert mlite_side.flops_per_token == pytest.approx(3 * bench.v4_flops_per_token(arch, seq_lens))
+    assert mlite_side.mfu == pytest.approx(mlite_side.flops_per_token * mlite_side.tokens_per_s / 0.5e12)
+    assert mlite_side.mfu > 0
+    assert abs(mlite_side.extra["loss"] - math.log(arch.vocab)) < 0.5
+    import transformers
+
+    assert hf.skipped.startswith(f"transformers {transformers.__version__} has no deepseek_v4; anchor: ")
+    assert "7,790 tokens/s, 8.5% MFU, 68.2 GB at 4096; 8,945 tokens/s, 9.7% at 2048" in hf.skipped
+    assert hf.tokens_per_s == hf.mfu == 0 and hf.flops_per_token == mlite_side.flops_per_token
+    table = bench.render_table(results)
+    assert table.row_count == 2 and "has no deepseek_v4" in str(table.caption)
+    bench.write_results(results, tmp_path / "r.json", {"device": "cpu"})
+    rows = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert rows[1]["skipped"] == hf.skipped and rows[0]["skipped"] == ""
+
+
+@pytest.mark.skipif(not __import__("mlite.bench").bench._transformers_has("DeepseekV4ForCausalLM"),
+                    reason="this transformers has no DeepSeek-V4")
+def test_tiny_dsv4_hf_side_runs_where_transformers_has_deepseek_v4():
+    """Eager attention, grouped_mm experts, and a balanced hash table (transformers' init routes every
+    token of a hash layer to expert 0)."""
+    from mlite.bench import CASES, case_arch, case_seq_lens, hf_skip_reason, hf_step_fn, random_sequences
+
+    case = CASES["tiny-dsv4"]
+    arch = case_arch(case)
+    assert hf_skip_reason(arch) == ""
+    step, (model, _), _ = hf_step_fn(arch, random_sequences(case_seq_lens(case), arch.vocab, seed=0), "cpu")
+    assert model.config._attn_implementation == "eager"
+    assert model.config._experts_implementation == "grouped_mm"
+    tables = [b for n, b in model.named_buffers() if n.endswith("tid2eid")]
+    assert len(tables) == arch.v4.num_hash_layers
+    counts = tables[0].flatten().bincount(minlength=arch.moe.num_experts)
+    assert int(counts.max() - counts.min()) <= 1
+    step()
