@@ -1,6 +1,6 @@
 """Time one DeepSeek-V4 training step on a GPU at V4-Flash widths (4 layers: sliding, CSA, HCA, CSA; 32
 experts top-6) and print where the time goes (torch.profiler, top CUDA ops). Usage:
-python scripts/dsv4_probe.py [seq_len] [--profile]"""
+python scripts/dsv4_probe.py [seq_len] [--profile] [--recompute] [--compile]"""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ def main() -> None:
     arch = arch_from_hf_config(cfg, name="dsv4-flash-4l")
     torch.manual_seed(0)
     model = build_model(arch, dtype=torch.bfloat16, device="cuda")
+    if "--recompute" in sys.argv or "--compile" in sys.argv:
+        from mlite.runtime.parallel.parallelize import apply_recompute
+
+        full = "--recompute" in sys.argv
+        apply_recompute(model, "full" if full else "none", "uniform" if full else None, 1,
+                        compile_blocks="--compile" in sys.argv)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(0, arch.vocab, (seq,)).tolist()
     batch = PackedBatch.from_sequences([ids]).to("cuda")

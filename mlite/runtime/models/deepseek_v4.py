@@ -261,6 +261,7 @@ class Indexer(nn.Module):
         dots = torch.einsum("thd,tvd->thv", q.float(), keys.float()).relu() * self.dim**-0.5
         return (dots * (head_weights.float() * self.heads**-0.5).unsqueeze(-1)).sum(dim=1)
 
+    @torch.compiler.disable  # top-k over data-dependent candidate sets, chunked: eager (model.compile)
     def forward(self, x, q_residual, windows: Windows, entry_rope, query_rope):
         """-> (picked [T, k] entry indices, picked_mask [T, k], query/key tensors for the indexer loss)."""
         keys = self.compressor(x, windows, *entry_rope)  # [C, dim]
