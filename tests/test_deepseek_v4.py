@@ -5,6 +5,7 @@ quantised format."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -293,25 +294,25 @@ def test_cuda_fp32_matches_the_reference(case):
 @pytest.mark.gpu
 def test_cuda_bf16_stays_within_bf16_tolerance_of_fp32():
     """bf16 weights and activations on the GPU (fp32 islands: norms, mHC, router, sinks, compressor gates,
-    softmax) against the fp32 CPU run of the same model: logits and gradients within bf16 tolerance."""
+    softmax) against the fp32 CPU run of the same model: logits and the whole gradient within bf16
+    tolerance. The indexer sees every entry here: its top-k picks of near-tied random-init scores flip
+    under bf16 rounding (a different key set, not an error), so the tolerance is set on the arithmetic."""
     arch = preset_arch("tiny-deepseek-v4")
+    arch = dataclasses.replace(arch, v4=dataclasses.replace(arch.v4, index_topk=1024))
     torch.manual_seed(0)
     model = build_model(arch)
     seqs = [torch.randint(0, arch.vocab, (n,)) for n in (300, 130, 61)]
     expected = model.compute_logits(model(packed(seqs)).hidden)
     expected.logsumexp(-1).mean().backward()
-    want = {n: p.grad for n, p in model.named_parameters()}
+    want = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     fast = build_model(arch, device="cuda", dtype=torch.bfloat16)
     fast.load_state_dict(model.state_dict())
     logits = fast.compute_logits(fast(packed(seqs).to("cuda")).hidden).float()
     error = (logits.cpu() - expected.detach()).norm() / expected.norm()
-    assert error < 0.02, f"relative logits error {error:.4f}"
+    assert error < 0.03, f"relative logits error {error:.4f}"  # 0.011-0.013 on the CPU in bf16
     logits.logsumexp(-1).mean().backward()
-    for name, param in fast.named_parameters():
-        if want[name] is None or want[name].norm() == 0:
-            continue
-        rel = (param.grad.float().cpu() - want[name]).norm() / want[name].norm()
-        assert rel < 0.1, f"{name}: relative gradient error {rel:.3f}"
+    got = torch.cat([p.grad.float().flatten().cpu() for p in fast.parameters() if p.grad is not None])
+    assert (got - want).norm() / want.norm() < 0.03  # 0.009 on the CPU in bf16
 
 
 def test_key_set_attention_layouts_agree_with_dense_attention():
