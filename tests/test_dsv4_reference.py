@@ -3,7 +3,9 @@
 The script needs transformers' own `models/deepseek_v4` (transformers 5.23.0), which the project's venv does
 not have, so the test builds a fresh venv in tmp_path, pip installs the pinned torch (a CPU wheel on this
 machine) and transformers, runs the script there and compares every tensor and config with the committed
-files. It talks to the package index and takes minutes, so it is marked `network` and `slow`.
+files; then it exports each case from mlite and loads the export in transformers there
+(scripts/dsv4_load_check.py: the same logits). It talks to the package index and takes minutes, so it is
+marked `network` and `slow`.
 """
 
 from __future__ import annotations
@@ -79,3 +81,17 @@ def test_fixture_is_current(tmp_path):
             compare_tensors(
                 f"{case}/{filename}", load_file(str(made / filename)), load_file(str(committed / filename))
             )
+
+    # and the other way: mlite's export (DeepSeek's release names, mlite's config.json) loads in
+    # transformers 5.23 and gives the reference logits
+    from mlite.config.arch import arch_from_hf_config
+    from mlite.runtime.ckpt.hf import load_hf_weights, save_hf_checkpoint
+    from mlite.runtime.models import build_model
+
+    for case in cases:
+        arch = arch_from_hf_config(json.loads((FIXTURE / case / "config.json").read_text()))
+        model = build_model(arch, init=False)
+        load_hf_weights(model, FIXTURE / case)
+        export = save_hf_checkpoint(model, arch, tmp_path / "export" / case)
+        run([python, str(ROOT / "scripts" / "dsv4_load_check.py"), str(export),
+             str(FIXTURE / case / "reference.safetensors")], timeout=300)
