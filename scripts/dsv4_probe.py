@@ -58,7 +58,8 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             step()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+        averages = prof.key_averages()
+        print(averages.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
 if __name__ == "__main__":

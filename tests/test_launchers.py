@@ -173,7 +173,7 @@ def test_grpo_through_ray_is_driven_from_node_zero(tmp_path):
     env = {
         "DRY_RUN": "1",
         "CONFIG": "deepseek_v4_flash_grpo",
-        "VALIDATE": "0",  # the planner refuses V4 (no native model yet); this test is about Ray driving
+        "VALIDATE": "0",  # the planner refuses V4's PP4 x EP8 x CP4 (not wired yet); this test is about Ray
         "LAUNCHER": "ray",
         "OUTPUT_ROOT": str(tmp_path),
         "RUN_NAME": "g",
@@ -322,10 +322,8 @@ def mlite_sbatch(*args, env=None):
 
 
 # the templates whose job the trainers refuse (mlite.plan.rules): the dry run stops at the planner's line
-REFUSED_TEMPLATES = {
-    "grpo_dsv4_128gpu": "deepseek-v4-flash (model_type 'deepseek_v4') has no native model yet",
-    "sft_dsv4_128gpu": "deepseek-v4-flash (model_type 'deepseek_v4') has no native model yet",
-}
+V4_NOT_WIRED = "deepseek-v4-flash: DeepSeek-V4 under pp=4, cp=4, ep=8 is not wired into the runtime yet"
+REFUSED_TEMPLATES = {"grpo_dsv4_128gpu": V4_NOT_WIRED, "sft_dsv4_128gpu": V4_NOT_WIRED}
 # a model the trainers build on the dsv4 templates' 16 x 8 GPUs, PP4 x CP4 (qwen3-8b: dense, untied head)
 DSV4_TRAINED = {"EP": "1", "EXTRA_OVERRIDES": "model.name=qwen3-8b parallel.pp_first_stage_layers=null "
                 "parallel.pp_last_stage_layers=null"}
