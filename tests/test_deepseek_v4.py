@@ -85,12 +85,12 @@ def test_packed_logits_loss_and_gradients_equal_transformers(case):
     torch.testing.assert_close(ce, ref["ce_loss"], atol=ATOL, rtol=0)
     ce.backward()
 
-    tensors, compared = _tensors(model), 0
+    tensors, parameters, compared = _tensors(model), dict(model.named_parameters()), 0
     reference_grads = {model.canonical_hf_name(k.removeprefix("grad.")): v for k, v in ref.items()
                        if k.startswith("grad.")}
     for entry in model.hf_layout():
         tensor = tensors[entry.param]
-        if not tensor.requires_grad:  # the hash table and the correction bias are buffers
+        if entry.param not in parameters:  # the hash table and the correction bias are buffers
             continue
         grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
         for name, piece in zip(entry.hf_names, entry.split(grad)):
@@ -114,8 +114,8 @@ def test_indexer_is_frozen_by_default_like_the_reference():
     model, _, seqs = reference_model(CASES[0])
     logits = model.compute_logits(model(packed(seqs)).hidden)
     logits.logsumexp(-1).sum().backward()
-    indexer = [n for n, p in model.named_parameters() if ".indexer." in n]
-    assert indexer and all(dict(model.named_parameters())[n].grad is None for n in indexer)
+    indexer = [p for n, p in model.named_parameters() if ".indexer." in n]
+    assert indexer and all(p.grad is None and not p.requires_grad for p in indexer)
 
 
 def test_indexer_kl_loss_trains_it_towards_the_attention():

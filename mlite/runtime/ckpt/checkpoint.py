@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mlite.errors import MliteError
 
@@ -162,8 +163,14 @@ def load_checkpoint(path: str | Path,
     Returns (meta, this rank's state), the latter None when the checkpoint was written by fewer ranks."""
     path = Path(path)
     verify_checkpoint(path)
-    with _dcp_quiet():
-        dcp.load(tensors, checkpoint_id=str(path / TENSORS), no_dist=not dist.is_initialized())
+    try:
+        with _dcp_quiet():
+            dcp.load(tensors, checkpoint_id=str(path / TENSORS), no_dist=not dist.is_initialized())
+    except (RuntimeError, ValueError, CheckpointException) as err:  # DCP names the first tensor it misses
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise MliteError(f"checkpoint {path} does not match this job's model and optimizer ({first}); "
+                         "resume it with the model and keys it was written with, or start fresh "
+                         "(trainer.resume: never)") from None
     rank_file = path / f"rank_{_rank():05d}.pt"
     rank_state = torch.load(rank_file, weights_only=True) if rank_file.is_file() else None
     return read_meta(path), rank_state

@@ -563,9 +563,12 @@ class DeepseekV4(nn.Module):
         self.ratios = sorted({r for r in v4.compress_ratios if r})
 
     def set_indexer_loss_weight(self, weight: float) -> None:
-        """> 0 trains every CSA indexer with its KL loss (frozen by default, as in the RL recipes)."""
+        """> 0 trains every CSA indexer with its KL loss; 0 freezes it (requires_grad off, so it carries no
+        optimizer state), as in the RL recipes. Its top-k gives it no other gradient."""
         for layer in self.layers.values():
             layer.attn.indexer_loss_weight = weight
+            if layer.attn.indexer is not None:
+                layer.attn.indexer.requires_grad_(weight > 0)
 
     def ropes(self, geo: Geometry, dtype: torch.dtype) -> dict:
         ropes = {kind: rope_angles(geo.positions, freqs, dtype) for kind, freqs in self.freqs.items()}
