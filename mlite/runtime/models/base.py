@@ -57,16 +57,20 @@ def same_tensor(name: str, param: str) -> HFTensors:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, normalised in fp32 and scaled in the input dtype (as transformers does)."""
+    """x / rms(x) * weight, normalised in fp32 and scaled in the input dtype (as transformers does), or with
+    `fp32_weight` scaled in fp32 and cast once (DeepSeek-V4 keeps its norm weights in fp32)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, fp32_weight: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fp32_weight = fp32_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.fp32_weight:
+            return (self.weight.float() * normed).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
 

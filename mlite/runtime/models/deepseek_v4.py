@@ -28,27 +28,14 @@ from torch.utils.checkpoint import checkpoint
 
 from mlite.config.arch import ModelArch
 from mlite.runtime.data.packed import IGNORE, PackedBatch
-from mlite.runtime.models.base import HFTensors, ModelOutput, same_tensor
+from mlite.runtime.models.base import HFTensors, ModelOutput, RMSNorm, same_tensor
 from mlite.runtime.models.moe import MoE, RouterStats, load_balancing_loss, router_stats
 
 CSA, HCA = 4, 128  # the released models' compression ratios; tiny configs may use others for HCA
 
 
 # ---------------------------------------------------------------------------------------------- norms
-class RMSNorm(nn.Module):
-    """RMSNorm whose weight stays fp32 and multiplies in fp32 (V4 keeps every norm weight in fp32)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * normed).to(x.dtype)
-
-
+# V4 keeps every norm weight in fp32 and scales in fp32: RMSNorm(..., fp32_weight=True) throughout
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
@@ -228,7 +215,7 @@ class Compressor(nn.Module):
         self.kv_proj = nn.Linear(hidden, width * dim, bias=False)
         self.gate_proj = nn.Linear(hidden, width * dim, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(ratio, width * dim))
-        self.norm = RMSNorm(dim, eps)
+        self.norm = RMSNorm(dim, eps, fp32_weight=True)
 
     def forward(self, x: torch.Tensor, windows: Windows, cos, sin) -> torch.Tensor:
         """x [T, hidden] -> [C, dim] entries (C: the batch's complete windows); cos/sin at their positions."""
@@ -294,10 +281,10 @@ class Attention(nn.Module):
         self.groups = v4.o_groups
         self.ratio = v4.compress_ratios[layer] if layer < len(v4.compress_ratios) else 0
         self.q_a_proj = nn.Linear(h, v4.q_lora_rank, bias=False)
-        self.q_a_norm = RMSNorm(v4.q_lora_rank, arch.rms_norm_eps)
+        self.q_a_norm = RMSNorm(v4.q_lora_rank, arch.rms_norm_eps, fp32_weight=True)
         self.q_b_proj = nn.Linear(v4.q_lora_rank, self.heads * d, bias=False)
         self.kv_proj = nn.Linear(h, d, bias=False)
-        self.kv_norm = RMSNorm(d, arch.rms_norm_eps)
+        self.kv_norm = RMSNorm(d, arch.rms_norm_eps, fp32_weight=True)
         # per group: heads * d / groups -> o_lora_rank, stacked as one [groups * o_lora_rank, in] weight
         self.o_a_proj = nn.Linear(self.heads * d // v4.o_groups, v4.o_groups * v4.o_lora_rank, bias=False)
         self.o_b_proj = nn.Linear(v4.o_groups * v4.o_lora_rank, h, bias=False)
@@ -485,9 +472,9 @@ class Block(nn.Module):
         v4 = arch.v4
         hc = (arch.hidden, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, arch.rms_norm_eps)
         self.attn_hc, self.mlp_hc = HyperConnection(*hc), HyperConnection(*hc)
-        self.attn_norm = RMSNorm(arch.hidden, arch.rms_norm_eps)
+        self.attn_norm = RMSNorm(arch.hidden, arch.rms_norm_eps, fp32_weight=True)
         self.attn = Attention(arch, layer)
-        self.mlp_norm = RMSNorm(arch.hidden, arch.rms_norm_eps)
+        self.mlp_norm = RMSNorm(arch.hidden, arch.rms_norm_eps, fp32_weight=True)
         self.mlp = V4MoE(arch, layer)
         self.runner = None
 
@@ -517,13 +504,13 @@ class MTP(nn.Module):
     def __init__(self, arch: ModelArch):
         super().__init__()
         h, v4 = arch.hidden, arch.v4
-        self.embed_norm = RMSNorm(h, arch.rms_norm_eps)
-        self.hidden_norm = RMSNorm(h, arch.rms_norm_eps)
+        self.embed_norm = RMSNorm(h, arch.rms_norm_eps, fp32_weight=True)
+        self.hidden_norm = RMSNorm(h, arch.rms_norm_eps, fp32_weight=True)
         self.embed_proj = nn.Linear(h, h, bias=False)
         self.hidden_proj = nn.Linear(h, h, bias=False)
         self.block = Block(arch, arch.num_layers)  # past the last layer: sliding window, bias-routed
         self.head = HyperHead(h, v4.hc_mult, v4.hc_eps, arch.rms_norm_eps)
-        self.norm = RMSNorm(h, arch.rms_norm_eps)
+        self.norm = RMSNorm(h, arch.rms_norm_eps, fp32_weight=True)
 
     def forward(self, streams, next_embeds, batch, geo, ropes):
         x = self.embed_proj(self.embed_norm(next_embeds)).unsqueeze(1) + self.hidden_proj(
@@ -551,7 +538,7 @@ class DeepseekV4(nn.Module):
         self.embed = nn.Embedding(arch.vocab, arch.hidden) if first else None
         self.layers = nn.ModuleDict({str(i): Block(arch, i) for i in held})
         self.head = HyperHead(arch.hidden, v4.hc_mult, v4.hc_eps, arch.rms_norm_eps) if last else None
-        self.norm = RMSNorm(arch.hidden, arch.rms_norm_eps) if last else None
+        self.norm = RMSNorm(arch.hidden, arch.rms_norm_eps, fp32_weight=True) if last else None
         self.output = nn.Linear(arch.hidden, arch.vocab, bias=False) if last else None
         self.mtp_weight = mtp_weight
         self.mtp = MTP(arch) if mtp_weight > 0 and last else None
