@@ -137,10 +137,14 @@ LAYOUTS = [
     ("dense", []),  # fsdp2 over dp2
     ("moe", ["parallel.ep=2"]),  # experts split over 2 ranks, dense parts fsdp2 over dp2
     ("moe", ["parallel.pp=2"]),  # the balance loss pooled over both stages, each back-propagating its terms
+    # any stream length: the padding that fills the cp / sp split never reaches the router statistics
+    ("moe", ["parallel.cp=2"]),
+    ("moe", ["parallel.tp=2"]),
 ]
 
 
-@pytest.mark.parametrize("model,overrides", LAYOUTS, ids=["pp2", "cp2", "fsdp2-dp2", "ep2", "moe-pp2"])
+@pytest.mark.parametrize("model,overrides", LAYOUTS,
+                         ids=["pp2", "cp2", "fsdp2-dp2", "ep2", "moe-pp2", "moe-cp2", "moe-tp2"])
 def test_sft_cli_on_two_ranks_matches_one_process(assets, one_process, tmp_path, model, overrides):
     out = tmp_path / "run"
     done = mlite_sft(tmp_path, job_dict(assets, model, out), 2, *overrides)

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 IGNORE = -100
+# extras key: 1.0 on the tokens appended to fill a parallel split (context / sequence parallel), 0.0 on the
+# micro-batch's own; MoE routers leave them out of their balance statistics
+PADDING = "padding"
 
 
 @dataclass

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from mlite.config.arch import ModelArch
 from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.models.base import HFTensors, ModelOutput, RMSNorm, same_tensor
-from mlite.runtime.models.moe import MoE, RouterStats, load_balancing_loss, router_stats
+from mlite.runtime.models.moe import MoE, RouterStats, load_balancing_loss, real_rows, router_stats
 
 CSA, HCA = 4, 128  # the released models' compression ratios; tiny configs may use others for HCA
 
@@ -461,7 +461,7 @@ class V4MoE(MoE):
         if not self.hashed:
             probs = logits.softmax(dim=-1)
             stats = self.reduce_stats(router_stats(probs, probs.topk(self.top_k, dim=-1).indices,
-                                                   self.num_experts))
+                                                   self.num_experts, real_rows(self, x, batch)))
         return out + self.shared(x), stats
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mlite.runtime.data.packed import PADDING
 from mlite.runtime.kernels import grouped_gemm
 
 
@@ -74,6 +75,13 @@ def whole(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+def real_rows(block: MoE, x: torch.Tensor, batch) -> torch.Tensor | None:
+    """[N] bool: which of the block's input rows are the micro-batch's own tokens, None when all are
+    (padding that fills a context / sequence parallel split is marked in the batch's extras)."""
+    padding = batch.extras.get(PADDING) if batch is not None else None
+    return None if padding is None else block.token_rows(padding) == 0
+
+
 class Experts(nn.Module):
     """E SwiGLU experts: gate and up fused as [E, 2*ffn, hidden], down as [E, hidden, ffn] (nn.Linear
     layout)."""
@@ -108,15 +116,18 @@ class MoE(nn.Module):
         self.experts = Experts(num_experts, hidden, expert_ffn, act, limit)
         self.dispatch: DispatchFn = local_dispatch
         self.reduce_stats: Callable[[RouterStats], RouterStats] = local_stats
+        self.token_rows: Callable[[torch.Tensor], torch.Tensor] = whole
 
-    def set_parallel(self, dispatch: DispatchFn, reduce_stats: Callable[[RouterStats], RouterStats]) -> None:
-        """The parallel seam: how pairs reach their experts, and how router statistics are summed over the
-        ranks sharing this micro-batch (mlite.runtime.parallel.parallelize calls it once)."""
-        self.dispatch, self.reduce_stats = dispatch, reduce_stats
+    def set_parallel(self, dispatch: DispatchFn, reduce_stats: Callable[[RouterStats], RouterStats],
+                     token_rows: Callable[[torch.Tensor], torch.Tensor] = whole) -> None:
+        """The parallel seam: how pairs reach their experts, how router statistics are summed over the
+        ranks sharing this micro-batch, and which of the batch's per-token values are this block's input
+        rows (sequence parallel: this rank's shard). mlite.runtime.parallel.parallelize calls it once."""
+        self.dispatch, self.reduce_stats, self.token_rows = dispatch, reduce_stats, token_rows
 
     def forward(self, x: torch.Tensor, batch=None) -> tuple[torch.Tensor, RouterStats]:
-        """x [N, hidden] -> ([N, hidden], router statistics). `batch` is unused here; hash-routed families
-        read token ids from it."""
+        """x [N, hidden] -> ([N, hidden], router statistics). `batch` marks padding rows (left out of the
+        statistics); hash-routed families also read token ids from it."""
         # [N, E] in fp32: routing is precision-sensitive
         logits = F.linear(x.float(), self.router.weight.float())
         probs = logits.softmax(dim=-1)
@@ -124,13 +135,19 @@ class MoE(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         out = self.dispatch(x, expert_ids, weights.to(x.dtype), self.experts, self.num_experts)
-        return out, self.reduce_stats(router_stats(probs, expert_ids, self.num_experts))
+        return out, self.reduce_stats(router_stats(probs, expert_ids, self.num_experts,
+                                                   real_rows(self, x, batch)))
 
 
-def router_stats(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> RouterStats:
-    """Sums over this rank's tokens (`reduce_stats` adds the other ranks' under cp x tp)."""
+def router_stats(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
+                 real: torch.Tensor | None = None) -> RouterStats:
+    """Sums over this rank's tokens (`reduce_stats` adds the other ranks' under cp x tp); `real` [N] leaves
+    padding rows out."""
+    if real is not None:
+        probs, expert_ids = probs * real.unsqueeze(-1).to(probs.dtype), expert_ids[real]
     counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(probs.dtype)
-    rows = torch.tensor(float(probs.shape[0]), dtype=probs.dtype, device=probs.device)
+    rows = (real.sum().to(probs.dtype) if real is not None
+            else torch.tensor(float(probs.shape[0]), dtype=probs.dtype, device=probs.device))
     return RouterStats(counts, probs.sum(0), rows)
 
 

@@ -36,13 +36,18 @@ from torch.distributed.tensor.parallel import (
 )
 
 from mlite.errors import MliteError
-from mlite.runtime.models.moe import local_dispatch, local_stats
+from mlite.runtime.models.moe import local_dispatch, local_stats, whole
 from mlite.runtime.parallel.context import context_parallel_attention
 from mlite.runtime.parallel.expert import expert_parallel_dispatch, local_slice, token_group_stats
 from mlite.runtime.parallel.mesh import ParallelMesh
 
 if TYPE_CHECKING:
     from mlite.config.schema import JobConfig
+
+
+def sequence_shard(values: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This tp rank's rows of per-token values under sequence parallel (Shard(0) of the padded share)."""
+    return values.chunk(size)[rank]
 
 
 def is_moe(layer: nn.Module) -> bool:
@@ -105,6 +110,9 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
     ep, cp, tp = mesh["ep"], mesh["cp"], mesh["tp"]
     reduce_stats = token_group_stats(mesh.group("cp_tp")) if cp.size() * tp.size() > 1 else local_stats
     dispatch = expert_parallel_dispatch(ep.get_group()) if ep.size() > 1 else local_dispatch
+    # sequence parallel: the block's input is this tp rank's shard of the share's tokens
+    token_rows = (functools.partial(sequence_shard, rank=mesh.rank_in("tp"), size=tp.size())
+                  if tp.size() > 1 else whole)
     for layer in model.layers.values():
         if not is_moe(layer):
             continue
@@ -114,7 +122,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
                 experts.register_parameter(
                     name, nn.Parameter(distribute_tensor(param.detach(), ep, [Shard(0)])))
             experts.set_local_view(local_slice)
-        layer.mlp.set_parallel(dispatch, reduce_stats)
+        layer.mlp.set_parallel(dispatch, reduce_stats, token_rows)
 
 
 def apply_fsdp(

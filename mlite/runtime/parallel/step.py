@@ -3,8 +3,8 @@
 - `local_share(batch, mesh)`: what this rank computes of a micro-batch. Context parallel needs the stream in
   2 x cp equal chunks and sequence parallel in tp equal token shards, so a stream of another length gets
   one padding sequence at its end (ignored labels; its tokens attend only to each other, so no real
-  token's log-prob changes), then the zigzag split. A MoE router does see the padding tokens: they enter
-  the balance-loss statistics (a few tokens per micro-batch; exact only for streams already a multiple).
+  token's log-prob changes), then the zigzag split. The padding is marked (`extras[PADDING]`) and MoE
+  routers leave it out of their balance statistics, so any stream length is exact.
 - `vocab_parallel_logprobs`: per-token log-probs (and entropy) from logits split over `tp` by vocabulary:
   `cross_entropy(reduction="none")` under `loss_parallel()` (each rank reduces its vocabulary slice, one
   all-reduce of max and sum per token; the full [T, vocab] logits never exist on one rank). The result is
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from mlite.runtime.data.packed import IGNORE, PackedBatch
+from mlite.runtime.data.packed import IGNORE, PADDING, PackedBatch
 from mlite.runtime.parallel.context import TOKEN_INDEX, split_for_context_parallel
 from mlite.runtime.parallel.mesh import ParallelMesh
 
@@ -35,6 +35,9 @@ def pad_to_multiple(batch: PackedBatch, multiple: int) -> PackedBatch:
         return batch
     device = batch.input_ids.device
     ends = torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:] + pad])
+    extras = {k: torch.cat([v, v.new_zeros(pad, *v.shape[1:])]) for k, v in batch.extras.items()}
+    marked = batch.extras.get(PADDING, torch.zeros(batch.num_tokens, device=device))
+    extras[PADDING] = torch.cat([marked, torch.ones(pad, device=device)])
     return replace(
         batch,
         input_ids=torch.cat([batch.input_ids, batch.input_ids.new_zeros(pad)]),
@@ -42,7 +45,7 @@ def pad_to_multiple(batch: PackedBatch, multiple: int) -> PackedBatch:
         cu_seqlens=ends,
         labels=torch.cat([batch.labels, batch.labels.new_full((pad,), IGNORE)]),
         max_seqlen=max(batch.max_seqlen, pad),
-        extras={k: torch.cat([v, v.new_zeros(pad, *v.shape[1:])]) for k, v in batch.extras.items()},
+        extras=extras,
     )
 
 
