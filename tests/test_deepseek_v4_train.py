@@ -70,7 +70,7 @@ def test_grpo_trains_tiny_deepseek_v4(workdir, tmp_path):  # noqa: F811 - the fi
 
 
 @pytest.mark.parametrize("override, line", [
-    ({"parallel": {"ep": 2}}, "DeepSeek-V4 under ep=2 is not wired into the runtime yet"),
+    ({"parallel": {"cp": 2}}, "DeepSeek-V4 under cp=2 is not wired into the runtime yet"),
     ({"model": {"name": "tiny-qwen3", "mtp_loss_weight": 0.3}}, "has no multi-token-prediction layer"),
     ({"model": {"name": "tiny-qwen3", "indexer_loss_weight": 0.1}}, "has no lightning indexer"),
 ])
@@ -98,26 +98,31 @@ def dp_job(root: Path, files, out: Path) -> dict:
     return job
 
 
-def test_data_parallel_fsdp2_matches_one_process_and_resumes_there(sft_assets, tmp_path):
-    """DeepSeek-V4 under FSDP2 over 2 gloo ranks: the same losses and grad norms as one process (1e-5), and
-    its step-2 checkpoint continues on one process with the same curve."""
+def test_data_and_expert_parallel_match_one_process_and_resume_there(sft_assets, tmp_path):
+    """DeepSeek-V4 under FSDP2 over 2 gloo ranks, and with its experts split over them (ep2: hash-routed
+    and bias-routed layers dispatch across ranks): the same losses and grad norms as one process (1e-5);
+    the dp2 step-2 checkpoint continues on one process with the same curve."""
     root, files = sft_assets
     runs = {}
-    for ranks in (1, 2):
-        out = tmp_path / f"dp{ranks}"
-        config = out.parent / f"dp{ranks}.yaml"
-        config.write_text(yaml.safe_dump(dp_job(root, files, out)))
+    for ranks, ep in ((1, 1), (2, 1), (2, 2)):
+        out = tmp_path / (f"dp{ranks}" if ep == 1 else f"ep{ep}")
+        config = out.parent / f"{out.name}.yaml"
+        job = dp_job(root, files, out)
+        job["parallel"] = {"ep": ep}
+        job["cluster"]["gpus_per_node"] = ranks
+        config.write_text(yaml.safe_dump(job))
         launcher = (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
                     if ranks > 1 else [])
         done = subprocess.run([sys.executable, *launcher, "-m", "mlite", "sft", str(config), "--no-progress"],
                               cwd=ROOT, capture_output=True, text=True, timeout=600,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr[-3000:]
-        runs[ranks] = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
-    assert [r["step"] for r in runs[2]] == [1, 2, 3, 4]
-    for one, two in zip(runs[1], runs[2]):
-        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
-        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+        runs[ranks, ep] = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    for layout in ((2, 1), (2, 2)):
+        assert [r["step"] for r in runs[layout]] == [1, 2, 3, 4]
+        for one, two in zip(runs[1, 1], runs[layout]):
+            assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), layout
+            assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5), layout
 
     # resume the two-rank run's step 2 on one process: steps 3 and 4 as the uninterrupted run
     resumed = tmp_path / "resumed"
@@ -129,7 +134,7 @@ def test_data_parallel_fsdp2_matches_one_process_and_resumes_there(sft_assets, t
     assert done.returncode == 0, done.stderr[-3000:]
     after = [r for r in read_metrics(resumed / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in after] == [3, 4]
-    for got, want in zip(after, runs[1][2:]):
+    for got, want in zip(after, runs[1, 1][2:]):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
 
     # a checkpoint that lacks what the job trains (the frozen indexer's optimizer state): one line, exit 2

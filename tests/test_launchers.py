@@ -322,7 +322,7 @@ def mlite_sbatch(*args, env=None):
 
 
 # the templates whose job the trainers refuse (mlite.plan.rules): the dry run stops at the planner's line
-V4_NOT_WIRED = "deepseek-v4-flash: DeepSeek-V4 under pp=4, cp=4, ep=8 is not wired into the runtime yet"
+V4_NOT_WIRED = "deepseek-v4-flash: DeepSeek-V4 under pp=4, cp=4 is not wired into the runtime yet"
 REFUSED_TEMPLATES = {"grpo_dsv4_128gpu": V4_NOT_WIRED, "sft_dsv4_128gpu": V4_NOT_WIRED}
 # a model the trainers build on the dsv4 templates' 16 x 8 GPUs, PP4 x CP4 (qwen3-8b: dense, untied head)
 DSV4_TRAINED = {"EP": "1", "EXTRA_OVERRIDES": "model.name=qwen3-8b parallel.pp_first_stage_layers=null "

@@ -28,7 +28,7 @@ def sized(preset: str, overrides: list[str] = ()):
 
 # ------------------------------------------------------------------------------------ published layouts
 NO_V3 = r"deepseek-v3 \(model_type 'deepseek_v3'\) has no native model yet"
-NO_V4 = r"deepseek-v4-flash: DeepSeek-V4 under pp=4, cp=4, ep=8 is not wired into the runtime yet"
+NO_V4 = r"deepseek-v4-flash: DeepSeek-V4 under pp=4, cp=4 is not wired into the runtime yet"
 DIST_OPT = r"optimizer.backend dist_opt is planned, not trained"
 
 
