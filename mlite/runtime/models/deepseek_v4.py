@@ -29,9 +29,16 @@ from torch.utils.checkpoint import checkpoint
 from mlite.config.arch import ModelArch
 from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.models.base import HFTensors, ModelOutput, RMSNorm, same_tensor
-from mlite.runtime.models.moe import MoE, RouterStats, load_balancing_loss, real_rows, router_stats
+from mlite.runtime.models.moe import (
+    MoE,
+    RouterStats,
+    clamp_gate_up,
+    load_balancing_loss,
+    real_rows,
+    router_stats,
+)
 
-CSA, HCA = 4, 128  # the released models' compression ratios; tiny configs may use others for HCA
+CSA = 4  # the compression ratio of compressed sparse attention; HCA layers have any other (128 released)
 
 
 # ---------------------------------------------------------------------------------------------- norms
@@ -412,10 +419,6 @@ class HyperHead(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ MoE
-def clamped_silu_glu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-
-
 class SharedExpert(nn.Module):
     def __init__(self, hidden: int, ffn: int, limit: float):
         super().__init__()
@@ -425,7 +428,8 @@ class SharedExpert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_silu_glu(self.gate_proj(x), self.up_proj(x), self.limit))
+        gate, up = clamp_gate_up(self.gate_proj(x), self.up_proj(x), self.limit)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class V4MoE(MoE):
@@ -461,7 +465,7 @@ class V4MoE(MoE):
         if not self.hashed:
             probs = logits.softmax(dim=-1)
             stats = self.reduce_stats(router_stats(probs, probs.topk(self.top_k, dim=-1).indices,
-                                                   self.num_experts, real_rows(self, x, batch)))
+                                                   self.num_experts, real_rows(self, batch)))
         return out + self.shared(x), stats
 
 

@@ -75,7 +75,12 @@ def whole(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def real_rows(block: MoE, x: torch.Tensor, batch) -> torch.Tensor | None:
+def clamp_gate_up(gate: torch.Tensor, up: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's clamp before the SwiGLU product: the gate from above, up on both sides."""
+    return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+
+
+def real_rows(block: MoE, batch) -> torch.Tensor | None:
     """[N] bool: which of the block's input rows are the micro-batch's own tokens, None when all are
     (padding that fills a context / sequence parallel split is marked in the batch's extras)."""
     padding = batch.extras.get(PADDING) if batch is not None else None
@@ -103,7 +108,7 @@ class Experts(nn.Module):
         gate_up, down = self.local_view(self.gate_up), self.local_view(self.down)
         gate, up = grouped_gemm(tokens, gate_up, counts).chunk(2, dim=-1)  # [M, ffn] each
         if self.limit is not None:
-            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+            gate, up = clamp_gate_up(gate, up, self.limit)
         return grouped_gemm(self.act(gate) * up, down, counts)
 
 
@@ -136,7 +141,7 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         out = self.dispatch(x, expert_ids, weights.to(x.dtype), self.experts, self.num_experts)
         return out, self.reduce_stats(router_stats(probs, expert_ids, self.num_experts,
-                                                   real_rows(self, x, batch)))
+                                                   real_rows(self, batch)))
 
 
 def router_stats(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
