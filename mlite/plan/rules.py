@@ -515,12 +515,11 @@ def check_model_layout(job: JobConfig, arch: ModelArch) -> None:
     """Degrees the runtime cannot run with this model yet (the degrees themselves are fine)."""
     p = job.parallel
     if arch.v4 is not None:
-        split = ", ".join(f"{k}={v}" for k, v in {"pp": p.pp, "cp": p.cp}.items() if v > 1)
-        if split:
+        if p.cp > 1:
             raise MliteError(
-                f"{arch.name}: DeepSeek-V4 under {split} is not wired into the runtime yet (its pipeline "
-                "and context parallel layouts are the next step); train it with data and expert parallel "
-                "(pp=1, cp=1) for now"
+                f"{arch.name}: DeepSeek-V4 under cp={p.cp} is not wired into the runtime yet (its context "
+                "parallel layout is the next step); train it with data, expert and pipeline parallel "
+                "(cp=1) for now"
             )
     if arch.tie_embeddings and (p.tp > 1 or p.pp > 1):  # one weight in the first and the last stage
         raise MliteError(

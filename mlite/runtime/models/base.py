@@ -20,6 +20,9 @@ class ModelOutput:
     # per MoE layer of this model (or pipeline chunk): the sums the balance loss pools; a pipeline pools
     # them across stages (mlite.runtime.parallel.pipeline)
     router_stats: list = field(default_factory=list)
+    # losses of this model's (or chunk's) own layers, already in aux_loss, that need no pooling across
+    # stages (DeepSeek-V4's indexer and MTP losses): a pipeline back-propagates them per stage
+    own_loss: torch.Tensor | None = None
 
 
 # FSDP2 finds a module's output tensors by pytree flattening, to unshard its parameters again before their

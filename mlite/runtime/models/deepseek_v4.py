@@ -546,8 +546,6 @@ class DeepseekV4(nn.Module):
         self.output = nn.Linear(arch.hidden, arch.vocab, bias=False) if last else None
         self.mtp_weight = mtp_weight
         self.mtp = MTP(arch) if mtp_weight > 0 and last else None
-        if self.mtp is not None and self.embed is None:
-            raise ValueError("the MTP block needs the embedding on its stage")
         rope_dim = v4.qk_rope_head_dim
         self.freqs = {"main": inv_freq(rope_dim, arch.rope_theta, None),
                       "compress": inv_freq(rope_dim, v4.compress_rope_theta, v4.compress_rope_scaling)}
@@ -569,34 +567,46 @@ class DeepseekV4(nn.Module):
 
     def forward(self, batch: PackedBatch, hidden: torch.Tensor | None = None) -> ModelOutput:
         """Packed batch -> hidden [T, hidden] after the final norm (on the last stage; the residual copies
-        [T, n, hidden] on earlier stages, and `hidden` is a later stage's input)."""
+        [T, n, hidden] on earlier stages, and `hidden` is a later stage's input).
+
+        Under a pipeline with MTP on, the MTP block (last stage) needs the embedding of each next token,
+        and the embedding lives on the first stage: the stages carry it as one more copy, [T, n + 1,
+        hidden], so its gradient flows back through the pipeline like the residual's (no second embedding
+        table to keep in sync)."""
+        carry = self.mtp_weight > 0 and (self.embed is None or self.head is None)
+        next_embeds = None
         if self.embed is not None:
             embeds = self.embed(batch.input_ids)
             x = embeds.unsqueeze(1).expand(-1, self.arch.v4.hc_mult, -1).contiguous()
+            if self.mtp_weight > 0:
+                next_embeds = self.embed(shift_in_sequence(batch.input_ids, batch, 0))
         elif hidden is None:
             raise ValueError("this pipeline stage has no embedding: pass the previous stage's hidden states")
+        elif carry:
+            x, next_embeds = hidden[:, :-1], hidden[:, -1]
         else:
             x = hidden
         geo = batch_geometry(batch, self.arch.v4.sliding_window, self.ratios)
         ropes = self.ropes(geo, x.dtype)
-        stats, extra = [], torch.zeros((), device=x.device, dtype=torch.float32)
+        stats, own = [], torch.zeros((), device=x.device, dtype=torch.float32)
         for layer in self.layers.values():
             x, layer_stats, indexer_loss = layer(x, batch, geo, ropes)
-            extra = extra + indexer_loss
+            own = own + indexer_loss
             if layer_stats is not None:
                 stats.append(layer_stats)
         if self.mtp is not None:
-            next_embeds = self.embed(shift_in_sequence(batch.input_ids, batch, 0))
             mtp_hidden, mtp_stats = self.mtp(x, next_embeds, batch, geo, ropes)
-            extra = extra + self.mtp_weight * self.mtp_loss(mtp_hidden, batch)
+            own = own + self.mtp_weight * self.mtp_loss(mtp_hidden, batch)
             stats.append(mtp_stats)
         if self.head is not None:
             x = self.norm(self.head(x))
-        aux = extra
+        elif carry:
+            x = torch.cat([x, next_embeds.unsqueeze(1)], dim=1)
+        aux = own
         if stats:
             moe = self.arch.moe
             aux = aux + load_balancing_loss(stats, moe.num_experts, moe.router_aux_loss_coef)
-        return ModelOutput(hidden=x, aux_loss=aux, router_stats=stats)
+        return ModelOutput(hidden=x, aux_loss=aux, router_stats=stats, own_loss=own)
 
     def mtp_loss(self, mtp_hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """Mean cross-entropy of predicting token t+2 at t, over this micro-batch's MTP targets."""

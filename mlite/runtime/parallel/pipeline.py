@@ -37,6 +37,9 @@ def split_layers(
     return split_chunks(num_layers, pp, vpp, first, last)
 
 
+LAST_STAGE = ("norm", "output", "head", "mtp")  # what only the last stage holds (head, mtp: DeepSeek-V4)
+
+
 def keep_chunk(model: nn.Module, layer_ids: Sequence[int], first: bool, last: bool) -> nn.Module:
     """Reduce a decoder to one chunk: its layers, the embedding only on the first, norm + head on the last."""
     for key in list(model.layers.keys()):
@@ -45,9 +48,13 @@ def keep_chunk(model: nn.Module, layer_ids: Sequence[int], first: bool, last: bo
     if not first:
         model.embed = None
     if not last:
-        model.norm = None
-        model.output = None
+        for name in LAST_STAGE:
+            if hasattr(model, name):
+                setattr(model, name, None)
     return model
+
+
+MAX_DIMS = 3  # activation ranks a transfer header describes
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,9 @@ class PipelineRunner:
     `chunks`: {global chunk index: model chunk}; a chunk is called `chunk(batch, hidden=...)` and returns a
     ModelOutput. `loss_fn(last_chunk, hidden, batch) -> loss` runs on the last chunk only.
 
+    A chunk's own losses (ModelOutput.own_loss: DeepSeek-V4's indexer and MTP losses) need no pooling: each
+    chunk back-propagates its own, weighted like the balance loss, and they join the reported aux value.
+
     MoE balance loss: it pools the router statistics of *all* layers before its product (as transformers
     does), so no stage can compute it alone. It is linear in the router probabilities once the expert counts
     are fixed, so the counts (no gradient) travel forward with the activations, the totals travel back with
@@ -120,16 +130,19 @@ class PipelineRunner:
 
     def _send(self, tensor: torch.Tensor, stats: torch.Tensor, chunk_to: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
-        header = torch.tensor(tensor.shape, dtype=torch.long, device=self.device)  # shape first: any length
+        # shape first (any length; [T, hidden] or DeepSeek-V4's residual copies [T, n, hidden])
+        header = torch.tensor([tensor.dim(), *tensor.shape] + [0] * (MAX_DIMS - tensor.dim()),
+                              dtype=torch.long, device=self.device)
         dst = self._owner(chunk_to)
         for offset, t in enumerate((header, tensor, stats.detach().double().contiguous())):
             self._sends.append((dist.isend(t, dst, tag=tag + offset), t))
 
     def _recv(self, chunk_from: int, tag: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         src = self._owner(chunk_from)
-        header = torch.empty(2, dtype=torch.long, device=self.device)
+        header = torch.empty(1 + MAX_DIMS, dtype=torch.long, device=self.device)
         dist.recv(header, src, tag=tag)
-        tensor = torch.empty(*header.tolist(), dtype=dtype, device=self.device)
+        dims = header.tolist()
+        tensor = torch.empty(*dims[1: 1 + dims[0]], dtype=dtype, device=self.device)
         dist.recv(tensor, src, tag=tag + 1)
         stats = torch.empty(self.num_stats, dtype=torch.float64, device=self.device)
         dist.recv(stats, src, tag=tag + 2)
@@ -191,16 +204,18 @@ class PipelineRunner:
                     else:
                         results[m] = out.detach()
                 if training:
-                    saved[(c, m)] = (hidden, out, running, prob_sum, shards)
+                    saved[(c, m)] = (hidden, out, running, prob_sum, shards, chunk_out.own_loss)
             else:
                 pending_backwards[c] -= 1
                 if before_backward is not None:
                     before_backward(c, pending_backwards[c] == 0)
-                hidden, out, totals, prob_sum, shards = saved.pop((c, m))
+                hidden, out, totals, prob_sum, shards, own = saved.pop((c, m))
                 grad = None
                 if c != last:
                     grad, totals = self._recv(c + 1, self._tag(c + 1, m, True), dtype)
                 term = self._balance_term(totals, prob_sum, shards)
+                if own is not None and own.requires_grad:  # this chunk's own losses (indexer, MTP)
+                    term = own if term is None else term + own
                 tensors, grads = [out], [grad]
                 if term is not None:
                     term = term * aux_weight
@@ -219,12 +234,12 @@ class PipelineRunner:
 
 def stage_view(chunks: dict[int, nn.Module]) -> nn.Module:
     """One module over this rank's chunks with the whole model's parameter names (`layers.<i>...`, `embed`,
-    `norm`, `output`), for checkpoints: the names, like the global shapes, do not depend on pp or vpp."""
+    `norm`, `output`, ...), for checkpoints: the names, like the global shapes, do not depend on pp or vpp."""
     view = nn.Module()
     view.layers = nn.ModuleDict()
     for chunk in chunks.values():
         view.layers.update(chunk.layers)
-        for name in ("embed", "norm", "output"):
+        for name in ("embed", *LAST_STAGE):
             if getattr(chunk, name, None) is not None:
                 setattr(view, name, getattr(chunk, name))
     return view
