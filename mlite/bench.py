@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mlite.config.arch import ModelArch
+from mlite.config.arch import V4_CSA, ModelArch
 from mlite.config.catalog import layer_params
 
 
@@ -57,7 +57,6 @@ def flops_per_token(arch: ModelArch, seq_lens: list[int]) -> float:
     return 6 * matmul_params_per_token(arch) + attention
 
 
-V4_CSA = 4  # the compression ratio that comes with the lightning indexer (mlite.runtime.models.deepseek_v4)
 
 
 def v4_matmul_params_per_token(arch: ModelArch) -> int:

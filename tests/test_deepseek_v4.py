@@ -166,7 +166,7 @@ def test_mtp_predicts_token_t_plus_2_from_the_next_embedding():
     geo = batch_geometry(batch, arch.v4.sliding_window, model.ratios)
     next_embeds = model.embed(shift_in_sequence(batch.input_ids, batch, 0))
     hidden, _ = model.mtp(streams["x"], next_embeds, batch, geo, model.ropes(geo, torch.float32))
-    ce = model.mtp_loss(hidden, batch)
+    ce = model.mtp_loss(hidden, batch, geo)
 
     mtp, total, count, start = model.mtp, 0.0, 0, 0
     for seq in seqs:

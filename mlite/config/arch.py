@@ -59,7 +59,8 @@ class MLAArch:
 
 
 # DeepSeek-V4 per-layer attention kinds, keyed by the compression ratio HF configs use (`compress_ratios`).
-V4_ATTENTION_KINDS = {0: "sliding_attention", 4: "compressed_sparse_attention",
+V4_CSA = 4  # the ratio of compressed sparse attention (overlapping windows, the lightning indexer)
+V4_ATTENTION_KINDS = {0: "sliding_attention", V4_CSA: "compressed_sparse_attention",
                       128: "heavily_compressed_attention"}
 
 

@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from typing import Protocol
 
-from mlite.config.arch import ModelArch
+from mlite.config.arch import V4_CSA, ModelArch
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
 
@@ -355,10 +355,9 @@ def check_sequence_split(job: JobConfig, arch: ModelArch) -> int:
     split = p.tp if p.sequence_parallel else 1
     why = [f"sequence parallel (tp={p.tp})"] if split > 1 else []
     if p.cp > 1:
-        chunk = 1
-        if arch.v4 is not None:  # a compressed row must not straddle two ranks' chunks
-            chunk = max(arch.v4.compress_ratios)
-            why.append(f"DeepSeek-V4 compression blocks of {chunk} tokens per chunk")
+        chunk = context_chunk_multiple(arch)
+        if chunk > 1:
+            why.append(f"DeepSeek-V4's {chunk} boundary rows per chunk")
         split = math.lcm(split, 2 * p.cp * chunk)
         why.append(f"context parallel zigzag (2 x cp={p.cp} chunks)")
     if split == 1:
@@ -374,6 +373,16 @@ def check_sequence_split(job: JobConfig, arch: ModelArch) -> int:
                 f"of {split}; use {lower or upper} or {upper}"
             )
     return split
+
+
+def context_chunk_multiple(arch: ModelArch) -> int:
+    """What every context-parallel chunk's length must be a multiple of. DeepSeek-V4: the rows a chunk needs
+    from the one before it (its sliding window, its longest compression window, CSA's two overlapping
+    windows), so a chunk of at least that many rows gets them all from its neighbour. 1 otherwise."""
+    v4 = arch.v4
+    if v4 is None:
+        return 1
+    return max(v4.sliding_window, *v4.compress_ratios, 2 * V4_CSA)
 
 
 def check_batches(job: JobConfig, arch: ModelArch, dp: int) -> tuple[int, int]:
@@ -514,13 +523,6 @@ def check_model_losses(job: JobConfig, arch: ModelArch) -> None:
 def check_model_layout(job: JobConfig, arch: ModelArch) -> None:
     """Degrees the runtime cannot run with this model yet (the degrees themselves are fine)."""
     p = job.parallel
-    if arch.v4 is not None:
-        if p.cp > 1:
-            raise MliteError(
-                f"{arch.name}: DeepSeek-V4 under cp={p.cp} is not wired into the runtime yet (its context "
-                "parallel layout is the next step); train it with data, expert and pipeline parallel "
-                "(cp=1) for now"
-            )
     if arch.tie_embeddings and (p.tp > 1 or p.pp > 1):  # one weight in the first and the last stage
         raise MliteError(
             f"tied embeddings (tie_word_embeddings) with tp={p.tp}, pp={p.pp} are not supported yet; use "

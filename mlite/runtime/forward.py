@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mlite.plan.rules import context_chunk_multiple
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.loss import token_logprobs
 from mlite.runtime.parallel.parallelize import set_gradient_sync
@@ -53,7 +54,7 @@ def forward_backward(
     if loss_fn is None and not forward_only:
         raise ValueError("forward_backward needs a loss_fn unless forward_only")
     fulls = [b.to(rt.device) for b in micro_batches]
-    shares = [local_share(b, rt.mesh) for b in fulls]
+    shares = [local_share(b, rt.mesh, context_chunk_multiple(rt.arch)) for b in fulls]
     aux_weight = 1.0 / (len(fulls) * rt.dims.dp)
     with torch.set_grad_enabled(not forward_only), _autocast(rt), _vocab_parallel(rt):
         if rt.pipeline is not None:

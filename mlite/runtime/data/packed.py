@@ -86,6 +86,13 @@ class PackedBatch:
         """Cut a per-token [T, ...] tensor back into one tensor per sequence."""
         return list(torch.split(tensor, self.seq_lens))
 
+    def padding_mask(self) -> torch.Tensor:
+        """[T] bool: True on the tokens that fill a parallel split (extras[PADDING]), none otherwise."""
+        padding = self.extras.get(PADDING)
+        if padding is None:
+            return torch.zeros(self.input_ids.shape[0], dtype=torch.bool, device=self.input_ids.device)
+        return padding != 0
+
     def sequence_ids(self) -> torch.Tensor:
         """[T] index of the sequence each token belongs to."""
         lens = self.cu_seqlens[1:] - self.cu_seqlens[:-1]

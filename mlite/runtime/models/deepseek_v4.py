@@ -11,7 +11,9 @@ that share their keys, plus the compressed entries visible to it: all of them fo
 for CSA), so no T x T score matrix exists: O(T x (window + top-k)) memory, chunked over query blocks.
 
 Parallel seams as in qwen3.py (the model imports no parallel code): `Block.set_runner` (recompute), the MoE
-block's `set_parallel` and `Experts.set_local_view` (expert parallel).
+block's `set_parallel` and `Experts.set_local_view` (expert parallel), and `DeepseekV4.set_geometry`
+(context parallel: a `Geometry` whose `exchange` extends a rank's rows by the boundary rows its keys need
+and gathers the compressed entries of every rank).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from mlite.config.arch import V4_CSA as CSA
 from mlite.config.arch import ModelArch
 from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.models.base import HFTensors, ModelOutput, RMSNorm, same_tensor
@@ -38,7 +41,6 @@ from mlite.runtime.models.moe import (
     router_stats,
 )
 
-CSA = 4  # the compression ratio of compressed sparse attention; HCA layers have any other (128 released)
 
 
 # ---------------------------------------------------------------------------------------------- norms
@@ -101,10 +103,12 @@ class Windows:
 
     ratio: int
     rows: torch.Tensor  # [C, ratio] token indices of each entry's window
+    prev_rows: torch.Tensor  # [C, ratio] token indices of the previous window (CSA's overlap)
     has_prev: torch.Tensor  # [C] bool: the previous window belongs to the same sequence
     positions: torch.Tensor  # [C] position of the window's first token within its sequence
     visible: torch.Tensor  # [T, V] entry index each query may see (its sequence's first V entries)
     visible_mask: torch.Tensor  # [T, V] bool: entry complete before the query (causal)
+    count: int  # entries of the whole micro-batch (under context parallel, rows are this rank's only)
 
 
 @dataclass
@@ -119,6 +123,28 @@ class Geometry:
     window_mask: torch.Tensor  # [T, 2 x window] bool: key j = (t // window - 1) * window + j is in t's window
     positions: torch.Tensor  # [T]
     compressed: dict[int, Windows]
+    exchange: object = None  # context parallel (mlite.runtime.parallel.context); None: one rank's stream
+
+    # Under context parallel, attention runs on this rank's rows extended by the boundary rows before each
+    # of its chunks (`extend`, `local` drops them again), entries are computed by the rank holding their
+    # window's last token and gathered (`gather`), and per-token sums take the whole micro-batch's counts.
+    def extend(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.exchange is None else self.exchange.extend(x)
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.exchange is None else self.exchange.local(x)
+
+    def gather(self, entries: torch.Tensor, ratio: int) -> torch.Tensor:
+        return entries if self.exchange is None else self.exchange.gather(entries, ratio)
+
+    def total(self, count: torch.Tensor) -> torch.Tensor:
+        return count if self.exchange is None else self.exchange.total(count)
+
+    def next_token(self, values: torch.Tensor, batch: PackedBatch, fill: int) -> torch.Tensor:
+        """values[t + 1] at t within each sequence, `fill` at its last token."""
+        if self.exchange is None:
+            return shift_in_sequence(values, batch, fill)
+        return self.exchange.next_token(values, batch, fill)
 
 
 def batch_geometry(batch: PackedBatch, sliding_window: int, ratios: Iterable[int]) -> Geometry:
@@ -145,8 +171,9 @@ def batch_geometry(batch: PackedBatch, sliding_window: int, ratios: Iterable[int
         visible = first[seq_of][:, None] + slots
         # query at position p sees entry w once its window is complete: w < (p + 1) // ratio
         visible_mask = slots < ((batch.position_ids + 1) // ratio)[:, None]
-        compressed[ratio] = Windows(ratio, rows, index_in_seq > 0, index_in_seq * ratio,
-                                    visible.clamp(max=max(total - 1, 0)), visible_mask)
+        compressed[ratio] = Windows(ratio, rows, (rows - ratio).clamp(min=0), index_in_seq > 0,
+                                    index_in_seq * ratio, visible.clamp(max=max(total - 1, 0)), visible_mask,
+                                    total)
     return Geometry(w, window_mask, batch.position_ids, compressed)
 
 
@@ -226,14 +253,15 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, windows: Windows, cos, sin) -> torch.Tensor:
         """x [T, hidden] -> [C, dim] entries (C: the batch's complete windows); cos/sin at their positions."""
-        kv = self.kv_proj(x)[windows.rows]  # [C, ratio, width * dim]
-        gate = self.gate_proj(x)[windows.rows] + self.position_bias.float()
+        kv_rows, gate_rows = self.kv_proj(x), self.gate_proj(x)  # [T, width * dim]
+        kv = kv_rows[windows.rows]  # [C, ratio, width * dim]
+        gate = gate_rows[windows.rows] + self.position_bias.float()
         if self.overlap:
             d = self.dim
-            prev = (torch.arange(kv.shape[0], device=x.device) - 1).clamp(min=0)
             has_prev = windows.has_prev[:, None, None]
-            kv = torch.cat([torch.where(has_prev, kv[prev, :, :d], 0.0), kv[..., d:]], dim=1)
-            gate = torch.cat([torch.where(has_prev, gate[prev, :, :d], float("-inf")), gate[..., d:]], dim=1)
+            prev_gate = gate_rows[windows.prev_rows][..., :d] + self.position_bias[:, :d].float()
+            kv = torch.cat([torch.where(has_prev, kv_rows[windows.prev_rows][..., :d], 0.0), kv[..., d:]], dim=1)
+            gate = torch.cat([torch.where(has_prev, prev_gate, float("-inf")), gate[..., d:]], dim=1)
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         return apply_rope(self.norm((kv * weights).sum(dim=1)), cos, sin)
 
@@ -256,9 +284,10 @@ class Indexer(nn.Module):
         return (dots * (head_weights.float() * self.heads**-0.5).unsqueeze(-1)).sum(dim=1)
 
     @torch.compiler.disable  # top-k over data-dependent candidate sets, chunked: eager (model.compile)
-    def forward(self, x, q_residual, windows: Windows, entry_rope, query_rope):
+    def forward(self, x, q_residual, geo: Geometry, entry_rope, query_rope):
         """-> (picked [T, k] entry indices, picked_mask [T, k], query/key tensors for the indexer loss)."""
-        keys = self.compressor(x, windows, *entry_rope)  # [C, dim]
+        windows = geo.compressed[CSA]
+        keys = geo.gather(self.compressor(x, windows, *entry_rope), CSA)  # [C, dim]
         q = apply_rope(self.q_proj(q_residual).view(x.shape[0], self.heads, self.dim), *query_rope)
         head_weights = self.weights_proj(x)
         top_k = min(self.top_k, windows.visible.shape[1])
@@ -269,9 +298,11 @@ class Indexer(nn.Module):
                 part = slice(start, start + chunk)
                 scores = self.scores(q[part], keys[windows.visible[part]], head_weights[part])
                 scores = scores.masked_fill(~windows.visible_mask[part], float("-inf"))
-                best = scores.topk(top_k, dim=-1)
-                picked.append(windows.visible[part].gather(1, best.indices))
-                picked_mask.append(best.values > float("-inf"))
+                # ties (relu makes exact zeros common) go to the earlier entry, whatever the candidate
+                # list's length: a stable sort, not topk, whose choice among ties is the kernel's
+                best = scores.sort(dim=-1, descending=True, stable=True)
+                picked.append(windows.visible[part].gather(1, best.indices[:, :top_k]))
+                picked_mask.append(best.values[:, :top_k] > float("-inf"))
         return torch.cat(picked), torch.cat(picked_mask), (q, keys, head_weights)
 
 
@@ -311,8 +342,10 @@ class Attention(nn.Module):
     def rope_kind(self) -> str:
         return "compress" if self.ratio else "main"  # sliding layers keep the plain rope
 
-    def forward(self, x: torch.Tensor, geo: Geometry, ropes: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, geo: Geometry, ropes: dict, batch: PackedBatch,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> ([T, hidden], the indexer loss of this layer: 0 unless it is trained)."""
+        x = geo.extend(x)  # under context parallel: with the boundary rows the keys need
         t = x.shape[0]
         cos, sin = ropes[self.rope_kind]
         q_residual = self.q_a_norm(self.q_a_proj(x))
@@ -322,12 +355,12 @@ class Attention(nn.Module):
         entries = picked = picked_mask = scored = None
         indexer_loss = torch.zeros((), device=x.device)
         windows = geo.compressed.get(self.ratio)
-        if self.compressor is not None and windows.rows.shape[0] > 0:  # some window is complete
-            entries = self.compressor(x, windows, *ropes["entries", self.ratio])
+        if self.compressor is not None and windows.count > 0:  # some window is complete
+            entries = geo.gather(self.compressor(x, windows, *ropes["entries", self.ratio]), self.ratio)
             if self.indexer is not None:
                 # detached, as DeepSeek-V3.2 trains it: the indexer's loss reaches the indexer only
                 picked, picked_mask, scored = self.indexer(
-                    x.detach(), q_residual.detach(), windows, ropes["entries", self.ratio], (cos, sin))
+                    x.detach(), q_residual.detach(), geo, ropes["entries", self.ratio], (cos, sin))
             else:
                 picked, picked_mask = windows.visible, windows.visible_mask
         entry_keys, entry_mask = picked, picked_mask
@@ -339,14 +372,15 @@ class Attention(nn.Module):
         out = self.core(q, kv, geo.window_mask, entries, entry_keys, entry_mask, self.sinks, scale)
         if scored is not None and self.indexer_loss_weight > 0:
             indexer_loss = self.indexer_loss_weight * self._indexer_loss(
-                q, entries, picked, picked_mask, scored)
-        out = apply_rope(out, cos, -sin)  # undo the values' rotation at the query position
+                q, entries, picked, picked_mask, scored, geo, batch)
+        out = geo.local(apply_rope(out, cos, -sin))  # undo the values' rotation at the query position
+        t = out.shape[0]
         grouped = out.reshape(t, self.groups, -1)  # [T, groups, heads * d / groups]
         w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])  # [groups, o_lora_rank, in]
         low_rank = torch.einsum("tgi,goi->tgo", grouped, w).reshape(t, -1)
         return self.o_b_proj(low_rank), indexer_loss
 
-    def _indexer_loss(self, q, entries, picked, picked_mask, scored) -> torch.Tensor:
+    def _indexer_loss(self, q, entries, picked, picked_mask, scored, geo, batch) -> torch.Tensor:
         """KL(attention || indexer) over the picked entries, as DeepSeek-V3.2 trains its indexer: the target
         is the attention's probability mass on each picked entry, summed over heads and renormalised
         (no gradient into the attention); the indexer's distribution is its softmax over the same entries."""
@@ -359,9 +393,9 @@ class Attention(nn.Module):
         logits = self.indexer.scores(index_q, index_keys[picked], head_weights)
         logits = logits.masked_fill(~picked_mask, float("-inf"))
         log_q = logits.log_softmax(-1).masked_fill(~picked_mask, 0.0)
-        rows = picked_mask.any(-1)
-        kl = (target * (target.clamp(min=1e-20).log() - log_q)).sum(-1)
-        return (kl * rows).sum() / rows.sum().clamp(min=1)
+        kl = geo.local((target * (target.clamp(min=1e-20).log() - log_q)).sum(-1))
+        rows = geo.local(picked_mask.any(-1)) & ~batch.padding_mask()  # this rank's own queries
+        return (kl * rows).sum() / geo.total(rows.sum()).clamp(min=1)
 
 
 # ------------------------------------------------------------------------------------------------ mHC
@@ -494,7 +528,7 @@ class Block(nn.Module):
 
     def body(self, x, batch: PackedBatch, geo: Geometry, ropes: dict):
         post, mix, folded = self.attn_hc(x)
-        out, indexer_loss = self.attn(self.attn_norm(folded), geo, ropes)
+        out, indexer_loss = self.attn(self.attn_norm(folded), geo, ropes, batch)
         x = merge_streams(x, post, mix, out)
         post, mix, folded = self.mlp_hc(x)
         out, stats = self.mlp(self.mlp_norm(folded), batch)
@@ -550,6 +584,18 @@ class DeepseekV4(nn.Module):
         self.freqs = {"main": inv_freq(rope_dim, arch.rope_theta, None),
                       "compress": inv_freq(rope_dim, v4.compress_rope_theta, v4.compress_rope_scaling)}
         self.ratios = sorted({r for r in v4.compress_ratios if r})
+        self.geometry_fn = None
+
+    def geometry(self, batch: PackedBatch) -> Geometry:
+        """What every layer needs to know about the batch (`set_geometry` replaces it)."""
+        if self.geometry_fn is not None:
+            return self.geometry_fn(batch)
+        return batch_geometry(batch, self.arch.v4.sliding_window, self.ratios)
+
+    def set_geometry(self, geometry_fn) -> None:
+        """The seam: `geometry_fn(batch) -> Geometry` (context parallel: this rank's rows, the boundary rows
+        before them and the entries of every rank)."""
+        self.geometry_fn = geometry_fn
 
     def set_indexer_loss_weight(self, weight: float) -> None:
         """> 0 trains every CSA indexer with its KL loss; 0 freezes it (requires_grad off, so it carries no
@@ -575,18 +621,18 @@ class DeepseekV4(nn.Module):
         table to keep in sync)."""
         carry = self.mtp_weight > 0 and (self.embed is None or self.head is None)
         next_embeds = None
+        geo = self.geometry(batch)
         if self.embed is not None:
             embeds = self.embed(batch.input_ids)
             x = embeds.unsqueeze(1).expand(-1, self.arch.v4.hc_mult, -1).contiguous()
             if self.mtp_weight > 0:
-                next_embeds = self.embed(shift_in_sequence(batch.input_ids, batch, 0))
+                next_embeds = self.embed(geo.next_token(batch.input_ids, batch, 0))
         elif hidden is None:
             raise ValueError("this pipeline stage has no embedding: pass the previous stage's hidden states")
         elif carry:
             x, next_embeds = hidden[:, :-1], hidden[:, -1]
         else:
             x = hidden
-        geo = batch_geometry(batch, self.arch.v4.sliding_window, self.ratios)
         ropes = self.ropes(geo, x.dtype)
         stats, own = [], torch.zeros((), device=x.device, dtype=torch.float32)
         for layer in self.layers.values():
@@ -596,7 +642,7 @@ class DeepseekV4(nn.Module):
                 stats.append(layer_stats)
         if self.mtp is not None:
             mtp_hidden, mtp_stats = self.mtp(x, next_embeds, batch, geo, ropes)
-            own = own + self.mtp_weight * self.mtp_loss(mtp_hidden, batch)
+            own = own + self.mtp_weight * self.mtp_loss(mtp_hidden, batch, geo)
             stats.append(mtp_stats)
         if self.head is not None:
             x = self.norm(self.head(x))
@@ -608,12 +654,13 @@ class DeepseekV4(nn.Module):
             aux = aux + load_balancing_loss(stats, moe.num_experts, moe.router_aux_loss_coef)
         return ModelOutput(hidden=x, aux_loss=aux, router_stats=stats, own_loss=own)
 
-    def mtp_loss(self, mtp_hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        """Mean cross-entropy of predicting token t+2 at t, over this micro-batch's MTP targets."""
-        targets = shift_in_sequence(batch.labels, batch, IGNORE)
+    def mtp_loss(self, mtp_hidden: torch.Tensor, batch: PackedBatch, geo: Geometry) -> torch.Tensor:
+        """Mean cross-entropy of predicting token t+2 at t, over this micro-batch's MTP targets (under
+        context parallel, this rank's share of it)."""
+        targets = geo.next_token(batch.labels, batch, IGNORE)
         logits = self.compute_logits(mtp_hidden).float()
         return F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum") / (
-            (targets != IGNORE).sum().clamp(min=1))
+            geo.total((targets != IGNORE).sum()).clamp(min=1))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.output(hidden)

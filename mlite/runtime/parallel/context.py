@@ -10,6 +10,10 @@ Attention: K and V are all-gathered over cp (their gradients are reduce-scattere
 each local query attends to the keys of its own sequence at or before its own stream index. The result is
 exactly the single-rank attention; all-gather rather than a ring keeps it simple and is what upstream uses
 for short-context post-training.
+
+DeepSeek-V4 attends over a sliding window and compressed entries, never over the whole stream, so it
+gathers no raw K/V: each chunk receives the boundary rows before it from its neighbour, and the compressed
+entries (and indexer keys) are gathered instead (`context_geometry`, the model's `set_geometry` seam).
 """
 
 from __future__ import annotations
@@ -114,3 +118,116 @@ def _gather_ints(t: torch.Tensor, group) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts)
+
+
+# ------------------------------------------------------------------------------ DeepSeek-V4 under cp
+def context_geometry(batch: PackedBatch, window: int, ratios, halo: int, group: dist.ProcessGroup):
+    """DeepSeek-V4's `Geometry` of this rank's zigzag share (its chunks a = rank and b = 2cp-1-rank).
+
+    Attention runs on the rank's rows extended by the `halo` rows before each chunk (the sliding window's
+    keys and the compression windows that end in the chunk but start before it): rows [halo a ; chunk a ;
+    halo b ; chunk b], one contiguous run of the stream per chunk. A compressed entry is computed by the rank
+    holding its window's last token, and the entries of all ranks are gathered into the micro-batch's order
+    (sequence, window), so queries see exactly the entries they see on one rank. Chunk 0 has no rows before
+    it: its halo is zeros belonging to no sequence. Needs chunks of at least `halo` rows (the rule book pads
+    streams to multiples of 2 cp x halo)."""
+    from mlite.runtime.models.deepseek_v4 import Geometry, Windows
+
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = batch.input_ids.device
+    ends = batch.cu_seqlens.long().to(device)
+    lens, starts, total = ends[1:] - ends[:-1], ends[:-1], int(ends[-1])
+    chunk = total // (2 * cp)
+    if chunk < halo or chunk * 2 * cp != total:
+        raise MliteError(f"DeepSeek-V4 under cp={cp}: a chunk of {chunk} rows is shorter than the {halo} "
+                         f"boundary rows it needs; pad streams to a multiple of {2 * cp * halo} tokens")
+    segment = chunk + halo
+    mine = (rank, 2 * cp - 1 - rank)
+    first_row = [c * chunk - halo for c in mine]  # stream index of each segment's first row
+    stream = torch.cat([torch.arange(s, s + segment, device=device) for s in first_row])  # [E]
+    valid = stream >= 0
+    seq_of = torch.repeat_interleave(torch.arange(lens.numel(), device=device), lens, output_size=total)
+    seq = torch.where(valid, seq_of[stream.clamp(min=0)], -1)
+    positions = torch.where(valid, stream - starts[seq.clamp(min=0)], 0)
+    rows = torch.arange(2 * segment, device=device)
+    run = seq * 2 + rows // segment  # a sequence's rows within one segment; the zero halo is its own run
+    new_run = torch.ones_like(run, dtype=torch.bool)
+    new_run[1:] = run[1:] != run[:-1]
+    run_start = torch.cummax(torch.where(new_run, rows, 0), 0).values
+    key = (rows[:, None] // window - 1) * window + torch.arange(2 * window, device=device)
+    window_mask = (key <= rows[:, None]) & (key > rows[:, None] - window) & (key >= run_start[:, None])
+
+    compressed, layouts = {}, {}
+    longest = batch.max_seqlen or int(lens.max())
+    for ratio in set(ratios):
+        count = lens // ratio
+        first = torch.cumsum(count, 0) - count
+        entries = int(count.sum())
+        entry_seq = torch.repeat_interleave(torch.arange(lens.numel(), device=device), count,
+                                            output_size=entries)
+        index_in_seq = torch.arange(entries, device=device) - first[entry_seq]
+        window_start = starts[entry_seq] + index_in_seq * ratio
+        owner_chunk = (window_start + ratio - 1) // chunk  # the chunk holding the window's last token
+        owner = torch.where(owner_chunk < cp, owner_chunk, 2 * cp - 1 - owner_chunk)
+        slots = max(int(torch.bincount(owner, minlength=cp).max()) if entries else 0, 1)
+        slot = (F.one_hot(owner, cp).cumsum(0) - 1).gather(1, owner[:, None]).squeeze(1)
+        layouts[ratio] = (slots, owner * slots + slot)
+        own = owner == rank
+        seg = (owner_chunk[own] != mine[0]).long()  # 0: chunk a's segment, 1: chunk b's
+        base = seg * segment - torch.tensor(first_row, device=device)[seg]  # stream index -> row here
+        win_rows = (window_start[own] + base)[:, None] + torch.arange(ratio, device=device)
+        prev_rows = torch.maximum(win_rows - ratio, (seg * segment)[:, None])  # CSA: within the halo
+        most = max(longest // ratio, 1)
+        visible_slots = torch.arange(most, device=device)
+        visible = first[seq.clamp(min=0)][:, None] + visible_slots
+        visible_mask = (visible_slots < ((positions + 1) // ratio)[:, None]) & valid[:, None]
+        compressed[ratio] = Windows(ratio, win_rows, prev_rows, index_in_seq[own] > 0,
+                                    index_in_seq[own] * ratio, visible.clamp(max=max(entries - 1, 0)),
+                                    visible_mask, entries)
+    local = torch.cat([torch.arange(halo, segment, device=device),
+                       torch.arange(segment + halo, 2 * segment, device=device)])
+    exchange = BoundaryExchange(group, rank, cp, chunk, halo, local, layouts, batch.extras[TOKEN_INDEX])
+    return Geometry(window, window_mask, positions, compressed, exchange)
+
+
+class BoundaryExchange:
+    """The collectives of DeepSeek-V4 attention under context parallel (see `context_geometry`): boundary
+    rows from the neighbouring chunks, compressed entries (and indexer keys) from every rank; never the raw
+    K/V of the whole stream."""
+
+    def __init__(self, group, rank: int, cp: int, chunk: int, halo: int, local: torch.Tensor, layouts: dict,
+                 token_index: torch.Tensor):
+        self.group, self.rank, self.cp, self.chunk, self.halo = group, rank, cp, chunk, halo
+        self.local_rows, self.layouts, self.token_index = local, layouts, token_index
+
+    def _tail(self, c: int) -> int:  # where chunk c's last rows sit among the gathered tails
+        return 2 * c if c < self.cp else 2 * (2 * self.cp - 1 - c) + 1
+
+    def extend(self, x: torch.Tensor) -> torch.Tensor:
+        """[2 chunk, ...] this rank's rows -> [2 (halo + chunk), ...] with the rows before each chunk."""
+        c, h = self.chunk, self.halo
+        tails = GatherTokens.apply(torch.stack([x[c - h: c], x[2 * c - h:]]), self.group)  # [2cp, h, ...]
+        a, b = self.rank, 2 * self.cp - 1 - self.rank
+        halo_a = x.new_zeros(h, *x.shape[1:]) if a == 0 else tails[self._tail(a - 1)]
+        return torch.cat([halo_a, x[:c], tails[self._tail(b - 1)], x[c:]])
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.local_rows]
+
+    def gather(self, entries: torch.Tensor, ratio: int) -> torch.Tensor:
+        """This rank's entries [n, D] -> every entry of the micro-batch [C, D], in (sequence, window) order."""
+        slots, index = self.layouts[ratio]
+        padded = F.pad(entries, (0, 0, 0, slots - entries.shape[0]))
+        return GatherTokens.apply(padded, self.group)[index]
+
+    def total(self, count: torch.Tensor) -> torch.Tensor:
+        count = count.detach().clone()
+        dist.all_reduce(count, group=self.group)
+        return count
+
+    def next_token(self, values: torch.Tensor, batch: PackedBatch, fill: int) -> torch.Tensor:
+        from mlite.runtime.models.deepseek_v4 import shift_in_sequence
+
+        stream = values.new_empty(int(batch.cu_seqlens[-1]))
+        stream[_gather_ints(self.token_index, self.group)] = _gather_ints(values, self.group)
+        return shift_in_sequence(stream, batch, fill)[self.token_index]

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -49,15 +50,17 @@ def pad_to_multiple(batch: PackedBatch, multiple: int) -> PackedBatch:
     )
 
 
-def local_share(batch: PackedBatch, mesh: ParallelMesh | None) -> PackedBatch:
+def local_share(batch: PackedBatch, mesh: ParallelMesh | None, chunk_multiple: int = 1) -> PackedBatch:
     """This rank's part of a micro-batch: the whole of it (padded to a multiple of tp under sequence
-    parallel), or its zigzag share under context parallel."""
+    parallel), or its zigzag share under context parallel, each chunk a multiple of `chunk_multiple`
+    (the rule book's `context_chunk_multiple`) and tp tokens."""
     if mesh is None:
         return batch
     cp, tp = mesh.dims.cp, mesh.dims.tp
     if cp == 1:
         return pad_to_multiple(batch, tp)
-    return split_for_context_parallel(pad_to_multiple(batch, 2 * cp * tp), cp, mesh.rank_in("cp"))
+    multiple = 2 * cp * math.lcm(tp, chunk_multiple)
+    return split_for_context_parallel(pad_to_multiple(batch, multiple), cp, mesh.rank_in("cp"))
 
 
 def real_token_mask(share: PackedBatch, full: PackedBatch) -> torch.Tensor:
