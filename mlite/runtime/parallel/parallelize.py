@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (
 
 from mlite.errors import MliteError
 from mlite.runtime.models.moe import local_dispatch, local_stats, whole
-from mlite.runtime.parallel.context import context_parallel_attention
+from mlite.runtime.parallel.context import context_geometry, context_parallel_attention
 from mlite.runtime.parallel.expert import expert_parallel_dispatch, local_slice, token_group_stats
 from mlite.runtime.parallel.mesh import ParallelMesh
 
@@ -48,6 +48,13 @@ if TYPE_CHECKING:
 def sequence_shard(values: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """This tp rank's rows of per-token values under sequence parallel (Shard(0) of the padded share)."""
     return values.chunk(size)[rank]
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks a layout lays out: this stage's layers, and DeepSeek-V4's MTP block (a layer past
+    the last, on the last stage) where the model has one."""
+    extra = getattr(model, "mtp", None)
+    return list(model.layers.values()) + ([extra.block] if extra is not None else [])
 
 
 def is_moe(layer: nn.Module) -> bool:
@@ -113,7 +120,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
     # sequence parallel: the block's input is this tp rank's shard of the share's tokens
     token_rows = (functools.partial(sequence_shard, rank=mesh.rank_in("tp"), size=tp.size())
                   if tp.size() > 1 else whole)
-    for layer in model.layers.values():
+    for layer in blocks(model):
         if not is_moe(layer):
             continue
         if ep.size() > 1:
@@ -140,7 +147,7 @@ def apply_fsdp(
     `offload_fraction`: the share of layers whose sharded parameters, gradients and therefore optimizer
     state (and step) live on the host (FSDP2's CPUOffloadPolicy per layer unit); 1.0 offloads everything."""
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
-    layers = list(model.layers.values())
+    layers = blocks(model)
     offloaded = round(offload_fraction * len(layers))
 
     def shard(module, mesh_name, offload):
@@ -174,6 +181,9 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, devi
     apply_tensor_parallel(model, mesh)
     rc = job.recompute
     cp_group = mesh.group("cp") if mesh.dims.cp > 1 else None
+    if cp_group is not None and hasattr(model, "set_geometry"):  # DeepSeek-V4: boundary rows, not all K/V
+        apply_v4_context_parallel(model, cp_group)
+        cp_group = None
     apply_recompute(model, rc.granularity, rc.method, rc.num_layers, cp_group,
                     compile_blocks=job.model.compile)
     apply_expert_parallel(model, mesh)
@@ -238,6 +248,16 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor()
 
 
+def apply_v4_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup) -> None:
+    """DeepSeek-V4 under cp: its geometry becomes this rank's zigzag share with the boundary rows before each
+    chunk, and the compressed entries of every rank (mlite.runtime.parallel.context.context_geometry)."""
+    from mlite.plan.rules import context_chunk_multiple
+
+    arch = model.arch
+    model.set_geometry(functools.partial(context_geometry, window=arch.v4.sliding_window, ratios=model.ratios,
+                                         halo=context_chunk_multiple(arch), group=cp_group))
+
+
 def apply_recompute(
     model: nn.Module,
     granularity: str,
@@ -259,7 +279,7 @@ def apply_recompute(
     - `compile_blocks` (model.compile): each block's body goes through torch.compile, inside the layer's
       own call (FSDP2's hooks stay outside the graph) and inside a full recompute's checkpoint.
     """
-    layers = list(model.layers.values())
+    layers = blocks(model)
     for layer in layers:
         core = functools.partial(context_parallel_attention, group=cp_group) if cp_group is not None else None
         if granularity == "selective":
