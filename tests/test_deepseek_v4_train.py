@@ -1,5 +1,7 @@
 """`mlite sft` and `mlite grpo` train a tiny DeepSeek-V4 (catalog preset tiny-deepseek-v4) on CPU, with the
-MTP and indexer losses on; the rule book refuses its layouts not wired yet, in one line."""
+MTP and indexer losses on; every layout of the DeepSeek-V4 templates equals one process (the twin of
+slurm/{sft,grpo}_dsv4_128gpu.sbatch: pp2 x ep2 x cp2 on 8 gloo ranks) and resumes under another layout;
+keys the model lacks are refused in one line."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_runs import assert_same_curve, assert_same_records, mlite_cli, records
 from test_grpo_cli import mlite_grpo, workdir, write_job  # noqa: F401 - workdir is a fixture
 
 from mlite.trainers.metrics import read_metrics
@@ -70,7 +73,6 @@ def test_grpo_trains_tiny_deepseek_v4(workdir, tmp_path):  # noqa: F811 - the fi
 
 
 @pytest.mark.parametrize("override, line", [
-    ({"parallel": {"cp": 2}}, "DeepSeek-V4 under cp=2 is not wired into the runtime yet"),
     ({"model": {"name": "tiny-qwen3", "mtp_loss_weight": 0.3}}, "has no multi-token-prediction layer"),
     ({"model": {"name": "tiny-qwen3", "indexer_loss_weight": 0.1}}, "has no lightning indexer"),
 ])
@@ -146,3 +148,60 @@ def test_data_and_expert_parallel_match_one_process_and_resume_there(sft_assets,
     done = mlite("sft", str(config), "--no-progress")
     assert done.returncode == 2 and "does not match this job's model and optimizer" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# ------------------------------------------------------------------ the twin of the DeepSeek-V4 templates
+# slurm/{sft,grpo}_dsv4_128gpu.sbatch run PP4 x EP8 x CP4 (FSDP2); the twin has the same axes at degree 2:
+# the 4 mHC copies (and the MTP's next-token embeddings) travel between stages, experts (hash- and
+# bias-routed) dispatch across ep ranks, each cp rank gets its neighbour's boundary rows and every rank's
+# compressed entries, and MTP runs on the last stage under cp.
+TWIN = {"pp": 2, "ep": 2, "cp": 2}
+RESUMED = {"pp": 1, "ep": 1, "cp": 1}  # the twin's step-2 checkpoint continues under dp2
+LOSSES = {"mtp_loss_weight": 0.3, "indexer_loss_weight": 0.1}
+
+
+def run(job: dict, ranks: int, parallel: dict, tmp: Path, resume: Path | None = None):
+    job = {**job, "parallel": parallel, "cluster": {**job["cluster"], "gpus_per_node": ranks},
+           "trainer": {**job["trainer"], **({"resume": str(resume)} if resume else {})}}
+    done = mlite_cli(tmp, job, ranks, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def twin_runs(job: dict, tmp_path: Path, key: str):
+    """(one process, twin, twin's step 2 resumed under dp2) records of the same 3-step job."""
+    results = []
+    for name, ranks, parallel, resume in (
+            ("one", 1, {}, None), ("twin", 8, TWIN, None),
+            ("resumed", 2, RESUMED, tmp_path / "twin" / "checkpoints" / "step_00000002")):
+        out = tmp_path / name
+        run({**job, "trainer": {**job["trainer"], "output_dir": str(out)}}, ranks, parallel, tmp_path, resume)
+        results.append(records(out, key))
+    return results
+
+
+@pytest.mark.slow
+def test_sft_twin_of_the_dsv4_template_matches_one_process_and_resumes_under_dp(sft_assets, tmp_path):
+    """SFT, MTP and indexer losses on: pp2 x ep2 x cp2 gives the one-process losses and grad norms for 3
+    steps (1e-5), and its step-2 checkpoint continues under dp2 with the same step 3."""
+    root, files = sft_assets
+    job = dp_job(root, files, tmp_path / "unused")
+    job["model"] |= LOSSES
+    job["trainer"] |= {"steps": 3, "save_every": 2}
+    one, twin, resumed = twin_runs(job, tmp_path, "loss")
+    assert len(one) == 3
+    assert_same_curve(twin, one)
+    assert_same_curve(resumed, one[2:])
+
+
+@pytest.mark.slow
+def test_grpo_twin_of_the_dsv4_template_matches_one_process_and_resumes_under_dp(workdir, tmp_path):  # noqa: F811
+    """GRPO, MTP and indexer losses on: pp2 x ep2 x cp2 gives every per-step figure of one process
+    (rewards of the same samples, log-prob ratios, KL, entropy, grad norm) for 3 steps, and its step-2
+    checkpoint continues under dp2."""
+    job = yaml.safe_load(write_job(workdir, tmp_path / "unused", model={"name": "tiny-deepseek-v4", **LOSSES},
+                                   trainer={"steps": 3, "save_every": 2}).read_text())
+    job["optimizer"] |= {"clip_grad": 1.0}
+    one, twin, resumed = twin_runs(job, tmp_path, "reward/mean")
+    assert [r["step"] for r in one] == [1, 2, 3]
+    assert_same_records(twin, one)
+    assert_same_records(resumed, one[2:])
