@@ -12,6 +12,7 @@ set -euo pipefail
 # --- the job
 CONFIG=${CONFIG:-deepseek_v4_flash_grpo}                # job YAML file or packaged preset (mlite plan --help)
 MODEL_PATH=${MODEL_PATH:-}                # HF checkpoint dir; replaces the config's model
+MODEL_NAME=${MODEL_NAME:-}                # catalog preset (mlite/config/catalog.py); replaces the config's model
 TRAIN_FILES=${TRAIN_FILES:-}              # comma-separated prompt files (parquet/JSONL)
 VAL_FILES=${VAL_FILES:-}                  # comma-separated validation files
 TOKENIZER=${TOKENIZER:-}                  # tokenizer dir; default: the model path
@@ -22,8 +23,11 @@ VPP=${VPP:-}                              # virtual stages per pipeline rank
 CP=${CP:-}                                # context parallel
 EP=${EP:-}                                # expert parallel
 ETP=${ETP:-}                              # expert tensor parallel
+PP_FIRST_STAGE_LAYERS=${PP_FIRST_STAGE_LAYERS:-}  # layers on the first pipeline stage; null: an even split
+PP_LAST_STAGE_LAYERS=${PP_LAST_STAGE_LAYERS:-}    # layers on the last pipeline stage; null: an even split
 OPTIMIZER=${OPTIMIZER:-}                  # dist_opt | fsdp2
 RECOMPUTE=${RECOMPUTE:-}                  # none | selective | full
+PRECISION=${PRECISION:-}                  # bf16 | fp16 | fp32: dtype of matmuls and activations
 OFFLOAD_PARAMS=${OFFLOAD_PARAMS:-}        # true | false: parameters on the host between uses (fsdp2)
 OFFLOAD_GRADS=${OFFLOAD_GRADS:-}          # true | false: gradients on the host
 OFFLOAD_OPTIMIZER=${OFFLOAD_OPTIMIZER:-}  # true | false: optimizer state on the host

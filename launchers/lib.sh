@@ -10,8 +10,12 @@ add() { [[ -z $2 ]] || OVERRIDES+=("$1=$2"); }
 collect_overrides() {
   OVERRIDES=()
 
+  [[ -z $MODEL_NAME || -z $MODEL_PATH ]] \
+    || die "MODEL_NAME=$MODEL_NAME and MODEL_PATH=$MODEL_PATH: set one (a catalog preset or an HF checkpoint dir)"
   if [[ -n $MODEL_PATH ]]; then OVERRIDES+=("model.name=null"); fi
   add model.path "$MODEL_PATH"
+  if [[ -n $MODEL_NAME ]]; then OVERRIDES+=("model.path=null"); fi
+  add model.name "$MODEL_NAME"
   [[ -z $TRAIN_FILES ]] || add data.train_files "[$TRAIN_FILES]"
   [[ -z $VAL_FILES ]] || add data.val_files "[$VAL_FILES]"
   add data.tokenizer "$TOKENIZER"
@@ -24,9 +28,12 @@ collect_overrides() {
   add parallel.cp "$CP"
   add parallel.ep "$EP"
   add parallel.etp "$ETP"
+  add parallel.pp_first_stage_layers "$PP_FIRST_STAGE_LAYERS"
+  add parallel.pp_last_stage_layers "$PP_LAST_STAGE_LAYERS"
   add optimizer.backend "$OPTIMIZER"
   add optimizer.lr "$LR"
   add recompute.granularity "$RECOMPUTE"
+  add precision.compute "$PRECISION"
   add offload.params "$OFFLOAD_PARAMS"
   add offload.grads "$OFFLOAD_GRADS"
   add offload.optimizer "$OFFLOAD_OPTIMIZER"

@@ -5,7 +5,10 @@ current venv (CONTAINER=none).
 - a 2-node SFT job trains with both nodes, checkpoints, and matches the one-process run step by step;
 - a job signalled for preemption checkpoints, requeues itself and continues with the same losses;
 - a job whose second node dies mid-run fails within a minute, naming that node;
-- a 2-node Ray cluster comes up (both nodes seen) and runs mlite's GRPO through it.
+- a 2-node Ray cluster comes up (both nodes seen) and runs mlite's GRPO through it;
+- the DeepSeek-V4 GRPO template itself (slurm/grpo_dsv4_128gpu.sbatch), its knobs selecting a tiny DeepSeek-V4
+  and a two-rank layout, trains, and a preempted run checkpoints, requeues and continues with the losses of
+  the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from pathlib import Path
 
 import pytest
 from slurm_fixtures import job_state, local_cluster, submit, wait_for
+
+TESTS = Path(__file__).parent
 
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 
@@ -266,3 +271,134 @@ def test_ray_cluster_over_two_nodes_runs_mlite_grpo(slurm_cluster, demo, tmp_pat
     final = run_dir / "checkpoints" / "step_00000002"
     assert sorted(p.name for p in final.glob("rank_*.pt")) == ["rank_00000.pt", "rank_00001.pt"]  # one world
     assert [r["step"] for r in metrics(run_dir) if "reward/mean" in r] == [1, 2]
+
+
+# ------------------------------------------------------------------------ the DeepSeek-V4 template, tiny
+# slurm/grpo_dsv4_128gpu.sbatch as written (its job preset deepseek_v4_flash_grpo, FSDP2, full recompute,
+# torchrun on every node), its knobs selecting the catalog's tiny-deepseek-v4 and a layout over the two nodes,
+# one gloo rank each. The layout is this one constant: data and expert parallel (EP=2), what DeepSeek-V4's
+# GRPO runs under when this was written; {"PP": "2", "EP": "1", "CP": "1"} puts a pipeline over the two nodes
+# once GRPO's built-in rollout decodes under pp (it needs the whole model: a pipeline stage has no KV cache).
+DSV4_LAYOUT = {"PP": "1", "EP": "2", "CP": "1"}
+DSV4_STEPS = 4
+DSV4_LOSSES = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "reward/mean")
+VOLATILE = ("time/", "tokens_per_s", "step_time_s")  # wall-clock figures differ between runs
+
+
+@pytest.fixture(scope="module")
+def dsv4_assets(tmp_path_factory):
+    """Prompts (prompt + answer rows) and a 256-token tokenizer: the tiny preset's vocabulary."""
+    from mlite.runtime.data.demo import write_demo_data
+    from mlite.runtime.data.tokenizer import train_demo_tokenizer
+
+    root = tmp_path_factory.mktemp("slurm_dsv4")
+    files = write_demo_data(root / "data", train=32, val=4, seed=1)
+    train_demo_tokenizer(root / "tokenizer", seed=1, vocab_size=256, rows=200)
+    return files["train.jsonl"], root / "tokenizer"
+
+
+def dsv4_grpo_knobs(assets, output_root: Path, steps: int = DSV4_STEPS) -> dict[str, str]:
+    prompts, tokenizer = assets
+    return {
+        "MODEL_NAME": "tiny-deepseek-v4",
+        **DSV4_LAYOUT,
+        # the template's 11+11+11+10 stage split is V4-Flash's 43 layers; the tiny model's 4 split evenly
+        "PP_FIRST_STAGE_LAYERS": "null",
+        "PP_LAST_STAGE_LAYERS": "null",
+        "GPUS_PER_NODE": "1",
+        "DEVICE": "cpu",
+        "GPU": "cpu",
+        "PRECISION": "fp32",
+        "TRAIN_FILES": str(prompts),
+        "TOKENIZER": str(tokenizer),
+        "SEQ_LEN": "64",
+        "ROLLOUT_N": "4",
+        "PROMPTS_PER_STEP": "2",
+        "MAX_PROMPT_LEN": "48",
+        "MAX_RESPONSE_LEN": "8",
+        # a dense reward for an untrained model (the visible length of the response): advantages are not 0
+        "REWARD": "grpo_helpers:text_reward",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "LR": "1e-3",
+        "STEPS": str(steps),
+        "OUTPUT_ROOT": str(output_root),
+    }
+
+
+def grpo_records(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in metrics(run_dir) if "reward/mean" in r}
+
+
+@pytest.fixture(scope="module")
+def dsv4_grpo_run(slurm_cluster, dsv4_assets, tmp_path_factory):
+    """One uninterrupted 2-node job of the DeepSeek-V4 GRPO template: the reference for the preempted one."""
+    out = tmp_path_factory.mktemp("slurm_dsv4_grpo")
+    job = submit_to(out, "grpo_dsv4_128gpu", dsv4_grpo_knobs(dsv4_assets, out), "t-dsv4")
+    state = wait_for(job, timeout=300)
+    return job, state, out / f"t-dsv4-{job}", batch_log(out, job)
+
+
+def test_dsv4_grpo_template_trains_a_tiny_deepseek_v4_on_both_nodes(dsv4_grpo_run):
+    job, state, run_dir, log = dsv4_grpo_run
+    assert state["JobState"] == "COMPLETED", log[-3000:]
+    logs = run_dir / "logs" / f"job-{job}-restart-0"
+    assert (logs / "plan.txt").read_text().rstrip().splitlines()[-1].startswith("FITS")
+    for node, rank in (("n1", 0), ("n2", 1)):
+        assert (logs / f"node-{node}.exit").read_text().split()[0] == "0"
+        command = (logs / f"command.node{rank}.sh").read_text()
+        for part in (f"--nnodes 2 --node-rank {rank}", "-m mlite grpo deepseek_v4_flash_grpo",
+                     "--set model.name=tiny-deepseek-v4", "--set optimizer.backend=fsdp2",
+                     "--set recompute.granularity=full", *(f"--set parallel.{k.lower()}={v}"
+                                                           for k, v in DSV4_LAYOUT.items())):
+            assert part in command, (part, command)
+    final = run_dir / "checkpoints" / f"step_{DSV4_STEPS:08d}"
+    assert sorted(p.name for p in final.glob("rank_*.pt")) == ["rank_00000.pt", "rank_00001.pt"]
+    records = grpo_records(run_dir)
+    assert sorted(records) == list(range(1, DSV4_STEPS + 1))
+    for record in records.values():
+        assert all(math.isfinite(record[key]) for key in DSV4_LOSSES), record
+        assert record["actor/grad_norm"] > 0 and record["reward/std"] > 0, record  # advantages are not 0
+    assert "finished on all 2 nodes" in log
+
+
+def test_dsv4_grpo_template_preempted_checkpoints_requeues_and_continues_with_the_same_losses(
+    dsv4_grpo_run, dsv4_assets, tmp_path
+):
+    _, state0, reference, _ = dsv4_grpo_run
+    assert state0["JobState"] == "COMPLETED"
+    job = submit_to(tmp_path, "grpo_dsv4_128gpu", dsv4_grpo_knobs(dsv4_assets, tmp_path), "t-dsv4-preempt")
+    run_dir = tmp_path / f"t-dsv4-preempt-{job}"
+    deadline = time.monotonic() + 180
+    while not grpo_records(run_dir):  # training is under way
+        assert time.monotonic() < deadline and job_state(job).get("JobState") in ("PENDING", "RUNNING"), (
+            batch_log(tmp_path, job)[-3000:]
+        )
+        time.sleep(0.2)
+    # the template's --signal=B:USR1@600: Slurm sends SIGUSR1 to the batch shell 10 minutes before the limit
+    signalled = subprocess.run(
+        ["scancel", "--signal=USR1", "--batch", job], capture_output=True, text=True, check=False
+    )
+    assert signalled.returncode == 0, signalled.stderr
+    state = wait_for(job, timeout=300)  # a requeued job goes back to PENDING, never to a final state
+    log = batch_log(tmp_path, job)
+    assert state["JobState"] == "COMPLETED" and int(state.get("Restarts", 0)) == 1, log[-3000:]
+    assert "SIGUSR1: preemption notice" in log and f"requeueing job {job}" in log
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert saved[-1] == f"step_{DSV4_STEPS:08d}" and len(saved) >= 2  # the preemption's, then the last
+    stopped_at = int(saved[-2].split("_")[1])
+    assert 1 <= stopped_at < DSV4_STEPS
+    checkpoint = run_dir / "checkpoints" / saved[-2]
+    assert sorted(p.name for p in checkpoint.glob("rank_*.pt")) == ["rank_00000.pt", "rank_00001.pt"]
+    first = run_dir / "logs" / f"job-{job}-restart-0"
+    second = run_dir / "logs" / f"job-{job}-restart-1"
+    for node in ("n1", "n2"):  # every rank got the notice and every rank resumed from the checkpoint
+        assert f"{node} got SIGUSR1" in (first / f"node-{node}.log").read_text()
+        assert f"resumed from {checkpoint} at step {stopped_at}" in (second / f"node-{node}.log").read_text()
+    resumed, full = grpo_records(run_dir), grpo_records(reference)
+    assert sorted(resumed) == sorted(full) == list(range(1, DSV4_STEPS + 1))
+    for step, want in full.items():
+        compared = {key for key in want if not key.startswith(VOLATILE)}
+        assert compared >= set(DSV4_LOSSES) and set(resumed[step]) >= compared
+        for key in sorted(compared):  # 1e-6 absolute: fp32 rounding of token means that are 0 on policy
+            got = resumed[step][key]
+            assert math.isclose(got, want[key], rel_tol=1e-5, abs_tol=1e-6), (step, key, got, want[key])

@@ -42,7 +42,6 @@ from mlite.runtime.models.moe import (
 )
 
 
-
 # ---------------------------------------------------------------------------------------------- norms
 # V4 keeps every norm weight in fp32 and scales in fp32: RMSNorm(..., fp32_weight=True) throughout
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -259,8 +258,9 @@ class Compressor(nn.Module):
         if self.overlap:
             d = self.dim
             has_prev = windows.has_prev[:, None, None]
+            prev_kv = kv_rows[windows.prev_rows][..., :d]
             prev_gate = gate_rows[windows.prev_rows][..., :d] + self.position_bias[:, :d].float()
-            kv = torch.cat([torch.where(has_prev, kv_rows[windows.prev_rows][..., :d], 0.0), kv[..., d:]], dim=1)
+            kv = torch.cat([torch.where(has_prev, prev_kv, 0.0), kv[..., d:]], dim=1)
             gate = torch.cat([torch.where(has_prev, prev_gate, float("-inf")), gate[..., d:]], dim=1)
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         return apply_rope(self.norm((kv * weights).sum(dim=1)), cos, sin)

@@ -215,7 +215,7 @@ class BoundaryExchange:
         return x[self.local_rows]
 
     def gather(self, entries: torch.Tensor, ratio: int) -> torch.Tensor:
-        """This rank's entries [n, D] -> every entry of the micro-batch [C, D], in (sequence, window) order."""
+        """This rank's entries [n, D] -> the micro-batch's [C, D], in (sequence, window) order."""
         slots, index = self.layouts[ratio]
         padded = F.pad(entries, (0, 0, 0, slots - entries.shape[0]))
         return GatherTokens.apply(padded, self.group)[index]
