@@ -33,9 +33,8 @@ from mlite.config.schema import JobConfig
 from mlite.runtime import forward, state
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.layout import COMPUTE_DTYPES, build_parallel_model, hf_config_of, place
-from mlite.runtime.models import build_model
 from mlite.runtime.optim import LocalAdamW, LRSchedule
-from mlite.runtime.parallel.parallelize import full_tensor, grad_norm
+from mlite.runtime.parallel.parallelize import grad_norm
 from mlite.runtime.state import export_checkpoint, seed_everything
 
 log = logging.getLogger(__name__)
@@ -44,10 +43,10 @@ __all__ = ["Runtime", "export_checkpoint"]
 
 class Runtime:
     def __init__(self, job: JobConfig, total_steps: int | None = None, hf_config: dict | None = None):
-        """Check the job against the rule book, then build the model (random init from trainer.seed, or HF
-        weights when model.load_weights), lay it out, and build the optimizer and the schedule. `hf_config`
-        overrides the model's config.json (export uses the copy in a checkpoint); `total_steps` is the
-        schedule's length (default trainer.steps)."""
+        """Check the job against the rule book, then build this rank's share of the model, laid out (random
+        init from trainer.seed, the same under every layout, or HF weights when model.load_weights), and
+        build the optimizer and the schedule. `hf_config` overrides the model's config.json (export uses the
+        copy in a checkpoint); `total_steps` is the schedule's length (default trainer.steps)."""
         self.job = job
         self.hf_config = hf_config if hf_config is not None else hf_config_of(job)
         self.arch: ModelArch = arch_from_hf_config(self.hf_config, name=job.model.name or "")
@@ -64,16 +63,12 @@ class Runtime:
         use_autocast = compute != "fp32" and self.mesh is None and master == torch.float32
         self.autocast_dtype = COMPUTE_DTYPES[compute] if use_autocast else None
 
-        seed_everything(job.trainer.seed)  # same initial weights on every rank and every run
-        model = build_model(self.arch, job.model.attention_backend, dtype=torch.float32, device=self.device,
-                            mtp_weight=job.model.mtp_loss_weight,
-                            indexer_loss_weight=job.model.indexer_loss_weight)
-        if job.model.load_weights and hf_config is None:
-            from mlite.runtime.ckpt.hf import load_hf_weights
-
-            load_hf_weights(model, job.model.path, torch.float32)
-        self.model, self.pipeline, self.chunks = build_parallel_model(model.to(master), job, self.placement,
-                                                                      self.arch)
+        seed_everything(job.trainer.seed)  # the run's other random streams (initial weights: seeded_init)
+        # built on the meta device and laid out there; each rank then materialises only its own shards
+        # (mlite.runtime.layout.build_parallel_model), so no rank ever holds the whole model
+        weights = job.model.path if job.model.load_weights and hf_config is None else None
+        self.model, self.pipeline, self.chunks = build_parallel_model(job, self.placement, self.arch,
+                                                                      master, weights)
         self._rollout_replica = None  # built on the first rollout_model() of a parallelized model
         self.optim = LocalAdamW(self.model.parameters(), job.optimizer,
                                 grad_norm_fn=grad_norm if self.mesh is not None else None)
@@ -165,23 +160,10 @@ class Runtime:
             return self.forward_backward(micro_batches, None, forward_only=True, temperature=temperature)
 
     def rollout_model(self) -> torch.nn.Module:
-        """The model the native sampler decodes with (mlite.trainers.grpo.rollout). A parallelized model
-        holds DTensor shards behind FSDP hooks that expect the whole model's forward, while decode calls
-        the embedding and layers itself and each rank stops at its own step, so gathering per call would
-        pair collectives unevenly. Instead the current weights are gathered once per rollout into a plain
-        replica: one collective per parameter, the same on every rank. The replica costs one unsharded
-        copy of the model per rank. Pipeline stages hold part of the model, and decode refuses them."""
-        if self.mesh is None or self.pipeline is not None:
-            return self.model
-        if self._rollout_replica is None:
-            self._rollout_replica = build_model(
-                self.arch, self.job.model.attention_backend, dtype=torch.float32, device=self.device
-            )
-        replica = dict(self._rollout_replica.named_parameters())
-        with torch.no_grad():
-            for name, param in self.model.named_parameters():
-                replica[name].data = full_tensor(param.detach()).to(self.device)
-        return self._rollout_replica.eval()
+        """The model the native sampler decodes with (mlite.trainers.grpo.rollout): the model itself on one
+        process, else a plain replica of the current weights and buffers gathered once per rollout, from
+        every pipeline stage too (mlite.runtime.state.rollout_model)."""
+        return state.rollout_model(self)
 
     # ------------------------------------------------------------------------------ state & export
     def save_checkpoint(self, path: str | Path, extra_state: dict | None = None) -> Path:
@@ -192,3 +174,8 @@ class Runtime:
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         return state.export_weights(self, dtype)
+
+    def weight_shards(self, dtype: torch.dtype | None = None) -> Iterator[Any]:
+        """This rank's pieces of the HF tensors (HF name, piece, offsets, full shape) in `dtype`, for rollout
+        weight sync: only what it holds, each element sent by one rank of the world (mlite.runtime.state)."""
+        return state.weight_shards(self, dtype)

@@ -6,11 +6,14 @@ One process is the layout with every degree 1 (`ParallelDims(world_size=1)`): no
 Several ranks (torchrun or srun set WORLD_SIZE) get the meshes of `ParallelDims.build` and
 `parallelize_model` (TP+SP, attention core with CP and recompute, EP, FSDP2 over dp_cp), or pipeline
 chunks each parallelized like a whole model.
+
+Start-up at scale: a model is built on the meta device, one chunk per pipeline stage it holds, laid out
+there, and only then does each rank allocate and fill its own shards (`build_parallel_model`), so a rank's
+start-up memory is its share of the model, never the whole of it.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from dataclasses import dataclass
@@ -25,9 +28,10 @@ from mlite.config.arch import ModelArch
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
 from mlite.plan.rules import check_job, megatron_installed
+from mlite.runtime.models import build_model, seeded_init
 from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
-from mlite.runtime.parallel.parallelize import apply_recompute, parallelize_model
-from mlite.runtime.parallel.pipeline import PipelineRunner, keep_chunk, split_layers, stage_view
+from mlite.runtime.parallel.parallelize import apply_recompute, local_shard, parallelize_model
+from mlite.runtime.parallel.pipeline import PipelineRunner, split_layers, stage_view
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -100,33 +104,77 @@ def place(job: JobConfig, arch: ModelArch) -> Placement:
     return Placement(device, dims, mesh, owns)
 
 
-def build_parallel_model(model: nn.Module, job: JobConfig, placement: Placement, arch: ModelArch):
-    """The built model laid out on the placement: (model, pipeline runner or None, chunks or None). Under
-    pipeline parallel, `model` becomes a view of this rank's chunks under the whole model's names."""
-    if placement.dims.pp > 1:
-        runner, chunks = _pipeline(model, job, placement, arch)
-        return stage_view(chunks), runner, chunks
-    rc = job.recompute
-    if placement.mesh is not None:
-        parallelize_model(model, placement.mesh, job, placement.device.type)
-    else:
-        apply_recompute(model, rc.granularity, rc.method, rc.num_layers, compile_blocks=job.model.compile)
-    return model, None, None
+def build_parallel_model(job: JobConfig, placement: Placement, arch: ModelArch,
+                         dtype: torch.dtype = torch.float32, weights: str | Path | None = None):
+    """This rank's share of the model, laid out on the placement: (model, pipeline runner or None, chunks or
+    None). Under pipeline parallel, `model` is a view of this rank's chunks under the whole model's names.
 
-
-def _pipeline(model: nn.Module, job: JobConfig, placement: Placement, arch: ModelArch):
-    """This pp rank's chunks of the model (chunk c of pp*vpp lives on rank c % pp), each parallelized like a
-    whole model, and the runner that moves activations between them."""
-    dims, par, mesh = placement.dims, job.parallel, placement.mesh
-    split = split_layers(arch.num_layers, dims.pp, dims.vpp, par.pp_first_stage_layers,
-                         par.pp_last_stage_layers)
-    pp_rank = mesh.rank_in("pp")
-    chunks = {}
-    for c in range(pp_rank, dims.pp * dims.vpp, dims.pp):
-        chunk = keep_chunk(copy.deepcopy(model), split[c], c == 0, c == len(split) - 1)
-        chunks[c] = parallelize_model(chunk, mesh, job, placement.device.type)
-    runner = PipelineRunner(chunks, dims.pp * dims.vpp, dist.get_process_group_ranks(mesh.group("pp")))
-    dtype = next(model.parameters()).dtype
+    No rank ever holds the whole model: the chunks are built and laid out on the meta device
+    (`rank_chunks`), then each rank materialises only its own shards (`materialise`): random weights that
+    are the same under every layout, or its slices of the HF checkpoint at `weights`."""
+    chunks = rank_chunks(job, arch, placement.dims, placement.mesh, dtype)
+    for chunk in chunks.values():
+        materialise(chunk, placement.device, job.trainer.seed, weights)
+    if placement.dims.pp == 1:
+        return chunks[0], None, None
+    mesh = placement.mesh
+    runner = PipelineRunner(chunks, placement.dims.pp * placement.dims.vpp,
+                            dist.get_process_group_ranks(mesh.group("pp")))
     runner.activation_dtype = (COMPUTE_DTYPES[job.precision.compute] if placement.device.type == "cuda"
                                else dtype)
-    return runner, chunks
+    return stage_view(chunks), runner, chunks
+
+
+def rank_chunks(job: JobConfig, arch: ModelArch, dims: ParallelDims, mesh: ParallelMesh | None,
+                dtype: torch.dtype = torch.float32) -> dict[int, nn.Module]:
+    """This rank's pipeline chunks (chunk c of pp*vpp lives on pp rank c % pp; one chunk, the whole model,
+    without pipeline parallel), each built on the meta device with only its own layers (the embedding on
+    the chunk with layer 0, norm and head on the one with the last layer) and laid out like a whole model
+    (TP, CP, recompute, EP, FSDP2: DTensor plans apply to meta modules). Nothing is allocated: what the
+    rank holds is each parameter's local shard (`to_local()`), which `materialise` gives storage and
+    values. `mesh` None: one process (recompute and compilation only)."""
+    model = job.model
+
+    def build(layers):
+        return build_model(arch, model.attention_backend, dtype=dtype, device="meta", layers=layers,
+                           mtp_weight=model.mtp_loss_weight, indexer_loss_weight=model.indexer_loss_weight)
+
+    if mesh is None:
+        whole = build(None)
+        rc = job.recompute
+        apply_recompute(whole, rc.granularity, rc.method, rc.num_layers, compile_blocks=model.compile)
+        return {0: whole}
+    par = job.parallel
+    split = split_layers(arch.num_layers, dims.pp, dims.vpp, par.pp_first_stage_layers,
+                         par.pp_last_stage_layers)
+    device_type = mesh.dense.device_type
+    return {c: parallelize_model(build(split[c]), mesh, job, device_type)
+            for c in range(mesh.rank_in("pp"), dims.pp * dims.vpp, dims.pp)}
+
+
+def materialise(chunk: nn.Module, device: torch.device, seed: int, weights: str | Path | None = None) -> None:
+    """Give a meta-built (and laid out) chunk storage on `device` for its own shards only, then values: its
+    slices of the HF checkpoint `weights`, and for every tensor the checkpoint does not fill (none, for a
+    complete one) the seeded initialisation (mlite.runtime.models.seeded_init: each tensor drawn from (seed,
+    its global name), so every layout starts from the one-process weights)."""
+    to_empty_tied(chunk, device)
+    loaded: set[str] = set()
+    if weights is not None:
+        from mlite.runtime.ckpt.hf import load_hf_weights
+
+        loaded = load_hf_weights(chunk, weights)
+    seeded_init(chunk, seed, local_shard, skip=loaded)
+
+
+def to_empty_tied(module: nn.Module, device: torch.device) -> None:
+    """`module.to_empty(device)` with tied parameters kept tied: moving a plain meta parameter replaces it
+    in each module that holds it, so a tied LM head would become a second, separate matrix."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((sub, name))
+    module.to_empty(device=device)
+    for (first, first_name), *others in (places for places in holders.values() if len(places) > 1):
+        for sub, name in others:
+            sub._parameters[name] = first._parameters[first_name]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -129,6 +130,50 @@ def swapped_weights(model: torch.nn.Module, snapshot: dict[str, torch.Tensor]):
         swap()
 
 
+# ---------------------------------------------------------------------------------------- rollout replica
+def _named_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers (DeepSeek-V4's hash tables and routing biases) by whole-model name."""
+    return {**dict(model.named_buffers()), **dict(model.named_parameters())}
+
+
+def rollout_model(rt: Runtime) -> torch.nn.Module:
+    """The model the native sampler decodes with (Runtime.rollout_model). One process decodes with the
+    model itself. A parallelized model holds DTensor shards behind FSDP hooks that expect the whole model's
+    forward, while decode calls the embedding and layers itself and each rank stops at its own step, so
+    gathering per call would pair collectives unevenly. Instead the current weights (and buffers) are
+    gathered once per rollout into a plain replica on every rank: each tensor's shards over its stage's
+    meshes, then, under pipeline parallel, broadcast over `pp` from the stage that holds it, in the
+    replica's order on every rank. The replica costs one unsharded copy of the model per rank."""
+    if rt.mesh is None:
+        return rt.model
+    from mlite.runtime.models import build_model
+    from mlite.runtime.parallel.parallelize import full_tensor
+
+    if rt._rollout_replica is None:  # storage only: every tensor is overwritten below
+        rt._rollout_replica = build_model(rt.arch, rt.job.model.attention_backend, dtype=torch.float32,
+                                          device=rt.device, init=False)
+    held = _named_state(rt.model)  # under pp: this stage's tensors, named as in the whole model
+    group, owners = None, {}
+    if rt.pipeline is not None:
+        group = rt.mesh.group("pp")
+        ranks = dist.get_process_group_ranks(group)
+        stages: list[dict | None] = [None] * len(ranks)
+        dist.all_gather_object(stages, {name: t.dtype for name, t in held.items()}, group=group)
+        owners = {name: (ranks[i], dtype) for i, stage in enumerate(stages) for name, dtype in stage.items()}
+    with torch.no_grad():
+        for name, target in _named_state(rt._rollout_replica).items():
+            if name not in (owners if group is not None else held):
+                raise MliteError(f"rollout replica: no rank holds {name} of the model; a runtime bug")
+            if name in held:
+                tensor = full_tensor(held[name].detach()).to(rt.device)
+            else:
+                tensor = torch.empty(target.shape, dtype=owners[name][1], device=rt.device)
+            if group is not None:
+                dist.broadcast(tensor, src=owners[name][0], group=group)
+            target.data = tensor
+    return rt._rollout_replica.eval()
+
+
 # --------------------------------------------------------------------------------------------- export
 def export_weights(rt: Runtime, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors one at a time (never the whole state at once)."""
@@ -162,3 +207,17 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     config = None if runtime.job.model.name is not None else meta["hf_config"]  # presets: from the arch
     return save_hf_checkpoint(runtime.export_weights(dtype), runtime.arch, out_dir, config=config,
                               dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------- rollout weight sync
+def held_models(rt: Runtime) -> list[torch.nn.Module]:
+    """This rank's models that know their HF names (`hf_layout`): its pipeline chunks, or the model."""
+    return list(rt.chunks.values()) if rt.chunks else [rt.model]
+
+
+def weight_shards(rt: Runtime, dtype: torch.dtype | None = None):
+    """This rank's pieces of the HF tensors, for rollout weight sync under any layout: no rank gathers
+    (mlite.runtime.ckpt.sync.weight_shards)."""
+    from mlite.runtime.ckpt.sync import weight_shards as shards
+
+    return shards(held_models(rt), dtype)

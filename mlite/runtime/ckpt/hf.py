@@ -174,6 +174,25 @@ class _SafetensorsCheckpoint:
                 f"cannot read tensor '{name}' from {self._files[name]} ({err}); the file is corrupt"
             ) from None
 
+    def region(self, name: str, indices: list[torch.Tensor | None]) -> torch.Tensor:
+        """The entries of tensor `name` at `indices` (per dim: global indices, None for the whole dim): a
+        sharded rank reads its share only. A stored tensor is read as one slice over the indices' span
+        (`get_slice`); a quantised one is dequantised whole (its scale blocks tile the whole weight)."""
+        stored = self._stored[name]
+        if stored in self.scale_of:
+            return _select(self.tensor(name), indices)
+        spans = tuple(slice(None) if i is None else slice(int(i.min()), int(i.max()) + 1) if i.numel()
+                      else slice(0, 0) for i in indices)
+        try:
+            part = self._slice(stored)[spans] if spans else self._read(stored)
+        except MliteError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any read failure is a corrupt file to the user
+            raise MliteError(
+                f"cannot read tensor '{stored}' from {self._files[stored]} ({err}); the file is corrupt"
+            ) from None
+        return _select(part, [None if i is None else i - s.start for i, s in zip(indices, spans)])
+
     def tensor(self, name: str) -> torch.Tensor:
         name = self._stored[name]
         if name not in self.scale_of:
@@ -187,6 +206,14 @@ class _SafetensorsCheckpoint:
                 f"cannot dequantise tensor '{name}' with its scale '{scale}' from {self._files[name].name} "
                 f"({err}); the checkpoint is corrupt: re-download or re-export it"
             ) from None
+
+
+def _select(tensor: torch.Tensor, indices: list[torch.Tensor | None]) -> torch.Tensor:
+    for dim, index in enumerate(indices):
+        if index is not None and not (index.numel() == tensor.shape[dim]
+                                      and torch.equal(index, torch.arange(tensor.shape[dim]))):
+            tensor = tensor.index_select(dim, index)
+    return tensor
 
 
 # safetensors dtypes of weights that carry a scale (FP8, and FP4 packed in bytes or as F4)
@@ -218,11 +245,16 @@ def _describe(arch: ModelArch) -> str:
     return f"{arch.model_type} with {arch.num_layers} layers, hidden {arch.hidden}{experts}"
 
 
-def load_hf_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None = None) -> None:
-    """Fill `model`'s parameters from an HF safetensors checkpoint, one parameter at a time.
+def load_hf_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None = None) -> set[str]:
+    """Fill `model`'s parameters from an HF safetensors checkpoint, one parameter at a time; returns the
+    names of the tensors it filled.
 
-    Tensors are converted to the parameter dtype (`dtype`, when given, converts the model first). A pipeline
-    stage reads only its own tensors; a tensor that belongs to no stage of the architecture is an error."""
+    Tensors are converted to the parameter dtype (`dtype`, when given, converts the model first). Each rank
+    reads only what it holds: a pipeline stage its own tensors, an expert-parallel rank its experts' tensors
+    (one per expert in the checkpoint), a sharded parameter (FSDP2, TP; DTensor) the rows and columns of its
+    shard. A tensor that belongs to no stage of the architecture is an error."""
+    from mlite.runtime.parallel.parallelize import local_shard
+
     if dtype is not None:
         model.to(dtype)
     ckpt = _SafetensorsCheckpoint(path, getattr(model, "canonical_hf_name", None))
@@ -252,8 +284,30 @@ def load_hf_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | Non
                     f"{_describe(model.arch)} expects {list(want.shape)}; the weights do not match the "
                     "config: use the config.json that came with them"
                 )
+        local, indices = local_shard(param)
         with torch.no_grad():
-            param.copy_(entry.join([ckpt.tensor(name) for name in entry.hf_names]))
+            local.copy_(_read_share(ckpt, entry, param.shape, indices))
+    return {entry.param for entry in model.hf_layout()}
+
+
+def _read_share(ckpt: _SafetensorsCheckpoint, entry, shape: torch.Size, indices: list) -> torch.Tensor:
+    """This rank's entries (`indices`, see local_shard) of one native tensor. One stored tensor of the same
+    shape is the native tensor: its share is read directly. Several stored tensors stacked along dim 0 (the
+    experts: `len(hf_names)` a multiple of dim 0, that many names per index, in order) are read only for the
+    indices this rank holds, and joined. Anything else is read whole and joined."""
+    names = entry.hf_names
+    if len(names) == 1 and ckpt.shape(names[0]) == list(shape):
+        return ckpt.region(names[0], indices)
+    rows = indices[0] if indices else None
+    if rows is not None and len(shape) and shape[0] and len(names) % shape[0] == 0:
+        per = len(names) // shape[0]
+        picked = [names[i * per + j] for i in rows.tolist() for j in range(per)]
+        if not picked:
+            return torch.empty(0, *shape[1:])
+        part = entry.join([ckpt.tensor(name) for name in picked])
+        if list(part.shape) == [len(rows), *shape[1:]]:
+            return _select(part, [None, *indices[1:]])
+    return _select(entry.join([ckpt.tensor(name) for name in names]), indices)
 
 
 # ---------------------------------------------------------------------------------------------- writing

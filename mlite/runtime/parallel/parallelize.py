@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from mlite.errors import MliteError
 from mlite.runtime.models.moe import local_dispatch, local_stats, whole
@@ -126,8 +127,11 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
         if ep.size() > 1:
             experts = layer.mlp.experts
             for name, param in list(experts.named_parameters(recurse=False)):
-                experts.register_parameter(
-                    name, nn.Parameter(distribute_tensor(param.detach(), ep, [Shard(0)])))
+                # every rank slices its own experts (src_data_rank=None: no scatter), so this also lays out
+                # a model still on the meta device, before any rank holds values
+                experts.register_parameter(name, nn.Parameter(
+                    distribute_tensor(param.detach(), ep, [Shard(0)], src_data_rank=None),
+                    requires_grad=param.requires_grad))
             experts.set_local_view(local_slice)
         layer.mlp.set_parallel(dispatch, reduce_stats, token_rows)
 
@@ -256,6 +260,33 @@ def apply_v4_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup) -> 
     arch = model.arch
     model.set_geometry(functools.partial(context_geometry, window=arch.v4.sliding_window, ratios=model.ratios,
                                          halo=context_chunk_multiple(arch), group=cp_group))
+
+
+def local_shard(tensor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """(the storage this rank holds of `tensor`, the global indices it holds along each dim: None where it
+    holds the whole dim). Initialisation and checkpoint loading fill exactly these entries of the global
+    tensor, so a rank draws or reads only its own share. The indices come from DTensor's own split of each
+    dim (an arange laid out like the tensor, split locally without communication), so any nesting of
+    placements (FSDP2 over TP or EP gives strided shards) is covered."""
+    if not isinstance(tensor, DTensor):
+        return tensor, [None] * tensor.dim()
+    indices: list[torch.Tensor | None] = []
+    for dim, size in enumerate(tensor.shape):
+        placements = []
+        for p in tensor.placements:
+            if isinstance(p, _StridedShard) and p.dim == dim:
+                placements.append(_StridedShard(0, split_factor=p.split_factor))
+            elif p.is_shard(dim):
+                placements.append(Shard(0))
+            else:
+                placements.append(Replicate())
+        if all(isinstance(p, Replicate) for p in placements):
+            indices.append(None)
+            continue
+        index = torch.arange(size, device=tensor.device_mesh.device_type)
+        indices.append(distribute_tensor(index, tensor.device_mesh, placements, src_data_rank=None)
+                       .to_local().cpu())
+    return tensor.to_local(), indices
 
 
 def apply_recompute(
