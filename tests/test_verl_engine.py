@@ -331,3 +331,103 @@ def test_engine_jobs_pass_the_rule_book_on_any_data_parallel_degree(model_dir, w
     config = json.loads((model_dir / "config.json").read_text())
     layout = check_job(job, arch_from_hf_config(config), world, "cpu", False)
     assert layout.dp == world // tp
+
+
+# ------------------------------------------------------------------ issue 16: sharded sync, checkpoints
+def _dense(name, local, spec) -> torch.Tensor:
+    """An entry of get_per_tensor_param_shard placed into its HF tensor (positions translated by verl)."""
+    from verl.workers.engine.spec import translate_flat_indices
+
+    whole = torch.zeros(spec.full_shape, dtype=local.dtype).view(-1)
+    whole[translate_flat_indices(torch.arange(local.numel()), spec.place)] = local
+    return whole.view(spec.full_shape)
+
+
+def test_sharded_export_is_the_full_export(model_dir):
+    """get_per_tensor_param_shard: one entry per HF tensor, in HF names and coordinates, that verl's own
+    placement math puts back into the tensor get_per_tensor_param streams (one process: every entry whole,
+    a contributor)."""
+    engine = build_engine(model_dir)
+    full = dict(engine.get_per_tensor_param()[0])
+    entries, peft = engine.get_per_tensor_param_shard()
+    entries = list(entries)
+    assert peft is None and [name for name, _, _ in entries] == list(full)
+    for name, local, spec in entries:
+        assert spec.contributes and spec.gather_group is None and spec.to_hf_chunk is None
+        assert torch.equal(_dense(name, local, spec), full[name]), name
+
+
+def test_delta_shards_carry_what_a_step_changed(model_dir):
+    """verl's delta_sharded sync: seed (full export) and snapshots, one training step, then the HF deltas
+    applied to the seed give the new weights."""
+    from verl.workers.utils.losses import sft_loss
+
+    engine = build_engine(model_dir)
+    seed = {name: t.clone() for name, t in engine.get_per_tensor_param()[0]}
+    engine.prime_delta_snapshots()
+    with engine.train_mode():
+        engine.train_batch(verl_batch(), partial(sft_loss, config=None))
+    entries, _ = engine.get_per_tensor_param_delta_shard()
+    changed = 0
+    for slots, dtype, counts, idx, val, group in entries:
+        ((name, shape),) = slots
+        assert group is None and dtype == "float32" and counts.tolist() == [idx.numel()]
+        seed[name].view(-1)[idx.long()] = val
+        changed += idx.numel()
+    assert changed > 0
+    for name, tensor in engine.get_per_tensor_param()[0]:
+        assert torch.equal(seed[name], tensor), name
+
+
+def test_delta_entry_of_a_rank_with_several_pieces():
+    """A rank that sends two boxes of one tensor (a strided shard) flattens both into one entry: each
+    changed position lands in its own box."""
+    from verl.workers.engine.spec import BlockPlacement, ShardSpec
+
+    from mlite.integrations.verl.engine import hf_delta_entry
+
+    blocks = (BlockPlacement((2, 3), (0, 1), (4, 5)), BlockPlacement((1, 2), (3, 0), (4, 5)))
+    spec = ShardSpec(full_shape=(4, 5), place=blocks, contributes=True)
+    lidx = torch.tensor([0, 5, 6, 7])  # the first box's corners, then both entries of the second
+    slots, dtype, counts, gidx, val = hf_delta_entry("w", spec, blocks, lidx, torch.ones(4))
+    assert slots == [("w", (4, 5))] and counts.tolist() == [4] and dtype == "float32"
+    assert gidx.tolist() == [0 * 5 + 1, 1 * 5 + 3, 3 * 5 + 0, 3 * 5 + 1]
+
+
+def test_checkpoints_rotate_and_write_an_hf_export(model_dir, tmp_path):
+    """verl's checkpoint contract: max_ckpt_to_keep=2 keeps the newest two saves of the engine; save_contents
+    with hf_model writes, next to the mlite checkpoint, an HF checkpoint (and tokenizer) transformers loads
+    as the trained model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from verl.trainer.config import CheckpointConfig
+
+    engine = build_engine(model_dir)
+    engine.checkpoint_config = CheckpointConfig(save_contents=["model", "optimizer", "extra", "hf_model"])
+    saves = [tmp_path / f"global_step_{step}" / "actor" for step in (1, 2, 3)]
+    for step, path in enumerate(saves, start=1):
+        engine.save_checkpoint(str(path), global_step=step, max_ckpt_to_keep=2)
+    assert [p.exists() for p in saves] == [False, True, True]
+    assert (saves[-1] / "mlite" / "meta.json").is_file()
+    exported = AutoModelForCausalLM.from_pretrained(saves[-1] / "huggingface")
+    ours = dict(engine.get_per_tensor_param()[0])
+    theirs = exported.state_dict()
+    assert set(ours) == set(theirs)
+    for name, tensor in ours.items():
+        assert torch.equal(theirs[name], tensor), name
+    assert len(AutoTokenizer.from_pretrained(saves[-1] / "huggingface")) == len(engine.model_config.tokenizer)
+
+    engine.checkpoint_config = CheckpointConfig(save_contents=["hf_model"])  # the export alone
+    engine.save_checkpoint(str(tmp_path / "hf_only"), global_step=4, max_ckpt_to_keep=None)
+    assert sorted(p.name for p in (tmp_path / "hf_only").iterdir()) == ["huggingface"]
+    assert saves[1].exists()  # None keeps every save
+
+
+def test_unknown_save_contents_are_refused():
+    from types import SimpleNamespace
+
+    from mlite.errors import MliteError
+    from mlite.integrations.verl.engine import save_contents
+
+    assert save_contents(None) == {"model", "optimizer", "extra"}
+    with pytest.raises(MliteError, match="checkpoint.save_contents: 'hf' is not one of model, optimizer"):
+        save_contents(SimpleNamespace(save_contents=["model", "hf"]))

@@ -12,7 +12,9 @@ the runtime's public attributes.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -95,6 +97,67 @@ def move_state(runtime, device: str | torch.device, model: bool = True, optimize
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and key != "step":
                     state[key] = value.to(target)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+
+
+def save_contents(checkpoint_config) -> set[str]:
+    """verl's checkpoint.save_contents (default model, optimizer, extra); a name verl's engines do not know
+    is refused, as it would silently save nothing."""
+    contents = getattr(checkpoint_config, "save_contents", None) or ["model", "optimizer", "extra"]
+    unknown = sorted(set(contents) - set(SAVE_CONTENTS))
+    if unknown:
+        raise MliteError(f"checkpoint.save_contents: {unknown[0]!r} is not one of {', '.join(SAVE_CONTENTS)}")
+    return set(contents)
+
+
+def shard_export(runtime, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor, Any]]:
+    """verl's shard-export contract (verl.workers.engine.spec) on mlite's rank-local weight sync
+    (mlite.runtime.ckpt.sync): one entry per HF tensor of the whole model, in the same order on every rank
+    (verl pairs its gathers per entry), holding this rank's pieces of it flattened into one tensor, their
+    boxes in the HF tensor as the spec's explicit placement (a BlockPlacement, or a tuple of them when a
+    rank sends several pieces of one tensor). A rank that sends none of a tensor yields an empty entry that
+    does not contribute. Entries are in HF names and coordinates already, so no converter rides the spec;
+    the gather group is the world, since any rank may hold a piece (pipeline stages, experts)."""
+    from verl.workers.engine.spec import BlockPlacement, ShardSpec
+
+    from mlite.runtime.ckpt.sync import lockstep_shards
+    from mlite.runtime.state import held_models
+
+    dist = torch.distributed
+    group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+    for name, shape, out_dtype, pieces in lockstep_shards(held_models(runtime), dtype):
+        if not pieces:
+            yield name, torch.empty(0, dtype=out_dtype, device=runtime.device), ShardSpec(
+                full_shape=shape, place=0, gather_group=group, contributes=False)
+            continue
+        blocks = tuple(BlockPlacement(tuple(p.tensor.shape), p.offsets, shape) for p in pieces)
+        local = torch.cat([p.tensor.reshape(-1) for p in pieces])
+        yield name, local, ShardSpec(full_shape=shape, place=blocks[0] if len(blocks) == 1 else blocks,
+                                     gather_group=group, contributes=True)
+
+
+def hf_delta_entry(name: str, spec, place, lidx: torch.Tensor, lval: torch.Tensor):
+    """verl's per-entry delta builder for `shard_export`'s entries: the changed positions of this rank's
+    flattened pieces -> flat positions in HF tensor `name`, its only slot."""
+    from verl.workers.engine.spec import translate_flat_indices
+
+    gidx = lidx
+    if lidx.numel() and not isinstance(place, int):
+        gidx, start = torch.empty_like(lidx), 0
+        for block in place if isinstance(place, tuple) else (place,):
+            end = start + math.prod(block.local_shape)
+            mine = (lidx >= start) & (lidx < end)
+            gidx[mine] = translate_flat_indices(lidx[mine] - start, block)
+            start = end
+    counts = torch.tensor([gidx.numel()], dtype=torch.int64)
+    return ([(name, tuple(spec.full_shape))], str(lval.dtype).removeprefix("torch."), counts,
+            gidx.to(torch.int32), lval)
 
 
 class MliteEngine(BaseEngine):
@@ -265,9 +328,46 @@ class MliteEngine(BaseEngine):
         move_state(self.runtime, device, model=model, optimizer=optimizer)
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
-        self.runtime.save_checkpoint(
-            os.path.join(local_path, "mlite"), extra_state={"global_step": global_step}
-        )
+        """verl's checkpoint contract. `local_path` (verl's `global_step_N/actor`) gets the mlite checkpoint
+        under `mlite/` (model, optimizer, schedule and RNG together: it is written when save_contents names
+        any of model, optimizer or extra) and, when save_contents names hf_model, an HF export under
+        `huggingface/` with the tokenizer, written by rank 0 from the pieces every rank sends it (any layout,
+        pipeline stages too). Then only the newest `max_ckpt_to_keep` of this engine's saves are kept: rank 0
+        removes the older ones once the new one is complete, so a failed save never leaves fewer."""
+        contents = save_contents(self.checkpoint_config)
+        if contents & {"model", "optimizer", "extra"}:
+            self.runtime.save_checkpoint(
+                os.path.join(local_path, "mlite"), extra_state={"global_step": global_step}
+            )
+        if "hf_model" in contents:
+            self._save_hf_model(os.path.join(local_path, "huggingface"))
+        self._keep_newest(local_path, max_ckpt_to_keep)
+
+    def _save_hf_model(self, path: str) -> None:
+        from mlite.runtime.ckpt.sync import export_hf
+        from mlite.runtime.state import held_models
+
+        rt = self.runtime
+        if _rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)  # a step saved again: its export is replaced
+        config = None if rt.job.model.name is not None else rt.hf_config  # presets: from the arch
+        out = export_hf(held_models(rt), rt.arch, path, config=config)
+        tokenizer = getattr(self.model_config, "tokenizer", None)
+        if out is not None and tokenizer is not None:
+            tokenizer.save_pretrained(str(out))
+
+    def _keep_newest(self, local_path: str, keep: int | None) -> None:
+        """verl's rotation (`max_ckpt_to_keep`; None or 0 keeps all): over the saves of this engine, in the
+        order made; a path saved again counts as its newest save."""
+        path = os.path.abspath(local_path)
+        self._saved_paths = [p for p in getattr(self, "_saved_paths", []) if p != path] + [path]
+        if not keep or keep <= 0:
+            return
+        old, self._saved_paths = self._saved_paths[:-keep], self._saved_paths[-keep:]
+        if _rank() == 0:
+            for stale in old:
+                logger.info("max_ckpt_to_keep=%d: removing %s", keep, stale)
+                shutil.rmtree(stale, ignore_errors=True)
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
         self.runtime.load_checkpoint(os.path.join(local_path, "mlite"))
@@ -277,6 +377,22 @@ class MliteEngine(BaseEngine):
         refused at construction), as verl's engines return."""
         dtype = weight_sync_dtype(self.runtime.job.precision.compute, self.runtime.device.type)
         return self.runtime.export_weights(dtype), None
+
+    def get_per_tensor_param_shard(self, **kwargs) -> tuple[Iterator[tuple[str, torch.Tensor, Any]], None]:
+        """verl's sharded export: each rank's own pieces of every HF tensor, nothing gathered
+        (`shard_export`), in the rollout's dtype."""
+        dtype = weight_sync_dtype(self.runtime.job.precision.compute, self.runtime.device.type)
+        return shard_export(self.runtime, dtype), None
+
+    def get_per_tensor_param_delta_shard(self, **kwargs):
+        """verl's delta sync (checkpoint engine `delta_sharded`): the changes of each rank's pieces since the
+        last export, diffed against this rank's snapshot of them (primed by verl through
+        `prime_delta_snapshots`), as HF positions (`hf_delta_entry`)."""
+        from verl.workers.engine.utils import hf_delta_export
+
+        self._delta_shard_snap = getattr(self, "_delta_shard_snap", {})
+        gen, _ = self.get_per_tensor_param_shard()
+        return hf_delta_export(gen, self._delta_shard_snap, hf_delta_entry), None
 
 
 class MliteEngineWithLMHead(MliteEngine):
