@@ -89,6 +89,14 @@ def text_reward(response: str, sample) -> float:
     return len(response) / 10 + (1.0 if sample["answer"] in response else 0.0)
 
 
+def digit_reward(response: str, sample) -> float:
+    """The share of digits in the response, plus 1 when it contains the answer: an untrained char-level
+    model emits a digit about one character in ten, so the responses of a group score differently and every
+    step has advantages to train on."""
+    digits = sum(c.isdigit() for c in response)
+    return digits / max(len(response), 1) + (1.0 if sample["answer"] in response else 0.0)
+
+
 def explodes_on_x(response: str, sample) -> float:
     if "x" in response:
         raise KeyError("no score for x")

@@ -20,7 +20,8 @@ def mlite(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT)
 
 
-@pytest.mark.parametrize("preset", ["qwen3_30b_a3b_sft", "demo_sft", "demo_grpo"])
+@pytest.mark.parametrize("preset", ["qwen3_30b_a3b_sft", "demo_sft", "demo_grpo", "deepseek_v4_flash_sft",
+                                    "deepseek_v4_flash_grpo"])
 def test_presets_the_trainers_run_fit(preset):
     result = mlite(preset, "--json")
     assert result.returncode == 0, result.stderr
@@ -30,8 +31,6 @@ def test_presets_the_trainers_run_fit(preset):
 
 @pytest.mark.parametrize("preset, refusal", [
     ("deepseek_v3_sft", "deepseek-v3 (model_type 'deepseek_v3') has no native model yet"),
-    ("deepseek_v4_flash_sft", "deepseek-v4-flash: DeepSeek-V4 under pp=4, cp=4 is not wired"),
-    ("deepseek_v4_flash_grpo", "deepseek-v4-flash: DeepSeek-V4 under pp=4, cp=4 is not wired"),
 ])
 def test_published_presets_the_trainers_refuse_exit_2(preset, refusal):
     """Planned layouts (they fit by design, tests/test_plan.py), refused as the trainers refuse them."""

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_runs import stable
 from grpo_helpers import char_tokenizer
 
 from mlite.trainers.metrics import read_metrics
 
 TESTS = Path(__file__).parent
-VOLATILE = ("time/", "tokens_per_s", "step_time_s")  # wall-clock figures differ between runs
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +71,6 @@ def mlite_grpo(config: Path, *args: str) -> subprocess.CompletedProcess:
         env=env,
         timeout=600,
     )
-
-
-def stable(records):
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
 
 def test_run_writes_metrics_plots_checkpoints_and_resumes_exactly(workdir, tmp_path):

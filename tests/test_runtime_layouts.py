@@ -10,93 +10,32 @@ refused with one line naming it (exit 2). The GPU test runs tp2 and fsdp2 dp2 in
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from cli_runs import (  # noqa: F401 - one_thread is an autouse fixture
+    RTOL,
+    assert_same_curve,
+    held_out,
+    job_dict,
+    layout_assets,
+    mlite_cli,
+    one_thread,
+    records,
+)
 
 from mlite.config import job_from_dict
 from mlite.runtime.ckpt.checkpoint import CheckpointManager
 from mlite.trainers.grpo.algorithm import kl_estimate
-from mlite.trainers.metrics import read_metrics
 from mlite.trainers.sft import train_sft
-
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-STEPS = 4
-RTOL = 1e-5
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread, as in the subprocesses (OMP_NUM_THREADS=1): same kernels, and no spin-waiting
-    on the two shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """Demo data, a tokenizer trained on it, and tiny dense and MoE configs sized to the tokenizer (untied
     LM heads: tensor parallel splits embedding and head differently)."""
-    from mlite.runtime.data.demo import write_demo_data
-    from mlite.runtime.data.tokenizer import train_demo_tokenizer
-
-    root = tmp_path_factory.mktemp("layout_assets")
-    files = write_demo_data(root / "data", train=64, val=8, seed=2)
-    tokenizer = train_demo_tokenizer(root / "tokenizer", seed=2, vocab_size=256, rows=200)
-    common = {"vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
-              "rms_norm_eps": 1e-6,
-              "rope_theta": 10000.0, "tie_word_embeddings": False, "max_position_embeddings": 256}
-    configs = {
-        "dense": {"model_type": "qwen3", "intermediate_size": 128, **common},
-        "moe": {"model_type": "qwen3_moe", "intermediate_size": 128, "moe_intermediate_size": 32,
-                "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
-                "mlp_only_layers": [], "router_aux_loss_coef": 0.1, **common},
-    }
-    for name, config in configs.items():
-        (root / name).mkdir()
-        (root / name / "config.json").write_text(json.dumps(config))
-    return {"train": str(files["train.jsonl"]), "val": str(files["val.jsonl"]),
-            "tokenizer": str(root / "tokenizer"), "root": root}
-
-
-def job_dict(assets, model: str, out: Path, **sections) -> dict:
-    job = {
-        "job": "sft",
-        "model": {"path": str(assets["root"] / model), "load_weights": False},
-        "cluster": {"gpu": "cpu", "gpus_per_node": 1},
-        "optimizer": {"lr": 2e-3, "warmup_steps": 1, "clip_grad": 1.0},
-        "precision": {"compute": "fp32"},
-        "data": {"train_files": [assets["train"]], "val_files": [assets["val"]],
-                 "tokenizer": assets["tokenizer"], "seq_len": 128,
-                 "global_batch_size": 8, "max_tokens_per_micro_batch": 160},
-        "trainer": {"steps": STEPS, "seed": 5, "output_dir": str(out), "save_every": 2, "log_every": 1,
-                    "eval_every": 2, "device": "cpu", "tensorboard": False},
-    }
-    if model == "moe":
-        # one sequence per micro-batch: the balance loss pools router statistics per micro-batch, so the
-        # micro-batches must be the same under every data-parallel degree for the numbers to be
-        job["data"] |= {"dynamic_batch": False, "micro_batch_size": 1, "max_tokens_per_micro_batch": None}
-    for name, values in sections.items():
-        job[name] = {**job.get(name, {}), **values}
-    return job
-
-
-def records(out: Path) -> list[dict]:
-    return [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
-
-
-def held_out(out: Path) -> list[float]:
-    """The held-out losses (forward-only passes: log-probs as the trainer receives them)."""
-    return [r["val_loss"] for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r]
+    return layout_assets(tmp_path_factory.mktemp("layout_assets"))
 
 
 @pytest.fixture(scope="module")
@@ -109,26 +48,6 @@ def one_process(assets, tmp_path_factory):
         runs[model] = records(out)
         runs[model, "val"] = held_out(out)
     return runs
-
-
-def mlite_sft(tmp_path: Path, job: dict, ranks: int, *overrides: str) -> subprocess.CompletedProcess:
-    config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump(job))
-    launcher = (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-                if ranks > 1 else [])
-    sets = [arg for o in overrides for arg in ("--set", o)]
-    return subprocess.run([sys.executable, *launcher, "-m", "mlite", "sft", str(config), "--no-progress",
-                           *sets],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, check=False)
-
-
-def assert_same_curve(got: list[dict], want: list[dict], rtol: float = RTOL) -> None:
-    assert [r["step"] for r in got] == [r["step"] for r in want]
-    for ours, ref in zip(got, want):
-        assert (ours["tokens"], ours["target_tokens"]) == (ref["tokens"], ref["target_tokens"]), ours["step"]
-        assert ours["loss"] == pytest.approx(ref["loss"], rel=rtol), f"step {ours['step']}: loss"
-        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=rtol), \
-            f"step {ours['step']}: grad norm"
 
 
 LAYOUTS = [
@@ -147,7 +66,7 @@ LAYOUTS = [
                          ids=["pp2", "cp2", "fsdp2-dp2", "ep2", "moe-pp2", "moe-cp2", "moe-tp2"])
 def test_sft_cli_on_two_ranks_matches_one_process(assets, one_process, tmp_path, model, overrides):
     out = tmp_path / "run"
-    done = mlite_sft(tmp_path, job_dict(assets, model, out), 2, *overrides)
+    done = mlite_cli(tmp_path, job_dict(assets, model, out), 2, *overrides)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_curve(records(out), one_process[model])
     assert len(held_out(out)) == 2
@@ -158,7 +77,7 @@ def test_sft_cli_on_two_ranks_matches_one_process(assets, one_process, tmp_path,
 def test_tp2_matches_one_process_and_its_checkpoint_resumes_on_one_process(assets, one_process, tmp_path):
     """Checkpoints name and shape every tensor as the whole model: tp2's step 2 continues on one process."""
     saved = tmp_path / "tp2"
-    done = mlite_sft(tmp_path, job_dict(assets, "dense", saved), 2, "parallel.tp=2")
+    done = mlite_cli(tmp_path, job_dict(assets, "dense", saved), 2, "parallel.tp=2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_curve(records(saved), one_process["dense"])
     assert held_out(saved) == pytest.approx(one_process["dense", "val"], rel=RTOL)
@@ -173,7 +92,7 @@ def test_grad_reduce_bf16_reduces_gradients_in_bf16(assets, one_process, tmp_pat
     """precision.grad_reduce: bf16 rounds the reduced gradients: the curve moves off the fp32 one by bf16
     rounding, no further."""
     out = tmp_path / "run"
-    done = mlite_sft(tmp_path, job_dict(assets, "dense", out), 2, "precision.grad_reduce=bf16")
+    done = mlite_cli(tmp_path, job_dict(assets, "dense", out), 2, "precision.grad_reduce=bf16")
     assert done.returncode == 0, done.stderr[-3000:]
     got, want = records(out), one_process["dense"]
     assert [r["grad_norm"] for r in got] != pytest.approx([r["grad_norm"] for r in want], rel=1e-6)
@@ -248,7 +167,7 @@ def test_selective_recompute_holds_under_context_parallel(tmp_path):
 )
 def test_keys_that_cannot_apply_are_one_line_exit_2(assets, tmp_path, override, message):
     job = job_dict(assets, "dense", tmp_path / "run", trainer={"steps": 1})
-    done = mlite_sft(tmp_path, job, 1, override)
+    done = mlite_cli(tmp_path, job, 1, override)
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1].startswith(f"mlite sft: error: {message}")
     assert "Traceback" not in done.stderr
@@ -276,10 +195,10 @@ def test_sft_on_two_gpus_in_bf16_matches_one_gpu(assets, tmp_path, overrides):
     gpu = {"cluster": {"gpu": "h100", "gpus_per_node": 2}, "precision": {"compute": "bf16"},
            "trainer": {"device": "cuda"}}
     one = tmp_path / "one"
-    done = mlite_sft(tmp_path, job_dict(assets, "dense", one, **gpu), 1)
+    done = mlite_cli(tmp_path, job_dict(assets, "dense", one, **gpu), 1)
     assert done.returncode == 0, done.stderr[-3000:]
     two = tmp_path / "two"
-    done = mlite_sft(tmp_path, job_dict(assets, "dense", two, **gpu), 2, *overrides)
+    done = mlite_cli(tmp_path, job_dict(assets, "dense", two, **gpu), 2, *overrides)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_curve(records(two), records(one), rtol=2e-2)
 

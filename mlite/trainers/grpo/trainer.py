@@ -212,9 +212,12 @@ class GRPOTrainer:
                 masks = [ro.loss_masks[i] for i in idx]
                 mini_extras = {k: [v[i] for i in idx] for k, v in extras.items()}
                 micro = [b for _, b in pack_micro_batches(seqs, masks, mini_extras, self.max_tokens)]
+                # global counts: summed over the loss group (dp_cp), whose cp ranks each hold the whole
+                # mini-batch here (the runtime splits every micro-batch over cp), so divided by cp
+                cp = self.runtime.dims.cp
                 norm = LossNorm(
-                    num_tokens=int(self.runtime.global_sum(sum(sum(m) for m in masks))),
-                    num_sequences=int(self.runtime.global_sum(sum(1 for m in masks if any(m)))),
+                    num_tokens=int(self.runtime.global_sum(sum(sum(m) for m in masks))) // cp,
+                    num_sequences=int(self.runtime.global_sum(sum(1 for m in masks if any(m)))) // cp,
                     horizon=self.rollout_cfg.max_response_length,
                 )
 
@@ -252,7 +255,15 @@ class GRPOTrainer:
                         else:
                             totals[key] = totals.get(key, 0.0) + value * tokens
                             weights[key] = weights.get(key, 0.0) + tokens
-        metrics = {k: totals[k] / weights[k] for k in totals if weights[k]}
+        # each rank's figures cover its share of the tokens (a cp share; under dp its replica of the step's
+        # responses, the pg_loss shares normalised by the global counts): summed over the loss group they
+        # are the step's, as SFT's loss is (one process: the sums are the values)
+        metrics = {}
+        for key in sorted(totals):  # the same keys, in the same order, on every rank
+            total = self.runtime.global_sum(totals[key])
+            weight = weights[key] if key == "actor/pg_loss" else self.runtime.global_sum(weights[key])
+            if weight:
+                metrics[key] = total / weight
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["actor/lr"] = self.runtime.lr
         self.runtime.lr_scheduler_step()
