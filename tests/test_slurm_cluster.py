@@ -168,31 +168,37 @@ def test_two_nodes_match_the_one_process_run(sft_run, demo, tmp_path):
         assert math.isclose(one[step], two[step], rel_tol=1e-4), (step, one[step], two[step])
 
 
+def preempt(tmp_path: Path, job: str, run_dir: Path, started, steps: int, timeout: int) -> int:
+    """Once `started()` (training is under way), do what Slurm does at the templates' --signal=B:USR1@600
+    (SIGUSR1 to the batch shell), and wait for the requeued job to complete its `steps`. Returns the step
+    the preemption checkpointed."""
+    deadline = time.monotonic() + 180
+    while not started():
+        assert time.monotonic() < deadline and job_state(job).get("JobState") in ("PENDING", "RUNNING"), (
+            batch_log(tmp_path, job)[-3000:]
+        )
+        time.sleep(0.2)
+    signalled = subprocess.run(
+        ["scancel", "--signal=USR1", "--batch", job], capture_output=True, text=True, check=False
+    )
+    assert signalled.returncode == 0, signalled.stderr
+    state = wait_for(job, timeout=timeout)  # a requeued job goes back to PENDING, never to a final state
+    log = batch_log(tmp_path, job)
+    assert state["JobState"] == "COMPLETED" and int(state.get("Restarts", 0)) == 1, log[-3000:]
+    assert "SIGUSR1: preemption notice" in log and f"requeueing job {job}" in log
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert saved[-1] == f"step_{steps:08d}" and len(saved) >= 2  # the preemption's checkpoint, then the end
+    return int(saved[-2].split("_")[1])
+
+
 def test_preempted_job_checkpoints_requeues_and_continues_with_the_same_losses(sft_run, demo, tmp_path):
     _, state0, reference, _ = sft_run
     assert state0["JobState"] == "COMPLETED"
     job = submit_to(tmp_path, "sft", sft_knobs(demo, tmp_path), "t-preempt")
     run_dir = tmp_path / f"t-preempt-{job}"
-    deadline = time.monotonic() + 180
-    while len(losses(run_dir)) < 3:  # training is under way
-        assert time.monotonic() < deadline and job_state(job).get("JobState") in ("PENDING", "RUNNING"), (
-            batch_log(tmp_path, job)[-3000:]
-        )
-        time.sleep(0.2)
-    # what Slurm does at --signal=B:USR1@T before the time limit: SIGUSR1 to the batch shell
-    signalled = subprocess.run(
-        ["scancel", "--signal=USR1", "--batch", job], capture_output=True, text=True, check=False
-    )
-    assert signalled.returncode == 0, signalled.stderr
-    state = wait_for(job, timeout=400)  # a requeued job goes back to PENDING, never to a final state
-    log = batch_log(tmp_path, job)
-    assert state["JobState"] == "COMPLETED" and int(state.get("Restarts", 0)) == 1, log[-3000:]
-    assert "SIGUSR1: preemption notice" in log and f"requeueing job {job}" in log
+    stopped_at = preempt(tmp_path, job, run_dir, lambda: len(losses(run_dir)) >= 3, STEPS, timeout=400)
     first = run_dir / "logs" / f"job-{job}-restart-0"
     second = run_dir / "logs" / f"job-{job}-restart-1"
-    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
-    assert saved[-1] == f"step_{STEPS:08d}" and len(saved) >= 2  # the preemption checkpoint, then the end
-    stopped_at = int(saved[-2].split("_")[1])
     assert 3 <= stopped_at < STEPS
     assert "SIGUSR1" in (first / "node-n1.log").read_text()
     assert f"step_{stopped_at:08d}" in (second / "node-n1.log").read_text()  # resumed from it
@@ -368,26 +374,9 @@ def test_dsv4_grpo_template_preempted_checkpoints_requeues_and_continues_with_th
     assert state0["JobState"] == "COMPLETED"
     job = submit_to(tmp_path, "grpo_dsv4_128gpu", dsv4_grpo_knobs(dsv4_assets, tmp_path), "t-dsv4-preempt")
     run_dir = tmp_path / f"t-dsv4-preempt-{job}"
-    deadline = time.monotonic() + 180
-    while not grpo_records(run_dir):  # training is under way
-        assert time.monotonic() < deadline and job_state(job).get("JobState") in ("PENDING", "RUNNING"), (
-            batch_log(tmp_path, job)[-3000:]
-        )
-        time.sleep(0.2)
-    # the template's --signal=B:USR1@600: Slurm sends SIGUSR1 to the batch shell 10 minutes before the limit
-    signalled = subprocess.run(
-        ["scancel", "--signal=USR1", "--batch", job], capture_output=True, text=True, check=False
-    )
-    assert signalled.returncode == 0, signalled.stderr
-    state = wait_for(job, timeout=300)  # a requeued job goes back to PENDING, never to a final state
-    log = batch_log(tmp_path, job)
-    assert state["JobState"] == "COMPLETED" and int(state.get("Restarts", 0)) == 1, log[-3000:]
-    assert "SIGUSR1: preemption notice" in log and f"requeueing job {job}" in log
-    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
-    assert saved[-1] == f"step_{DSV4_STEPS:08d}" and len(saved) >= 2  # the preemption's, then the last
-    stopped_at = int(saved[-2].split("_")[1])
+    stopped_at = preempt(tmp_path, job, run_dir, lambda: bool(grpo_records(run_dir)), DSV4_STEPS, timeout=300)
     assert 1 <= stopped_at < DSV4_STEPS
-    checkpoint = run_dir / "checkpoints" / saved[-2]
+    checkpoint = run_dir / "checkpoints" / f"step_{stopped_at:08d}"
     assert sorted(p.name for p in checkpoint.glob("rank_*.pt")) == ["rank_00000.pt", "rank_00001.pt"]
     first = run_dir / "logs" / f"job-{job}-restart-0"
     second = run_dir / "logs" / f"job-{job}-restart-1"

@@ -10,6 +10,7 @@ that names the tensor or file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -164,15 +165,21 @@ class _SafetensorsCheckpoint:
             return self._quantised_shape(name)[0]
         return list(self._slice(name).get_shape())
 
-    def _read(self, name: str) -> torch.Tensor:
+    @contextlib.contextmanager
+    def _reading(self, name: str):
+        """Any failure reading stored tensor `name` is a corrupt file to the user: one line."""
         try:
-            return self._handle(self._files[name]).get_tensor(name)
+            yield
         except MliteError:
             raise
-        except Exception as err:  # noqa: BLE001 - any read failure is a corrupt file to the user
+        except Exception as err:  # noqa: BLE001
             raise MliteError(
                 f"cannot read tensor '{name}' from {self._files[name]} ({err}); the file is corrupt"
             ) from None
+
+    def _read(self, name: str) -> torch.Tensor:
+        with self._reading(name):
+            return self._handle(self._files[name]).get_tensor(name)
 
     def region(self, name: str, indices: list[torch.Tensor | None]) -> torch.Tensor:
         """The entries of tensor `name` at `indices` (per dim: global indices, None for the whole dim): a
@@ -183,14 +190,8 @@ class _SafetensorsCheckpoint:
             return _select(self.tensor(name), indices)
         spans = tuple(slice(None) if i is None else slice(int(i.min()), int(i.max()) + 1) if i.numel()
                       else slice(0, 0) for i in indices)
-        try:
+        with self._reading(stored):
             part = self._slice(stored)[spans] if spans else self._read(stored)
-        except MliteError:
-            raise
-        except Exception as err:  # noqa: BLE001 - any read failure is a corrupt file to the user
-            raise MliteError(
-                f"cannot read tensor '{stored}' from {self._files[stored]} ({err}); the file is corrupt"
-            ) from None
         return _select(part, [None if i is None else i - s.start for i, s in zip(indices, spans)])
 
     def tensor(self, name: str) -> torch.Tensor:
