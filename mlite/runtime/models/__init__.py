@@ -49,32 +49,15 @@ def build_model(
     device = torch.device(device)
     backend = resolve_attention_backend(attention_backend, device.type if device.type != "meta" else "cpu")
 
-    def make(held):
-        if arch.v4 is not None:  # its attention has one torch path (gathered key sets); no backend choice
-            return DeepseekV4(arch, layers=held, mtp_weight=mtp_weight)
-        return Transformer(arch, attention_backend=backend, layers=held)
-
     with device:
-        model = make(layers)
-        if arch.v4 is not None:
+        if arch.v4 is not None:  # its attention has one torch path (gathered key sets); no backend choice
+            model = DeepseekV4(arch, layers=layers, mtp_weight=mtp_weight)
             model.set_indexer_loss_weight(indexer_loss_weight)
-    if device.type == "meta":
-        _host_constants(model, make([]))
+        else:
+            model = Transformer(arch, attention_backend=backend, layers=layers)
     if init and device.type != "meta":
         model.init_weights()
     return model.to(dtype)
-
-
-def _host_constants(model: nn.Module, empty: nn.Module) -> None:
-    """Tensors a model computes at construction beside its parameters and buffers (DeepSeek-V4's rope
-    frequencies) hold no values on the meta device, and `to_empty` does not reach them: take them from a
-    build of the same model without layers on the host (constants of the architecture, cheap to make)."""
-    for name, value in vars(empty).items():
-        if name.startswith("_"):  # nn.Module's own tables (parameters, buffers, hooks)
-            continue
-        tensors = value.values() if isinstance(value, dict) else [value]
-        if any(isinstance(t, torch.Tensor) for t in tensors):
-            setattr(model, name, value)
 
 
 # ------------------------------------------------------------------------------------ initial weights

@@ -63,16 +63,18 @@ def yarn_inv_freq(dim: int, theta: float, scaling: dict) -> torch.Tensor:
     high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    base_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    base_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     extrapolate = 1 - ramp
     return (1.0 / (factor * base_freqs)) * (1 - extrapolate) + (1.0 / base_freqs) * extrapolate
 
 
 def inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Host constants of the architecture (on the CPU whatever device the model is built on, so a meta
+    build has them too); `rope_angles` moves them to the positions' device."""
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "yarn":
         return yarn_inv_freq(dim, theta, scaling)
-    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
 
 
 def rope_angles(positions: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype):
