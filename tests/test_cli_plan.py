@@ -59,7 +59,7 @@ def test_human_report_lists_layout_memory_host_and_verdict():
     (["--bogus-flag"], "unrecognized arguments"),
     (["demo_sft", "--set", "model.name=gpt5"], "unknown model 'gpt5'"),
     (["qwen3_30b_a3b_sft", "--set", "optimizer.backend=dist_opt"], "dist_opt is planned, not trained"),
-    (["demo_grpo", "--set", "rollout.engine=vllm"], "rollout.engine vllm is not wired into the GRPO trainer"),
+    (["demo_grpo", "--set", "rollout.engine=vllm"], "rollout.engine vllm generates on CUDA GPUs"),
     (["qwen3_235b_a22b_sft", "--recommend", "--set", "optimizer.backend=dist_opt"],
      "dist_opt is planned, not trained"),
 ])

@@ -109,8 +109,8 @@ def test_run_writes_metrics_plots_checkpoints_and_resumes_exactly(workdir, tmp_p
     [
         ({"grpo": {"reward": "no_such_module_q:fn"}}, "cannot import module 'no_such_module_q'"),
         ({"rollout": {"max_response_length": 60}}, "exceeds data.seq_len"),
-        # accepted once, then rolled out with the builtin sampler: refused until the trainer uses vLLM
-        ({"rollout": {"engine": "vllm"}}, "rollout.engine vllm is not wired into the GRPO trainer yet"),
+        # vLLM generates on GPUs: on the CPU the rule book refuses it (on a GPU without vllm: require_vllm)
+        ({"rollout": {"engine": "vllm"}}, "rollout.engine vllm generates on CUDA GPUs"),
         ({"data": {"train_files": ["/nonexistent/prompts.jsonl"]}}, "prompt file not found"),
     ],
 )

@@ -129,16 +129,16 @@ def test_held_out_evaluation_samples_val_n_at_val_temperature_with_a_fixed_seed(
                                                                                  monkeypatch):
     """rollout.val_n responses per held-out prompt at rollout.val_temperature, from the same seed at every
     evaluation (before and after compare policies, not draws); the default answers once, greedily."""
-    import mlite.trainers.grpo.trainer as grpo_trainer
+    import mlite.trainers.grpo.rollout as grpo_rollout
 
-    calls, real = [], grpo_trainer.generate
+    calls, real = [], grpo_rollout.generate
 
     def spy(model, prompts, params, generator=None):
         completions = real(model, prompts, params, generator)
         calls.append((len(prompts), params.temperature, [c.response_ids for c in completions]))
         return completions
 
-    monkeypatch.setattr(grpo_trainer, "generate", spy)
+    monkeypatch.setattr(grpo_rollout, "generate", spy)
     sampled = make_trainer(tmp_path, tokenizer,
                            rollout={"val_n": 3, "val_temperature": 1.0, "max_response_length": 6})
     first, again = sampled.evaluate(sampled.prompts[:5]), sampled.evaluate(sampled.prompts[:5])

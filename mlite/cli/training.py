@@ -24,6 +24,7 @@ def plan_for_this_world(job):
     does not fit in GPU memory."""
     from mlite.errors import MliteError
     from mlite.plan import plan_job
+    from mlite.plan.memory import HEADROOM
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cluster = job.cluster
@@ -32,9 +33,14 @@ def plan_for_this_world(job):
         job = job.model_copy(update={"cluster": cluster.model_copy(
             update={"nodes": nodes, "gpus_per_node": world // nodes})})
     plan = plan_job(job)
-    if not plan.memory.fits:
-        raise MliteError(f"the job needs {plan.memory.total_gb:.1f} GB per GPU, over the usable "
-                         f"{plan.memory.usable_gb:.1f} GB; see `mlite plan CONFIG --recommend`")
+    mem = plan.memory
+    if mem.total_gb > mem.usable_gb:
+        raise MliteError(f"the job needs {mem.total_gb:.1f} GB per GPU, over the usable "
+                         f"{mem.usable_gb:.1f} GB; see `mlite plan CONFIG --recommend`")
+    if not mem.fits:  # the host's share: offloaded state and each rank's process
+        raise MliteError(f"the job needs {mem.host_total_gb:.1f} GB of host memory per node, over the usable "
+                         f"{mem.host_capacity_gb * HEADROOM:.1f} GB of cluster.host_memory_gb="
+                         f"{mem.host_capacity_gb:g}; raise cluster.host_memory_gb or offload less")
     return plan
 
 

@@ -256,7 +256,14 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # 0: off
-    gpu_memory_utilization: float = Field(0.5, gt=0, lt=1)  # vLLM only
+    gpu_memory_utilization: float = Field(0.5, gt=0, lt=1)  # vLLM only: its share of the GPU when awake
+    enforce_eager: bool = False  # vLLM only: no torch.compile or CUDA graphs (faster start, slower decode)
+    # the sampler's log-probs against the trainer's forward of the same tokens (rollout/logprob_diff_*):
+    # a token whose |difference| exceeds mismatch_threshold counts in rollout/logprob_diff_frac
+    mismatch_threshold: float = Field(0.1, gt=0)
+    # tis: each token's policy-gradient term times min(pi_trainer / pi_sampler, importance_cap)
+    importance_correction: Literal["none", "tis"] = "none"
+    importance_cap: float = Field(2.0, gt=0)
     # held-out prompts (data.val_files): val_n responses each at val_temperature (0: greedy), mean reward
     val_n: int = Field(1, ge=1)
     val_temperature: float = Field(0.0, ge=0)

@@ -477,7 +477,7 @@ def check_runtime_keys(
     check_backend_trained(job, device_type, has_megatron)
     check_precision(job, world_size, device_type)
     check_offload(job, world_size, device_type)
-    check_rollout_engine(job)
+    check_rollout_engine(job, world_size, device_type)
 
 
 def check_job(
@@ -632,9 +632,19 @@ def check_offload(job: JobConfig, world_size: int, device_type: str) -> None:
         )
 
 
-def check_rollout_engine(job: JobConfig) -> None:
-    if job.rollout is not None and job.rollout.engine == "vllm":  # the trainer would roll out with builtin
+def check_rollout_engine(job: JobConfig, world_size: int, device_type: str) -> None:
+    """Where the vLLM rollout runs. Whether vLLM is installed is the trainers' start-up check
+    (`mlite.trainers.grpo.vllm_rollout.require_vllm`): the planner may run where the job will not."""
+    if job.rollout is None or job.rollout.engine != "vllm":
+        return
+    if device_type != "cuda":
         raise MliteError(
-            "rollout.engine vllm is not wired into the GRPO trainer yet (it rolls out with its built-in "
-            "sampler); use rollout.engine builtin"
+            "rollout.engine vllm generates on CUDA GPUs and this job runs on the CPU; use rollout.engine "
+            "builtin, or run on GPUs"
+        )
+    if world_size > 1:
+        raise MliteError(
+            f"rollout.engine vllm runs colocated on one GPU in this version, and this job has {world_size} "
+            "ranks (vLLM over several ranks, its tp shards re-cut from ours, is not wired yet); run on one "
+            "GPU, or use rollout.engine builtin"
         )

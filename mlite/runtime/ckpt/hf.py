@@ -445,7 +445,7 @@ def save_hf_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         stored_dtype = _write_shards(stream, tmp, max_shard_bytes, dtype)
-        _write_config(tmp / "config.json", arch, config, stored_dtype)
+        write_hf_config(tmp / "config.json", arch, config, stored_dtype)
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
@@ -497,7 +497,9 @@ def _write_shards(stream: WeightStream, tmp: Path, max_shard_bytes: int, dtype) 
     return stored_dtype or torch.float32
 
 
-def _write_config(dest: Path, arch: ModelArch, config, dtype) -> None:
+def write_hf_config(dest: Path, arch: ModelArch, config, dtype) -> None:
+    """config.json at `dest`: a copy of `config` (a dict, or a source config.json or its directory), or
+    made from `arch` with `dtype` recorded."""
     if isinstance(config, (str, Path)):
         src = Path(config)
         src = src / "config.json" if src.is_dir() else src

@@ -160,13 +160,17 @@ def grpo_loss(
     norm: LossNorm,
     entropy: torch.Tensor | None = None,
     ref_logprob: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The policy loss of one micro-batch: clipped surrogate - entropy bonus + KL penalty, all aggregated
-    with `cfg.loss_agg`. Metrics are this micro-batch's token means (detached floats)."""
+    with `cfg.loss_agg`. Metrics are this micro-batch's token means (detached floats). `is_weights`: the
+    rollout's importance weights (`truncated_importance_weights`), multiplying each token's surrogate."""
     mask = mask.to(logprob.dtype)
     pg, clipped, dual_clipped, log_ratio = clipped_surrogate(
         logprob, old_logprob, advantages, cfg.clip_low, cfg.clip_high
     )
+    if is_weights is not None:
+        pg = pg * is_weights.to(pg.dtype)
     loss = aggregate(pg, mask, seq_ids, num_seqs, cfg.loss_agg, norm)
     metrics = {
         "actor/pg_loss": float(loss.detach()),
@@ -185,3 +189,29 @@ def grpo_loss(
         loss = loss + cfg.kl_coef * aggregate(kl, mask, seq_ids, num_seqs, cfg.loss_agg, norm)
         metrics["actor/kl"] = float(masked_mean(kl.detach(), mask))
     return loss, metrics
+
+
+# ------------------------------------------------------------------------------- rollout vs trainer
+def logprob_mismatch(
+    trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, threshold: float
+) -> dict[str, float]:
+    """How far the sampler's log-probs of the sampled tokens are from the trainer's forward of the same
+    tokens (the old policy), over the response tokens `mask`: the mean and largest absolute difference and
+    the share of tokens whose difference exceeds `threshold`. A different engine, kernel or precision
+    (vLLM in bf16, say) makes the two policies differ; the share says how many tokens PPO's ratio sees as
+    off-policy."""
+    diff = (trainer.float() - sampler.float()).abs()[mask.bool()]
+    if diff.numel() == 0:
+        return {}
+    return {
+        "rollout/logprob_diff_mean": float(diff.mean()),
+        "rollout/logprob_diff_max": float(diff.max()),
+        "rollout/logprob_diff_frac": float((diff > threshold).float().mean()),
+    }
+
+
+def truncated_importance_weights(trainer: torch.Tensor, sampler: torch.Tensor, cap: float) -> torch.Tensor:
+    """Per-token min(pi_trainer / pi_sampler, cap) (truncated importance sampling, as verl's TIS): the
+    correction for tokens drawn by a sampler whose probabilities differ from the trainer's old policy."""
+    log_ratio = torch.clamp(trainer.float() - sampler.float(), min=-LOG_RATIO_LIMIT, max=LOG_RATIO_LIMIT)
+    return torch.exp(log_ratio).clamp(max=cap)

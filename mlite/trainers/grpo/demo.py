@@ -52,7 +52,7 @@ def demo_grpo_job(
     out: Path, model_dir: Path, device: str = "auto", overrides: tuple[str, ...] = ()
 ) -> JobConfig:
     files = write_prompt_files(out)
-    gpu = ["cluster.gpu=h100"] if device == "cuda" else []
+    gpu = ["cluster.gpu=h100", "precision.compute=bf16"] if device == "cuda" else []
     return load_job(
         PRESET,
         [

@@ -1,14 +1,22 @@
-"""The built-in rollout: batched sampling on our own model with its KV cache (no vLLM needed).
+"""Rollout engines, and the built-in one: batched sampling on our own model with its KV cache.
 
-Prompts of different lengths are prefilled as one right-padded batch (cache slot p holds position p of
-its row, so no shifting), then every row advances one token per step. A row finishes at a stop token
-(kept in the response: the policy learns to stop) or at `max_new_tokens`.
+An engine is used through a session: `with engine.session(seed) as sampler: sampler.generate(...)`. The
+session is where an engine makes the current weights its own and gives its memory back afterwards: the
+built-in engine takes the runtime's rollout model (the model itself on one process); vLLM
+(`mlite.trainers.grpo.vllm_rollout`) wakes, receives the weights and sleeps again. One seed per session
+fixes every sample drawn in it.
+
+The built-in sampler: prompts of different lengths are prefilled as one right-padded batch (cache slot p
+holds position p of its row, so no shifting), then every row advances one token per step. A row finishes
+at a stop token (kept in the response: the policy learns to stop) or at `max_new_tokens`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -29,6 +37,9 @@ class Completion:
     prompt_ids: list[int]
     response_ids: list[int]
     stopped: bool  # ended with a stop token (else cut at max_new_tokens)
+    # the sampler's log-prob of each response token under logits / temperature (1 when greedy), which is
+    # what the trainer's forward computes for the same token: their difference is the rollout mismatch
+    logprobs: list[float] = field(default_factory=list)
 
 
 @torch.no_grad()
@@ -59,10 +70,14 @@ def generate(
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     stopped = torch.zeros(rows, dtype=torch.bool, device=device)
     response_len = torch.zeros(rows, dtype=torch.long, device=device)
+    logprobs = torch.zeros(rows, params.max_new_tokens, dtype=torch.float32, device=device)
+    scale = params.temperature if params.temperature > 0 else 1.0
     for step in range(params.max_new_tokens):
         token = sample(next_logits, params.temperature, params.top_k, params.top_p, generator)
         token = torch.where(done, torch.full_like(token, pad_id), token)
         responses[:, step] = token
+        scaled = torch.log_softmax(next_logits.float() / scale, -1)
+        logprobs[:, step] = scaled.gather(-1, token[:, None]).squeeze(1)
         response_len += (~done).long()
         hit_stop = torch.isin(token, stop_ids) & ~done
         stopped |= hit_stop
@@ -74,7 +89,52 @@ def generate(
 
     return [
         Completion(
-            list(map(int, prompts[i])), responses[i, : int(response_len[i])].tolist(), bool(stopped[i])
+            list(map(int, prompts[i])),
+            responses[i, : int(response_len[i])].tolist(),
+            bool(stopped[i]),
+            logprobs[i, : int(response_len[i])].tolist(),
         )
         for i in range(rows)
     ]
+
+
+class Sampler(Protocol):
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]: ...
+
+
+class RolloutEngine(Protocol):
+    name: str
+
+    def session(self, seed: int) -> AbstractContextManager[Sampler]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class ModelSampler:
+    """`generate` on one model, every call drawing on the session's one generator."""
+
+    model: torch.nn.Module
+    generator: torch.Generator
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        return generate(self.model, prompts, params, self.generator if params.temperature > 0 else None)
+
+
+class BuiltinRollout:
+    """Samples on the training model (`Runtime.rollout_model`) with the native KV cache: no extra memory
+    for a second copy of the weights on one process, and any model the runtime builds."""
+
+    name = "builtin"
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    @contextmanager
+    def session(self, seed: int) -> Iterator[Sampler]:
+        self.runtime.eval()
+        model = self.runtime.rollout_model()
+        yield ModelSampler(model, torch.Generator(device=self.runtime.device).manual_seed(seed))
+
+    def close(self) -> None:
+        pass

@@ -1,10 +1,12 @@
 """GRPO on the mlite runtime: one step of the shared loop (mlite.trainers.loop).
 
-One step: sample `prompts_per_step` prompts x `rollout.n` responses with the built-in rollout -> score
-them -> group-normalised advantages -> old log-probs with the runtime's forward-only path (and the
-reference policy's, through the same path with the initial weights swapped in, when KL is on) ->
+One step: sample `prompts_per_step` prompts x `rollout.n` responses with the rollout engine (`rollout.engine`:
+the built-in sampler, or vLLM with the weights synced every step) -> score them -> group-normalised
+advantages -> old log-probs with the runtime's forward-only path (and the reference policy's, through the
+same path with the initial weights swapped in, when KL is on), compared with the sampler's own
+(`rollout/logprob_diff_*`; `rollout.importance_correction: tis` weights each token by their ratio) ->
 `grpo.ppo_epochs` passes over `grpo.mini_batches` mini-batches, one optimizer update each. Rollouts draw
-on a generator seeded by (seed, step), so a resumed run samples exactly what the uninterrupted run sampled.
+on a seed of (seed, step), so a resumed run samples exactly what the uninterrupted run sampled.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
+from pathlib import Path
 
 import torch
 
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
+from mlite.plan.rules import planned_device_type
 from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.data.packing import plan_step
 from mlite.runtime.data.tokenizer import load_tokenizer
@@ -33,10 +37,13 @@ from mlite.trainers.grpo.algorithm import (
     grpo_loss,
     kl_estimate,
     kl_penalised_rewards,
+    logprob_mismatch,
+    truncated_importance_weights,
 )
 from mlite.trainers.grpo.prompts import Prompt, read_prompt_rows, render_prompts
 from mlite.trainers.grpo.rewards import RewardFailure, load_reward, score_responses
-from mlite.trainers.grpo.rollout import Completion, SamplingParams, generate
+from mlite.trainers.grpo.rollout import BuiltinRollout, Completion, RolloutEngine, SamplingParams
+from mlite.trainers.grpo.vllm_rollout import VLLMRollout, require_vllm
 from mlite.trainers.metrics import read_metrics
 
 log = logging.getLogger(__name__)
@@ -60,6 +67,22 @@ class RolloutBatch:
     def loss_masks(self) -> list[list[int]]:
         return [[0] * len(c.prompt_ids) + [1] * len(c.response_ids) for c in self.completions]
 
+    @property
+    def label_masks(self) -> list[torch.Tensor]:
+        """Per sequence, 1 where the next token is a response token: the layout of the runtime's log-probs
+        (position t holds the log-prob of token t + 1)."""
+        return [torch.tensor(m[1:] + [0], dtype=torch.float32) for m in self.loss_masks]
+
+    def sampler_logprobs(self) -> list[torch.Tensor]:
+        """The sampler's log-probs of the response tokens, laid out as the runtime's (0 elsewhere)."""
+        out = []
+        for c in self.completions:
+            values = torch.zeros(len(c.prompt_ids) + len(c.response_ids))
+            start = len(c.prompt_ids) - 1
+            values[start : start + len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+            out.append(values)
+        return out
+
 
 def pack_micro_batches(
     sequences: Sequence[list[int]],
@@ -81,10 +104,11 @@ def pack_micro_batches(
 
 class GRPOTrainer:
     def __init__(self, job: JobConfig, runtime, tokenizer, prompts: Sequence[Prompt],
-                 val_prompts: Sequence[Prompt] = ()):
+                 val_prompts: Sequence[Prompt] = (), engine: RolloutEngine | None = None):
         if job.grpo is None or job.rollout is None:
             raise ValueError("GRPOTrainer needs a job: grpo config")
         self.job, self.runtime, self.tokenizer = job, runtime, tokenizer
+        self.engine = engine or BuiltinRollout(runtime)
         self.prompts, self.val_prompts = list(prompts), list(val_prompts)
         self.failures: list[str] = []  # the first few reward failures, each with its sample
         self.cfg, self.rollout_cfg = job.grpo, job.rollout
@@ -134,12 +158,8 @@ class GRPOTrainer:
     def rollout(self, step: int) -> RolloutBatch:
         prompts = [p for p in self.step_prompts(step) for _ in range(self.rollout_cfg.n)]
         groups = torch.arange(len(prompts)) // self.rollout_cfg.n
-        device = self.runtime.device
-        generator = torch.Generator(device=device).manual_seed(self.job.trainer.seed * 1_000_003 + step)
-        self.runtime.eval()
-        completions = generate(
-            self.runtime.rollout_model(), [p.ids for p in prompts], self.sampling_params(), generator
-        )
+        with self.engine.session(self.job.trainer.seed * 1_000_003 + step) as sampler:
+            completions = sampler.generate([p.ids for p in prompts], self.sampling_params())
         texts = [self.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
         scores, failures = score_responses(self.reward_fn, texts, [p.sample for p in prompts])
         return RolloutBatch(prompts, completions, texts, torch.tensor(scores), groups, failures)
@@ -177,7 +197,7 @@ class GRPOTrainer:
     def advantages(self, ro: RolloutBatch, old: list[torch.Tensor], ref: list[torch.Tensor] | None):
         rewards = ro.rewards
         if self.cfg.kl_in_reward and ref is not None:
-            masks = [torch.tensor(m[1:] + [0], dtype=torch.float32) for m in ro.loss_masks]  # label-aligned
+            masks = ro.label_masks
             seq_ids = torch.cat([torch.full((len(m),), i) for i, m in enumerate(masks)])
             rewards = kl_penalised_rewards(
                 rewards,
@@ -199,6 +219,11 @@ class GRPOTrainer:
         }
         if ref is not None and self.loss_cfg.kl_coef > 0:
             extras["ref_logprobs"] = ref
+        if self.rollout_cfg.importance_correction == "tis":
+            extras["is_weights"] = [
+                truncated_importance_weights(o, s, self.rollout_cfg.importance_cap)
+                for o, s in zip(old, ro.sampler_logprobs())
+            ]
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}
         grad_norms = []
@@ -234,6 +259,7 @@ class GRPOTrainer:
                         norm,
                         entropy,
                         batch.extras.get("ref_logprobs"),
+                        batch.extras.get("is_weights"),
                     )
                     metrics["tokens"] = float(mask.sum())
                     return loss + aux_loss, metrics  # the runtime's share of the MoE balance loss
@@ -278,8 +304,16 @@ class GRPOTrainer:
         adv = self.advantages(ro, old, ref)
         metrics = self.update(step, ro, old, ref, adv)
         lengths = torch.tensor([len(c.response_ids) for c in ro.completions], dtype=torch.float32)
+        label_masks = ro.label_masks
+        sampler = torch.cat(ro.sampler_logprobs())
+        metrics.update(logprob_mismatch(torch.cat(old), sampler, torch.cat(label_masks),
+                                        self.rollout_cfg.mismatch_threshold))
+        if self.rollout_cfg.importance_correction == "tis":
+            weights = truncated_importance_weights(torch.cat(old), sampler, self.rollout_cfg.importance_cap)
+            metrics["rollout/is_weight_mean"] = float((weights * torch.cat(label_masks)).sum()
+                                                      / torch.cat(label_masks).sum().clamp(min=1))
+        metrics.update(getattr(self.engine, "stats", {}))
         if ref is not None:
-            label_masks = [torch.tensor(m[1:] + [0], dtype=torch.float32) for m in ro.loss_masks]
             kl = torch.cat(
                 [kl_estimate(o, r, self.cfg.kl_estimator) * m for o, r, m in zip(old, ref, label_masks)]
             )
@@ -352,21 +386,16 @@ class GRPOTrainer:
         prompts = self.val_prompts if prompts is None else prompts
         if not prompts:
             return {}
-        self.runtime.eval()
-        model = self.runtime.rollout_model()
         params, n = self.sampling_params(held_out=True), self.rollout_cfg.val_n
-        generator = None
-        if params.temperature > 0:
-            generator = torch.Generator(device=self.runtime.device).manual_seed(
-                self.job.trainer.seed * 1_000_003 - 1)
         asked = [p for p in prompts for _ in range(n)]
         scores: list[float] = []
-        for start in range(0, len(asked), batch_size):
-            chunk = asked[start : start + batch_size]
-            completions = generate(model, [p.ids for p in chunk], params, generator)
-            texts = [self.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
-            chunk_scores, _ = score_responses(self.reward_fn, texts, [p.sample for p in chunk])
-            scores.extend(chunk_scores)
+        with self.engine.session(self.job.trainer.seed * 1_000_003 - 1) as sampler:
+            for start in range(0, len(asked), batch_size):
+                chunk = asked[start : start + batch_size]
+                completions = sampler.generate([p.ids for p in chunk], params)
+                texts = [self.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
+                chunk_scores, _ = score_responses(self.reward_fn, texts, [p.sample for p in chunk])
+                scores.extend(chunk_scores)
         return {"eval/reward_mean": sum(scores) / max(len(scores), 1), "eval/prompts": float(len(prompts))}
 
 
@@ -421,6 +450,8 @@ def train_grpo(job: JobConfig, console=None, show_progress: bool = True, tokeniz
     """Run (or continue) a GRPO job: rollouts, rewards, PPO updates, metrics, checkpoints, held-out eval."""
     if job.job != "grpo":
         raise MliteError(f"this job is '{job.job}'; run it with `mlite {job.job}`")
+    if job.rollout.engine == "vllm" and planned_device_type(job) == "cuda":
+        require_vllm()  # before any GPU work (on the CPU the rule book's line comes first)
     if not job.data.train_files:
         raise MliteError(
             "data.train_files is empty: GRPO needs prompt files (JSONL/parquet with prompt + answer)"
@@ -433,12 +464,18 @@ def train_grpo(job: JobConfig, console=None, show_progress: bool = True, tokeniz
     val_prompts = load_prompts(job.data.val_files, tokenizer, job, "held-out") if job.data.val_files else []
 
     runtime = Runtime(job)
+    engine = None
     try:  # the reference snapshot is taken here, before the loop loads any checkpoint
-        trainer = GRPOTrainer(job, runtime, tokenizer, train_prompts, val_prompts)
+        if job.rollout.engine == "vllm":
+            engine = VLLMRollout(job, runtime, Path(job.trainer.output_dir) / "vllm_model")
+        trainer = GRPOTrainer(job, runtime, tokenizer, train_prompts, val_prompts, engine)
     except BaseException:
         runtime.close()
         raise
-    result = loop.run(job, runtime, trainer, console, show_progress)
+    try:
+        result = loop.run(job, runtime, trainer, console, show_progress)
+    finally:
+        trainer.engine.close()
     before, after = held_out_before_after(result)
     return GRPOResult(**vars(result), eval_before=before, eval_after=after, reward_failures=trainer.failures,
                       eval_sampling=trainer.eval_sampling())

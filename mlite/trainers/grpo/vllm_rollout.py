@@ -1,0 +1,160 @@
+"""vLLM as the rollout engine, colocated with the trainer on its GPU.
+
+vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the new weights reach it as the
+trainer's own tensors, with no copy through the host or another process. Its memory comes from vLLM's
+sleep-mode pool: between rollouts it sleeps at level 2, which discards its weights and KV cache (the next
+session re-sends the weights anyway; vLLM keeps its buffers, the rotary tables say, on the host), so
+training has the GPU to itself. One session:
+
+1. wake the weights' memory, stream the weights into it (`Runtime.weight_shards` in the rollout dtype,
+   per tensor in HF names, the rank's own pieces: whole tensors on one process), through vLLM's
+   `reload_weights` (each model's own `load_weights`, fusing q/k/v and gate/up as its kernels want);
+2. wake the KV cache, generate from token ids (no tokenizer in vLLM: `skip_tokenizer_init`);
+3. sleep again and give the memory back.
+
+The engine is built with `load_format="dummy"` from the runtime's config.json alone: it never reads a
+checkpoint, the first session brings the weights. Sampled tokens come back with their log-probs under
+logits / temperature (`logprobs_mode="processed_logprobs"`; with top-k / top-p off that is exactly what the
+trainer's forward computes), which the trainer compares with its own (`rollout/logprob_diff_*`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from mlite.errors import MliteError
+from mlite.trainers.grpo.rollout import Completion, SamplingParams
+
+log = logging.getLogger(__name__)
+ROLLOUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+VLLM_PIN = "0.25.1"  # docker/ pins it; the sm90 and sm100 images have it
+
+
+def require_vllm() -> None:
+    """The start-up check, before any GPU work: vLLM must be importable where the job runs."""
+    if importlib.util.find_spec("vllm") is None:
+        raise MliteError(
+            f"rollout.engine vllm needs the vllm package, which is not installed here; install the image's "
+            f"pin (pip install vllm=={VLLM_PIN}, or run in the mlite image), or use rollout.engine builtin"
+        )
+
+
+class VLLMRollout:
+    name = "vllm"
+
+    def __init__(self, job, runtime, model_dir: str | Path):
+        require_vllm()
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights pass as tensors
+        from vllm import LLM
+
+        from mlite.runtime.ckpt.hf import write_hf_config
+
+        r = job.rollout
+        self.runtime = runtime
+        self.dtype = ROLLOUT_DTYPES[job.precision.compute]
+        model_dir = Path(model_dir)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        write_hf_config(model_dir / "config.json", runtime.arch, runtime.hf_config, self.dtype)
+        started = time.perf_counter()
+        self.llm = LLM(
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            load_format="dummy",
+            dtype=str(self.dtype).removeprefix("torch."),
+            seed=job.trainer.seed,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            max_model_len=r.max_prompt_length + r.max_response_length,
+            enable_sleep_mode=True,
+            enforce_eager=r.enforce_eager,
+            logprobs_mode="processed_logprobs",
+            tensor_parallel_size=1,
+        )
+        self.start_s = time.perf_counter() - started
+        self.llm.sleep(level=2)
+        self.stats: dict[str, float] = {}  # the last session's: sync seconds and bytes, generated tokens
+
+    def load_weights(self) -> None:
+        """The trainer's current weights into vLLM, one HF tensor at a time in the rollout dtype."""
+        sent = {"tensors": 0, "bytes": 0}
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for shard in self.runtime.weight_shards(self.dtype):
+                if tuple(shard.tensor.shape) != tuple(shard.shape):  # one process holds every tensor whole
+                    raise MliteError(f"weight sync: {shard.name} arrived as a piece on one process")
+                sent["tensors"] += 1
+                sent["bytes"] += shard.tensor.numel() * shard.tensor.element_size()
+                yield shard.name, shard.tensor
+
+        started = time.perf_counter()
+        with torch.no_grad():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        torch.cuda.synchronize()
+        self.stats.update({"rollout/sync_s": time.perf_counter() - started,
+                           "rollout/sync_tensors": float(sent["tensors"]),
+                           "rollout/sync_gb": sent["bytes"] / 1e9})
+
+    @contextmanager
+    def session(self, seed: int) -> Iterator[VLLMSampler]:
+        torch.cuda.empty_cache()  # the trainer's cached blocks back to the driver, for vLLM to take
+        started = time.perf_counter()
+        self.llm.wake_up(tags=["weights"])
+        self.load_weights()
+        self.llm.wake_up(tags=["kv_cache"])
+        self.stats["rollout/wake_s"] = time.perf_counter() - started - self.stats["rollout/sync_s"]
+        sampler = VLLMSampler(self.llm, seed)
+        try:
+            yield sampler
+        finally:
+            self.llm.sleep(level=2)
+            self.stats["rollout/generated_tokens"] = float(sampler.generated)
+
+    def close(self) -> None:
+        del self.llm
+        torch.cuda.empty_cache()
+
+
+class VLLMSampler:
+    """Requests from token ids, one per prompt, each with its own seed (the session's seed plus a running
+    count), so a resumed run draws what the uninterrupted run drew."""
+
+    def __init__(self, llm, seed: int):
+        self.llm, self.seed, self.requests, self.generated = llm, seed, 0, 0
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        from vllm import SamplingParams as VLLMParams
+
+        requests = []
+        for prompt in prompts:
+            requests.append((
+                {"prompt_token_ids": list(map(int, prompt))},
+                VLLMParams(
+                    n=1,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=params.top_k,
+                    max_tokens=params.max_new_tokens,
+                    stop_token_ids=list(params.stop_token_ids),
+                    ignore_eos=True,  # the stop tokens are exactly ours (EOS among them)
+                    logprobs=0,  # the sampled token's log-prob only
+                    seed=self.seed * 1_000_003 + self.requests,
+                    detokenize=False,
+                ),
+            ))
+            self.requests += 1
+        outputs = self.llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+        completions = []
+        for prompt, output in zip(prompts, outputs):
+            out = output.outputs[0]
+            ids = list(out.token_ids)
+            logprobs = [float(step[token].logprob) for step, token in zip(out.logprobs or [], ids)]
+            completions.append(Completion(list(map(int, prompt)), ids, out.finish_reason == "stop", logprobs))
+            self.generated += len(ids)
+        return completions
