@@ -33,10 +33,10 @@ def tiny_qwen3(folder: Path, tokenizer) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         max_position_embeddings=256, tie_word_embeddings=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     Qwen3ForCausalLM(config).save_pretrained(folder)
     return folder
 
@@ -82,7 +82,10 @@ def test_grpo_steps_with_vllm_rollout(tmp_path):
 
     hf_tensors = sum(1 for _ in runtime.export_weights())
     numel = sum(p.numel() for p in runtime.model.parameters())
-    before = torch.cat([p.detach().flatten().float() for p in runtime.model.parameters()])
+    def weights():
+        return torch.cat([p.detach().flatten().float() for p in runtime.model.parameters()])
+
+    before = weights()
     for step in range(4):
         metrics, ro = trainer.train_step(step)
         print(f"step {step}: " + json.dumps({k: round(v, 5) for k, v in sorted(metrics.items())}))
@@ -94,7 +97,7 @@ def test_grpo_steps_with_vllm_rollout(tmp_path):
         # kernels (unsynced, vLLM's random dummy weights would be nats away)
         assert metrics["rollout/logprob_diff_mean"] < 0.05, metrics
         assert metrics["rollout/logprob_diff_frac"] < 0.2, metrics
-    assert not torch.equal(before, torch.cat([p.detach().flatten().float() for p in runtime.model.parameters()]))
+    assert not torch.equal(before, weights())
     engine.close()
 
 

@@ -329,6 +329,7 @@ class GRPOTrainer:
                     sum(not c.stopped for c in ro.completions) / len(ro.completions)
                 ),
                 "time/rollout_s": rollout_s,
+                "time/rollout_tokens_per_s": float(lengths.sum()) / max(rollout_s, 1e-9),  # generated tokens
                 "tokens": float(sum(len(s) for s in ro.sequences)),
             }
         )

@@ -97,7 +97,7 @@ class VLLMRollout:
         with torch.no_grad():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
         torch.cuda.synchronize()
-        self.stats.update({"rollout/sync_s": time.perf_counter() - started,
+        self.stats.update({"time/sync_s": time.perf_counter() - started,
                            "rollout/sync_tensors": float(sent["tensors"]),
                            "rollout/sync_gb": sent["bytes"] / 1e9})
 
@@ -108,7 +108,7 @@ class VLLMRollout:
         self.llm.wake_up(tags=["weights"])
         self.load_weights()
         self.llm.wake_up(tags=["kv_cache"])
-        self.stats["rollout/wake_s"] = time.perf_counter() - started - self.stats["rollout/sync_s"]
+        self.stats["time/wake_s"] = time.perf_counter() - started - self.stats["time/sync_s"]
         sampler = VLLMSampler(self.llm, seed)
         try:
             yield sampler
