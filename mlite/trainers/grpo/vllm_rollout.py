@@ -31,19 +31,25 @@ from pathlib import Path
 import torch
 
 from mlite.errors import MliteError
+from mlite.runtime.state import rng_state, set_rng_state
 from mlite.trainers.grpo.rollout import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
 ROLLOUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-VLLM_PIN = "0.25.1"  # docker/ pins it; the sm90 and sm100 images have it
 
 
 def require_vllm() -> None:
     """The start-up check, before any GPU work: vLLM must be importable where the job runs."""
     if importlib.util.find_spec("vllm") is None:
+        from mlite.stack import load_stack
+
+        try:
+            pin = load_stack().requirement("vllm")  # the image's (docker/stacks)
+        except MliteError:  # no stacks folder where mlite is installed
+            pin = "vllm"
         raise MliteError(
             f"rollout.engine vllm needs the vllm package, which is not installed here; install the image's "
-            f"pin (pip install vllm=={VLLM_PIN}, or run in the mlite image), or use rollout.engine builtin"
+            f"pin (pip install {pin}, or run in the mlite image), or use rollout.engine builtin"
         )
 
 
@@ -64,6 +70,7 @@ class VLLMRollout:
         model_dir.mkdir(parents=True, exist_ok=True)
         write_hf_config(model_dir / "config.json", runtime.arch, runtime.hf_config, self.dtype)
         started = time.perf_counter()
+        streams = rng_state()  # in-process, LLM(seed=...) reseeds the process's generators: keep the run's
         self.llm = LLM(
             model=str(model_dir),
             skip_tokenizer_init=True,
@@ -77,6 +84,7 @@ class VLLMRollout:
             logprobs_mode="processed_logprobs",
             tensor_parallel_size=1,
         )
+        set_rng_state(streams)
         self.start_s = time.perf_counter() - started
         self.llm.sleep(level=2)
         self.stats: dict[str, float] = {}  # the last session's: sync seconds and bytes, generated tokens
@@ -96,6 +104,7 @@ class VLLMRollout:
         started = time.perf_counter()
         with torch.no_grad():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
         torch.cuda.synchronize()
         self.stats.update({"time/sync_s": time.perf_counter() - started,
                            "rollout/sync_tensors": float(sent["tensors"]),
