@@ -98,3 +98,21 @@ def test_rollout_on_cuda_matches_the_full_forward_and_cpu_in_fp32():
         torch.Generator(device="cuda").manual_seed(1),
     )
     assert [c.response_ids for c in sampled] == [c.response_ids for c in again]
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-deepseek-v4"])
+def test_prefill_logits_at_each_rows_last_prompt_token(preset):
+    """decode(last_only=True), the rollout's prefill, is the full decode's logits at each row's last prompt
+    token: [B, 1, vocab] instead of [B, longest, vocab] (what a large vocabulary cannot afford)."""
+    torch.manual_seed(0)
+    net = build_model(preset_arch(preset), attention_backend="torch").eval()
+    rows, longest = len(PROMPTS), max(len(p) for p in PROMPTS)
+    ids = torch.zeros(rows, longest, dtype=torch.long)
+    positions = torch.full((rows, longest), -1)
+    for i, p in enumerate(PROMPTS):
+        ids[i, : len(p)], positions[i, : len(p)] = torch.tensor(p), torch.arange(len(p))
+    full = net.decode(ids, positions, net.new_kv_cache(rows, longest + 2))
+    last = net.decode(ids, positions, net.new_kv_cache(rows, longest + 2), last_only=True)
+    lengths = torch.tensor([len(p) for p in PROMPTS])
+    assert last.shape == (rows, 1, full.shape[-1])
+    torch.testing.assert_close(last[:, 0], full[torch.arange(rows), lengths - 1], rtol=1e-5, atol=1e-5)

@@ -3,7 +3,7 @@
 build_model(arch, attention_backend="auto", dtype=torch.float32, device="cpu") -> Transformer
 model(batch: PackedBatch) -> ModelOutput(hidden [T, H], aux_loss)
 model.compute_logits(hidden) -> [T, vocab]
-model.decode(input_ids [B, t], positions [B, t], cache) -> logits [B, t, vocab]   (rollout)
+model.decode(input_ids [B, t], positions [B, t], cache, last_only) -> logits [B, t or 1, vocab] (rollout)
 model.hf_layout() -> native <-> HF names (mlite.runtime.ckpt.hf loads and exports with it)
 seeded_init(model, seed, shard) -> the initial weights of a run, the same under every parallel layout
 """

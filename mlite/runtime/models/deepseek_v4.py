@@ -673,7 +673,8 @@ class DeepseekV4(nn.Module):
                                       device=next(self.parameters()).device))
 
     @torch.no_grad()
-    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: TokenCache) -> torch.Tensor:
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: TokenCache,
+               last_only: bool = False) -> torch.Tensor:
         """As the dense models' decode, by re-running each row's prefix: V4 has no incremental compressed
         KV cache here (rollout at scale is vLLM's job); exact and simple, O(length^2) per sequence."""
         b, t = input_ids.shape
@@ -689,7 +690,9 @@ class DeepseekV4(nn.Module):
         logits = self.compute_logits(self(batch).hidden)  # [T, vocab]
         starts = batch.cu_seqlens[:-1].long()
         index = (starts[:, None] + positions.clamp(min=0)).clamp(max=logits.shape[0] - 1)
-        return logits[index]  # [B, t, vocab]
+        if last_only:
+            index = index.gather(1, ((positions >= 0).sum(dim=1, keepdim=True) - 1).clamp(min=0))
+        return logits[index]  # [B, t or 1, vocab]
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()

@@ -217,8 +217,10 @@ class Transformer(nn.Module):
         return KVCache(k={n: make() for n in self.layers}, v={n: make() for n in self.layers})
 
     @torch.no_grad()
-    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """input_ids, positions [B, t] (position -1 marks padding) -> logits [B, t, vocab].
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+               last_only: bool = False) -> torch.Tensor:
+        """input_ids, positions [B, t] (position -1 marks padding) -> logits [B, t, vocab], or with
+        `last_only` [B, 1, vocab] at each row's last real position (a prefill needs no other).
 
         Prefill a right-padded batch of prompts with t = longest prompt, then call with t = 1 and each row's
         next position. Slot p of the cache holds position p, so rows of different lengths need no shifting."""
@@ -232,6 +234,9 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions.clamp(min=0), x.dtype)  # [B, t, head_dim]
         for name, layer in self.layers.items():
             x = layer.decode(x, cos, sin, cache.k[name], cache.v[name], positions)
+        if last_only:
+            last = ((positions >= 0).sum(dim=1) - 1).clamp(min=0)  # right-padded rows
+            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
         return self.compute_logits(self.norm(x))
 
     # ------------------------------------------------------------------ weights

@@ -63,8 +63,8 @@ def generate(
         positions[i, : len(prompt)] = torch.arange(len(prompt), device=device)
 
     cache = model.new_kv_cache(rows, longest + params.max_new_tokens)
-    logits = model.decode(input_ids, positions, cache)  # [B, longest, V]
-    next_logits = logits[torch.arange(rows, device=device), lengths - 1]  # each row's last prompt token
+    # the prefill's logits at each row's last prompt token only: [B, longest, V] would not fit at scale
+    next_logits = model.decode(input_ids, positions, cache, last_only=True)[:, 0]
     stop_ids = torch.tensor(params.stop_token_ids or [-1], device=device)
     responses = torch.full((rows, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)

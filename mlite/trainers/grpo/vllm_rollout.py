@@ -61,18 +61,21 @@ class VLLMRollout:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights pass as tensors
         from vllm import LLM
 
-        from mlite.runtime.ckpt.hf import write_hf_config
+        from mlite.runtime.ckpt.hf import ARCHITECTURES, write_hf_config
 
         r = job.rollout
         self.runtime = runtime
         self.dtype = ROLLOUT_DTYPES[job.precision.compute]
         model_dir = Path(model_dir)
         model_dir.mkdir(parents=True, exist_ok=True)
-        write_hf_config(model_dir / "config.json", runtime.arch, runtime.hf_config, self.dtype)
+        config = dict(runtime.hf_config)  # a catalog preset's names no architecture: vLLM's model class
+        config.setdefault("architectures", [ARCHITECTURES[runtime.arch.model_type]])
+        write_hf_config(model_dir / "config.json", runtime.arch, config, self.dtype)
         started = time.perf_counter()
         streams = rng_state()  # in-process, LLM(seed=...) reseeds the process's generators: keep the run's
         self.llm = LLM(
             model=str(model_dir),
+            runner="generate",
             skip_tokenizer_init=True,
             load_format="dummy",
             dtype=str(self.dtype).removeprefix("torch."),
