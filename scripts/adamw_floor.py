@@ -3,20 +3,28 @@
 For the parameters of a bench case (bf16 parameters, gradients and AdamW states, as the bench runs), the
 update reads parameter, gradient and both moments and writes parameter and both moments back: 14 bytes per
 parameter. The floor is those bytes at the GPU's measured copy bandwidth (a large device-to-device copy,
-read + write). Prints the floor, each AdamW implementation's median step and its ratio to the floor.
+read + write). Prints the floor, each AdamW implementation's median step and its ratio to the floor:
+torch's fused and foreach, TritonAdamW (mlite.runtime.kernels.adamw, what LocalAdamW runs on one GPU; its
+`host_ms` is the CPU time of one step call, which the GPU waits for when the step follows a host sync), and
+torch's fused over one flat buffer. --sweep also times TritonAdamW's kernel configurations.
 
-    python scripts/adamw_floor.py moe-30b-a3b-6l-4k dense-1.7b-4k
+    python scripts/adamw_floor.py moe-30b-a3b-6l-4k dense-1.7b-4k dsv4-flash-4l-4k
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
 from mlite.bench import CASES, case_arch
+from mlite.runtime.kernels.adamw import TritonAdamW
 from mlite.runtime.models import build_model
+
+# (chunk, block, num_warps) that --sweep tries besides TritonAdamW's default
+SWEEP = [(65536, 1024, 4), (65536, 4096, 8), (65536, 4096, 16), (16384, 2048, 8), (262144, 2048, 8)]
 
 
 def median_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
@@ -41,9 +49,43 @@ def copy_bandwidth_gbs(gib: float = 4.0) -> float:
     return 2 * gib * 2**30 / (ms / 1e3) / 1e9
 
 
+def host_ms(fn, repeats: int = 5) -> float:
+    """CPU time of one call that only queues GPU work (synchronised before each)."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def time_triton(params, floor_ms: float, sweep: bool) -> dict:
+    opt = TritonAdamW(params, lr=1e-5, weight_decay=0.1, fused=True)
+    opt.step()
+    if not opt._tables:
+        return {"error": "TritonAdamW fell back to torch's step (no triton?)"}
+    ms = median_ms(opt.step)
+    row = {"ms": round(ms, 2), "x_floor": round(ms / floor_ms, 2), "host_ms": round(host_ms(opt.step), 2),
+           "launches": sum(len(launches) for launches in opt._tables.values()),
+           "config": [opt.chunk, opt.block, opt.num_warps]}
+    if sweep:
+        row["sweep"] = {}
+        for chunk, block, num_warps in SWEEP:
+            opt.chunk, opt.block, opt.num_warps = chunk, block, num_warps
+            ms = median_ms(opt.step)
+            row["sweep"][f"chunk={chunk} block={block} warps={num_warps}"] = {
+                "ms": round(ms, 2), "x_floor": round(ms / floor_ms, 2)}
+    del opt
+    torch.cuda.empty_cache()
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("cases", nargs="+")
+    parser.add_argument("--sweep", action="store_true", help="also time other TritonAdamW configurations")
     args = parser.parse_args()
     bandwidth = copy_bandwidth_gbs()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -61,8 +103,14 @@ def main() -> None:
             opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.1, **options)
             ms = median_ms(opt.step)
             row[label] = {"ms": round(ms, 2), "x_floor": round(ms / floor_ms, 2)}
+            if label == "fused":
+                row[label]["host_ms"] = round(host_ms(opt.step), 2)
             del opt
             torch.cuda.empty_cache()
+        row["triton"] = time_triton(params, floor_ms, args.sweep)
+        timed = [k for k in ("fused", "foreach", "triton") if "ms" in row[k]]
+        print(f"{name}: {count / 1e9:.2f}B parameters in {len(params)} tensors, floor {floor_ms:.2f} ms; "
+              + ", ".join(f"{k} {row[k]['ms']} ms ({row[k]['x_floor']}x)" for k in timed), flush=True)
         # the same update over one flat buffer (parameters as views of it): what flattening would give
         del params
         model.to("meta")

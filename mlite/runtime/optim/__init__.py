@@ -89,8 +89,9 @@ class LocalAdamW:
     The parameters are the master weights, in precision.master's dtype (fp32, or bf16 on GPUs); bf16
     compute happens under autocast or in FSDP2's parameter cast, so there is no separate master copy to keep
     in sync. `grad_norm_fn` lets a layout that shards or replicates parameters reduce the norm over its
-    groups (default: the local norm). Plain CUDA parameters (one GPU) take torch's fused AdamW, one kernel
-    for the whole update; DTensor shards, which may span several meshes, and CPU runs take foreach."""
+    groups (default: the local norm). Plain CUDA parameters (one GPU) take TritonAdamW, torch's fused AdamW
+    with one Triton launch per group for the whole update; DTensor shards, which may span several meshes,
+    and CPU runs take foreach."""
 
     def __init__(
         self,
@@ -104,12 +105,18 @@ class LocalAdamW:
         no_decay = [p for p in self.params if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        # fused: on MoE layers the optimizer step moves more bytes than anything else (docs/PERFORMANCE.md)
+        # fused: on MoE layers the optimizer step moves more bytes than anything else (docs/PERFORMANCE.md).
+        # TritonAdamW is torch's fused AdamW (same numerics and state) with a kernel that streams closer to
+        # the bandwidth floor (mlite.runtime.kernels.adamw; torch's own step where Triton is missing)
         fused = bool(self.params) and all(p.is_cuda and not isinstance(p, DTensor) for p in self.params)
-        impl = {"fused": True} if fused else {"foreach": True}
-        self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **impl
-        )
+        groups = [g for g in groups if g["params"]]
+        options = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps}
+        if fused:
+            from mlite.runtime.kernels.adamw import TritonAdamW  # imports triton: only on a GPU run
+
+            self.optimizer = TritonAdamW(groups, fused=True, **options)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, foreach=True, **options)
         self.grad_norm_fn = grad_norm_fn or _local_grad_norm
         self.skipped_steps = 0
 

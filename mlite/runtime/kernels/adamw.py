@@ -1,0 +1,283 @@
+"""AdamW's update as one Triton launch per parameter group and dtype, with torch's fused CUDA numerics.
+
+On one GPU the optimizer step is pure streaming: read parameter, gradient and both moments, write parameter
+and both moments, 14 bytes per bf16 parameter. torch's fused AdamW (multi_tensor_apply) runs it at 1.3-1.5x
+the copy-bandwidth floor (scripts/adamw_floor.py, issue 15): its launches cover at most 320 chunks of 64k
+elements (and 36 tensors) each, so a 4B-parameter step is ~200 launches that each fill part of the GPU and
+drain to a tail, and it loads 4 elements per thread at a time (8 bytes of bf16).
+
+`TritonAdamW` is torch.optim.AdamW with the same constructor, param groups and state (`step`, `exp_avg`,
+`exp_avg_sq`, laid out exactly as AdamW(fused=True) keeps them, so checkpoints are interchangeable). Its step
+runs `_adamw_kernel`:
+
+- one launch per (param group, dtype) over every tensor of it: a table of pointers (param, grad, moments,
+  step) in device memory, and a map from program to tensor; each program updates one chunk of CHUNK
+  elements of one tensor. Big tensors get many programs, a norm weight gets one, and nothing pays a launch
+  of its own. The tables depend only on the tensors' addresses and sizes, so they are built once and reused
+  while the gradients land at the same addresses (the caching allocator makes that the usual case);
+- tiles of BLOCK elements, 8 per thread: one 16-byte load per thread and tensor for bf16. Only a tensor's
+  last tile is masked, so the others vectorise;
+- the update is torch's `adam_math` (aten/src/ATen/native/cuda/fused_adam_utils.cuh) operation for
+  operation, all in fp32 ("opmath", the hyper-parameters cast to float once): the moments as its nested
+  fmas, the bias corrections from the device-side step, IEEE-rounded sqrt and division, results stored in
+  the tensor's dtype. Measured on an H100 against torch 2.11's fused AdamW: 2 of 14.8M bf16 elements
+  differ, by 1 ulp; fp32 values within 1.1e-6 relative (tests/test_adamw_kernel.py).
+
+Anything else (DTensor shards, amsgrad, maximize, capturable, a tensor lr, a GradScaler, no Triton, not
+fused=True) takes torch's own step. TRITON_INTERPRET=1 runs the kernel on CPU tensors too (slow; for
+debugging without a GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # CPU installs: TritonAdamW is torch's AdamW
+    triton = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _pow(base, exp, INTERPRET: tl.constexpr):
+        if INTERPRET:
+            return tl.exp(tl.log(base) * exp)  # the interpreter has no libdevice
+        else:
+            return libdevice.pow(base, exp)  # fp32: __nv_powf, what pow_(float, float) is in the CUDA kernel
+
+    @triton.jit
+    def _cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+        if INTERPRET and dtype == tl.bfloat16:
+            # the interpreter truncates fp32 -> bf16: round to nearest even by hand, as the GPU's cvt.rn
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(dtype)
+
+    @triton.jit
+    def _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, offs, size, lr, weight_decay, beta1, beta2, eps,
+                    step_size, bc2_sqrt, DECAY: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr):
+        if MASKED:
+            mask = offs < size
+            p = tl.load(p_ptr + offs, mask=mask, eviction_policy="evict_first").to(tl.float32)
+            g = tl.load(g_ptr + offs, mask=mask, eviction_policy="evict_first").to(tl.float32)
+            m = tl.load(m_ptr + offs, mask=mask, eviction_policy="evict_first").to(tl.float32)
+            v = tl.load(v_ptr + offs, mask=mask, eviction_policy="evict_first").to(tl.float32)
+        else:
+            p = tl.load(p_ptr + offs, eviction_policy="evict_first").to(tl.float32)
+            g = tl.load(g_ptr + offs, eviction_policy="evict_first").to(tl.float32)
+            m = tl.load(m_ptr + offs, eviction_policy="evict_first").to(tl.float32)
+            v = tl.load(v_ptr + offs, eviction_policy="evict_first").to(tl.float32)
+        # adam_math (fused_adam_utils.cuh), ADAMW mode, as torch's kernel does it: everything in fp32
+        # ("opmath", the hyper-parameters cast to float once), nvcc's contraction of a - b * c into an fma,
+        # IEEE-rounded sqrt and division (Triton's plain `/` is approximate)
+        if DECAY:
+            p = tl.fma(-(lr * weight_decay), p, p)
+        m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
+        gg = g * g
+        v = tl.fma(beta2, v, tl.fma(-beta2, gg, gg))
+        denom = tl.math.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p - tl.math.div_rn(step_size * m, denom)
+        dtype: tl.constexpr = p_ptr.dtype.element_ty
+        p, m, v = _cast(p, dtype, INTERPRET), _cast(m, dtype, INTERPRET), _cast(v, dtype, INTERPRET)
+        if MASKED:
+            tl.store(p_ptr + offs, p, mask=mask)
+            tl.store(m_ptr + offs, m, mask=mask)
+            tl.store(v_ptr + offs, v, mask=mask)
+        else:
+            tl.store(p_ptr + offs, p)
+            tl.store(m_ptr + offs, m)
+            tl.store(v_ptr + offs, v)
+
+    @triton.jit
+    def _adamw_kernel(table_ptr, program_tensor_ptr, hyper_ptr, DTYPE: tl.constexpr,
+                      DECAY: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr,
+                      BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+        # the hyper-parameters, cast to fp32 as torch's kernel does, from device memory (no recompilation
+        # or argument specialisation when the lr changes)
+        lr, weight_decay = tl.load(hyper_ptr + 0), tl.load(hyper_ptr + 1)
+        beta1, beta2, eps = tl.load(hyper_ptr + 2), tl.load(hyper_ptr + 3), tl.load(hyper_ptr + 4)
+        pid = tl.program_id(0)
+        row = table_ptr + tl.load(program_tensor_ptr + pid).to(tl.int64) * 8  # 8 int64 columns (_table)
+        p_ptr = tl.load(row + 0).to(tl.pointer_type(DTYPE))
+        g_ptr = tl.load(row + 1).to(tl.pointer_type(DTYPE))
+        m_ptr = tl.load(row + 2).to(tl.pointer_type(DTYPE))
+        v_ptr = tl.load(row + 3).to(tl.pointer_type(DTYPE))
+        if ALIGNED:  # the host checked: every address 16-byte aligned, so tiles load as 16-byte vectors
+            p_ptr, g_ptr = tl.multiple_of(p_ptr, 16), tl.multiple_of(g_ptr, 16)
+            m_ptr, v_ptr = tl.multiple_of(m_ptr, 16), tl.multiple_of(v_ptr, 16)
+        start = (pid - tl.load(row + 6)) * CHUNK  # this program's chunk of its tensor
+        size = tl.minimum(tl.load(row + 5) - start, CHUNK).to(tl.int32)
+        p_ptr, g_ptr, m_ptr, v_ptr = p_ptr + start, g_ptr + start, m_ptr + start, v_ptr + start
+
+        # bias corrections in fp32 from the step the host incremented on the device (no host sync)
+        step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32)))
+        bc1 = 1.0 - _pow(beta1, step, INTERPRET)
+        step_size = tl.math.div_rn(lr, bc1)
+        bc2_sqrt = tl.sqrt_rn(1.0 - _pow(beta2, step, INTERPRET))
+
+        full = size // BLOCK * BLOCK
+        for off in range(0, full, BLOCK):
+            _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, off + tl.arange(0, BLOCK), size, lr, weight_decay,
+                        beta1, beta2, eps, step_size, bc2_sqrt, DECAY, MASKED=False, INTERPRET=INTERPRET)
+        if full < size:
+            _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, full + tl.arange(0, BLOCK), size, lr, weight_decay,
+                        beta1, beta2, eps, step_size, bc2_sqrt, DECAY, MASKED=True, INTERPRET=INTERPRET)
+
+    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+class TritonAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW whose fused step runs `_adamw_kernel` (module docstring): construct it with
+    fused=True, as one would torch's fused AdamW. Same param groups, state and state_dict as that; `lr` may
+    change in param_groups between steps (LRSchedule sets it). Every other setting steps through torch."""
+
+    chunk = 65536  # elements per program: a 4B-parameter step is ~66k programs, its tables ~0.3 MB
+    block = 2048  # elements per tile: num_warps * 32 threads * 8 elements (one 16-byte bf16 vector each)
+    num_warps = 8
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # (a group's tensor addresses and sizes, chunk) -> its launches, tables on the device (_launches)
+        self._tables: dict[tuple, list[tuple]] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plan = self._plan()
+        if plan is None:
+            self._torch_step(None)
+            return loss
+        steps, launches = plan
+        if steps:
+            torch._foreach_add_(steps, 1)  # as torch's fused step: the kernel reads the new count
+        for group, device, dtype, aligned, table, program_tensor in launches:
+            beta1, beta2 = group["betas"]
+            hyper = _to_device(torch.tensor([group["lr"], group["weight_decay"], beta1, beta2, group["eps"]],
+                                            dtype=torch.float32), device)
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                _adamw_kernel[(program_tensor.numel(),)](
+                    table, program_tensor, hyper, DTYPE=_TL_DTYPES[dtype],
+                    DECAY=group["weight_decay"] != 0, ALIGNED=aligned, CHUNK=self.chunk, BLOCK=self.block,
+                    INTERPRET=_INTERPRET, num_warps=self.num_warps,
+                    enable_fp_fusion=True,  # mul + add -> fma, as nvcc compiles torch's kernel
+                )
+        return loss
+
+    def _plan(self) -> tuple[list[torch.Tensor], list[tuple]] | None:
+        """The step counts to advance and the launches (group, device, dtype, aligned, table, program map)
+        when the kernel serves the whole step, else None. This is host time in front of the first launch,
+        so the per-parameter work is kept to reading addresses: a new set of addresses is checked in full
+        once (`_launches`); a gradient's dtype, device and size are the parameter's (autograd and the
+        .grad setter see to that), its layout is checked every step."""
+        if triton is None or getattr(self, "grad_scale", None) is not None or \
+                getattr(self, "found_inf", None) is not None:
+            return None
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return None  # the table cache is host-side work that a CUDA graph would not replay
+        for group in self.param_groups:
+            if not group["fused"] or group["amsgrad"] or group["maximize"] or group["capturable"] or \
+                    group["differentiable"] or not group["decoupled_weight_decay"]:
+                return None
+            if not all(isinstance(x, (float, int)) for x in (group["lr"], *group["betas"], group["eps"],
+                                                              group["weight_decay"])):
+                return None  # a tensor lr or beta: torch's step handles it
+        all_steps, launches = [], []
+        for group in self.param_groups:
+            tensors, rows = [], []
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                state = self.state[p]
+                if not state:  # lazy state init, as torch's step does it (fused layout: fp32 step on device)
+                    self._init_group(group, [], [], [], [], [], [])
+                m, v, s = state["exp_avg"], state["exp_avg_sq"], state["step"]
+                if type(p) not in _PLAIN or type(g) is not torch.Tensor or g.layout != torch.strided or \
+                        not g.is_contiguous():
+                    return None  # DTensor or other subclass, a sparse or strided gradient: torch's step
+                tensors.append((p, g, m, v, s))
+                rows.append((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), s.data_ptr(), p.numel()))
+            group_launches = self._launches(tensors, rows)
+            if group_launches is None:
+                return None
+            all_steps += [t[4] for t in tensors]
+            launches += [(group, *launch) for launch in group_launches]
+        return all_steps, launches
+
+    def _launches(self, tensors: list[tuple], rows: list[tuple]) -> list[tuple] | None:
+        """A group's launches, (device, dtype, aligned, pointer table, program -> tensor map), one per kind
+        of tensor; None if the kernel cannot take one of them. Cached by the tensors' addresses and sizes:
+        the gradients usually land where they did last step."""
+        key = (tuple(rows), self.chunk)
+        if key in self._tables:
+            return self._tables[key]
+        if not all(_servable(*t) for t in tensors):
+            return None
+        kinds: dict[tuple, list] = {}
+        for (p, *_), row in zip(tensors, rows):
+            aligned = (row[0] | row[1] | row[2] | row[3]) % 16 == 0  # 16-byte vectors need 16-byte addresses
+            if not aligned:  # a view off its storage's start: torch's step (the allocator aligns the rest)
+                return None
+            kinds.setdefault((p.device, p.dtype, aligned), []).append(row)
+        launches = []
+        for (device, dtype, aligned), kind_rows in kinds.items():
+            counts = [-(-numel // self.chunk) for *_, numel in kind_rows]  # programs per tensor
+            if sum(counts) == 0:
+                continue
+            firsts = [0, *itertools.accumulate(counts)][:-1]
+            table = torch.tensor([(*row, first, 0) for row, first in zip(kind_rows, firsts)],
+                                 dtype=torch.int64)
+            program_tensor = torch.repeat_interleave(torch.arange(len(kind_rows), dtype=torch.int32),
+                                                     torch.tensor(counts))
+            launches.append((device, dtype, aligned, _to_device(table, device),
+                             _to_device(program_tensor, device)))
+        if len(self._tables) >= 16:  # addresses moved for good (new grads, loaded state): start over
+            self._tables.clear()
+        self._tables[key] = launches
+        return launches
+
+    def _torch_step(self, closure):
+        # torch.optim.AdamW.step without the profiling/hook wrapper Optimizer may have put on it: ours
+        # already ran the hooks
+        step = torch.optim.AdamW.step
+        step = step.__wrapped__ if getattr(step, "hooked", False) else step
+        return step(self, closure)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _servable(p, g, m, v, s) -> bool:
+    """A tensor the kernel updates: plain dense contiguous tensors (no DTensor or other subclass) of one
+    dtype it handles, on one GPU (or the CPU under the Triton interpreter), with torch's fused state layout
+    (moments like the parameter, an fp32 step on its device)."""
+    return (
+        type(p) in _PLAIN and type(g) is torch.Tensor
+        and (p.is_cuda or (_INTERPRET and p.device.type == "cpu"))
+        and p.dtype in _TL_DTYPES and g.dtype == p.dtype and m.dtype == p.dtype and v.dtype == p.dtype
+        and s.dtype == torch.float32 and p.device == g.device == m.device == v.device == s.device
+        and p.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous()
+        and g.shape == p.shape and m.shape == p.shape and v.shape == p.shape
+    )
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return t
+    # through pinned memory: an asynchronous copy, no host sync in the step
+    return t.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,184 @@
+"""TritonAdamW is torch.optim.AdamW: on the CPU it is torch's step itself; on a GPU its Triton kernel gives
+torch's fused AdamW's update within rounding (on an H100: 2 of 14.8M bf16 elements 1 ulp apart, fp32 within
+1.1e-6 relative; the assertion allows 1 bf16 ulp, 16 fp32 ulps), and checkpoints move between the two either
+way."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mlite.runtime.kernels import adamw as kernel
+from mlite.runtime.kernels.adamw import TritonAdamW
+
+BETAS, EPS = (0.9, 0.95), 1e-8
+
+
+def _params(dtype, device, sizes):
+    gen = torch.Generator(device=device).manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen, device=device).to(dtype)) for s in sizes]
+
+
+def _groups(params):
+    # LocalAdamW's split: weight decay on matrices only, so both the decay and the no-decay kernel run
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def _set_grads(step, *param_lists):
+    """The same gradients, of mixed scales, on every list (independent of the parameters' values)."""
+    for params in zip(*param_lists):
+        gen = torch.Generator(device=params[0].device).manual_seed(1000 * step + params[0].numel())
+        scale = 10.0 ** -(step % 4)
+        g = torch.randn(params[0].shape, generator=gen, device=params[0].device) * scale
+        for p in params:
+            p.grad = g.to(p.dtype)
+
+
+def _run(opts_and_params, steps):
+    for step in steps:
+        _set_grads(step, *[params for _, params in opts_and_params])
+        for opt, _ in opts_and_params:
+            for group in opt.param_groups:
+                group["lr"] = 1e-3 * (1 + step) / 4  # as LRSchedule: a new lr in param_groups every step
+            opt.step()
+
+
+def _tensors(opt, params):
+    """Each parameter with its exp_avg, exp_avg_sq and step, in order."""
+    return [t for p in params for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"],
+                                        opt.state[p]["step"])]
+
+
+def _ulps(a, b):
+    """Distance in units in the last place between same-dtype floating tensors (0 where bitwise equal)."""
+    ints = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[a.dtype]
+
+    def ordered(t):  # sign-magnitude bits -> integers in the floats' order (-0 and +0 both 0)
+        i = t.detach().view(ints).long()
+        return torch.where(i < 0, -(i & torch.iinfo(ints).max), i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+# --------------------------------------------------------------------------------------------- CPU
+CPU_SIZES = [(), (1,), (5,), (3, 7), (64, 33)]
+
+
+@pytest.mark.skipif(kernel._INTERPRET, reason="under TRITON_INTERPRET=1 the kernel serves CPU tensors")
+@pytest.mark.parametrize("options", [{}, {"fused": True}, {"foreach": True}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cpu_it_is_torch_adamw(dtype, options):
+    ours, theirs = _params(dtype, "cpu", CPU_SIZES), _params(dtype, "cpu", CPU_SIZES)
+    opt_ours = TritonAdamW(_groups(ours), lr=1e-3, betas=BETAS, eps=EPS, **options)
+    opt_theirs = torch.optim.AdamW(_groups(theirs), lr=1e-3, betas=BETAS, eps=EPS, **options)
+    _run([(opt_ours, ours), (opt_theirs, theirs)], range(3))
+    for a, b in zip(_tensors(opt_ours, ours), _tensors(opt_theirs, theirs)):
+        assert a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+    sd_ours, sd_theirs = opt_ours.state_dict(), opt_theirs.state_dict()
+    assert sd_ours["param_groups"] == sd_theirs["param_groups"]
+    assert sd_ours["state"].keys() == sd_theirs["state"].keys()
+    assert all(sd_ours["state"][i].keys() == sd_theirs["state"][i].keys() for i in sd_ours["state"])
+
+
+@pytest.mark.skipif(kernel._INTERPRET, reason="under TRITON_INTERPRET=1 the kernel serves CPU tensors")
+@pytest.mark.parametrize("direction", ["ours->torch", "torch->ours"])
+def test_on_cpu_a_checkpoint_of_one_loads_into_the_other(direction):
+    for a, b in zip(*_checkpoint_roundtrip("cpu", torch.float32, CPU_SIZES, direction)):
+        assert a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+
+
+def _checkpoint_roundtrip(device, dtype, sizes, direction):
+    """Two steps with one optimizer; its state_dict into a fresh one of the other kind over a copy of the
+    parameters; three more steps on both. Returns both tensor lists (see _tensors), which should agree."""
+    first_cls, second_cls = (TritonAdamW, torch.optim.AdamW) if direction == "ours->torch" else \
+        (torch.optim.AdamW, TritonAdamW)
+    params = _params(dtype, device, sizes)
+    first = first_cls(_groups(params), lr=1e-3, betas=BETAS, eps=EPS, fused=True)
+    _run([(first, params)], range(2))
+    moved = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    second = second_cls(_groups(moved), lr=1e-3, betas=BETAS, eps=EPS, fused=True)
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    _run([(first, params), (second, moved)], range(2, 5))
+    return _tensors(first, params), _tensors(second, moved)
+
+
+# --------------------------------------------------------------------------------------------- GPU
+GPU_SIZES = [(), (1,), (7,), (2048,), (3, 5), (1000, 333), (2048, 2049), (2, 3 * 65536 + 17)]
+
+
+def _gpu_params(dtype):
+    return _params(dtype, "cuda", GPU_SIZES)
+
+
+def _compare(label, ours, theirs):
+    """Prints how far apart the two lists are (bitwise, in ulps); asserts closeness within rounding."""
+    total = differ = worst = 0
+    rel = absolute = 0.0
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert a.dtype == b.dtype and a.device == b.device and a.shape == b.shape
+        ulps = _ulps(a, b)
+        total, differ, worst = total + a.numel(), differ + int((ulps > 0).sum()), max(worst, int(ulps.max()))
+        d = (a.float() - b.float()).abs()
+        absolute = max(absolute, float(d.max()))
+        rel = max(rel, float((d / b.float().abs().clamp(min=1e-3)).max()))
+        if int(ulps.max()) > 1:
+            print(f"  tensor {i} {list(a.shape)}: {int((ulps > 0).sum())} differ, max {int(ulps.max())} ulp, "
+                  f"max abs {float(d.max()):.3g}")
+    print(f"\n{label}: {differ} of {total} elements differ from torch's fused AdamW (max {worst} ulp, "
+          f"max abs {absolute:.3g}, max rel {rel:.3g})")
+    for a, b in zip(ours, theirs):
+        # not bitwise (Triton's code generation is not nvcc's): within 1 bf16 ulp, or 16 fp32 ulps, of each
+        # tensor's values (a rounding difference, far inside the CPU parity tolerance)
+        eps = torch.finfo(a.dtype).eps * (1 if a.dtype == torch.bfloat16 else 16)
+        scale = max(float(b.float().abs().max()), 1e-3)
+        torch.testing.assert_close(a.float(), b.float(), rtol=eps, atol=eps * 1e-2 * scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_kernel_matches_torch_fused(dtype):
+    ours, theirs = _gpu_params(dtype), _gpu_params(dtype)
+    opt_ours = TritonAdamW(_groups(ours), lr=1e-3, betas=BETAS, eps=EPS, fused=True)
+    opt_theirs = torch.optim.AdamW(_groups(theirs), lr=1e-3, betas=BETAS, eps=EPS, fused=True)
+    _run([(opt_ours, ours), (opt_theirs, theirs)], range(5))
+    assert opt_ours._tables, "TritonAdamW fell back to torch's step"
+    launches = [launch for launches in opt_ours._tables.values() for launch in launches]
+    assert launches and all(aligned for _, _, aligned, *_ in launches)
+    _compare(f"{dtype} after 5 steps", _tensors(opt_ours, ours), _tensors(opt_theirs, theirs))
+    for p in ours:  # the state torch's fused AdamW keeps
+        assert opt_ours.state[p]["step"].dtype == torch.float32 and opt_ours.state[p]["step"].is_cuda
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("direction", ["ours->torch", "torch->ours"])
+def test_gpu_checkpoints_are_interchangeable(direction):
+    _compare(f"checkpoint {direction}, 3 steps on", *_checkpoint_roundtrip("cuda", torch.bfloat16, GPU_SIZES,
+                                                                           direction))
+
+
+@pytest.mark.gpu
+def test_local_adamw_takes_the_kernel_on_one_gpu():
+    from mlite.config.schema import OptimizerConfig
+    from mlite.runtime.optim import LocalAdamW
+
+    params = _params(torch.bfloat16, "cuda", [(64, 64), (64,)])
+    opt = LocalAdamW(params, OptimizerConfig(weight_decay=0.1))
+    assert isinstance(opt.optimizer, TritonAdamW)
+    _set_grads(0, params)
+    norm, skipped = opt.step()
+    assert not skipped and opt.optimizer._tables
+
+
+@pytest.mark.gpu
+def test_gpu_a_view_off_alignment_takes_torchs_step():
+    """A parameter that is a view 2 bytes into its storage cannot load 16-byte vectors: the whole step is
+    torch's fused one (the kernel once got such a tensor wrong)."""
+    params = _gpu_params(torch.bfloat16)
+    params.append(torch.nn.Parameter(torch.randn(4097, device="cuda").to(torch.bfloat16)[1:]))
+    opt = TritonAdamW(_groups(params), lr=1e-3, betas=BETAS, eps=EPS, fused=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    assert opt._plan() is None
