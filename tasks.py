@@ -89,7 +89,7 @@ def plan(c, config="", set_=None, recommend=False, json=False):
     iterable=["set_"],
 )
 def grpo(c, config, set_=None, no_progress=False):
-    """GRPO on the mlite runtime with the built-in rollout (the planner checks the job first)."""
+    """GRPO on the mlite runtime, rolling out with the built-in sampler or vLLM (planner checks first)."""
     _mlite(c, "grpo", config, *_overrides(set_), *(["--no-progress"] if no_progress else []))
 
 

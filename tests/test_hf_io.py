@@ -138,6 +138,22 @@ def test_export_in_bf16_and_copying_the_source_config(tmp_path):
     assert json.loads((generated / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def test_a_catalog_presets_config_gets_its_model_class(tmp_path):
+    """A run from a catalog preset carries a config dict without `architectures`; its export (and the vLLM
+    engine's config.json, written the same way) names the model class, which vLLM and the Auto classes need;
+    a config that names one keeps it."""
+    from mlite.config.catalog import PRESETS, preset_arch
+
+    arch = preset_arch("tiny-qwen3")
+    config = dict(PRESETS["tiny-qwen3"])
+    assert "architectures" not in config
+    out = save_hf_checkpoint(build_model(arch), arch, tmp_path / "preset", config=config)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    kept = save_hf_checkpoint(build_model(arch), arch, tmp_path / "kept",
+                              config={**config, "architectures": ["Custom"]})
+    assert json.loads((kept / "config.json").read_text())["architectures"] == ["Custom"]
+
+
 def test_export_holds_at_most_one_shard_of_tensors(tmp_path):
     """A stream of fresh 4 KiB tensors, shards of 16 KiB: never more than a shard's worth alive at once."""
     alive, most = weakref.WeakSet(), [0]

@@ -1,4 +1,4 @@
-"""`mlite grpo CONFIG [--set key=value ...]`: GRPO on the mlite runtime with the built-in rollout.
+"""`mlite grpo CONFIG [--set key=value ...]`: GRPO on the mlite runtime (rollout.engine: builtin or vllm).
 
 The planner checks the job first (layout, rollout lengths, memory) for the world this run has; then
 rollouts -> rewards -> PPO updates, with metrics (JSONL, TensorBoard, PNG), progress, checkpoints and

@@ -499,7 +499,8 @@ def _write_shards(stream: WeightStream, tmp: Path, max_shard_bytes: int, dtype) 
 
 def write_hf_config(dest: Path, arch: ModelArch, config, dtype) -> None:
     """config.json at `dest`: a copy of `config` (a dict, or a source config.json or its directory), or
-    made from `arch` with `dtype` recorded."""
+    made from `arch` with `dtype` recorded. A dict without `architectures` (a catalog preset's) gets the
+    model class, which vLLM and transformers' Auto classes read."""
     if isinstance(config, (str, Path)):
         src = Path(config)
         src = src / "config.json" if src.is_dir() else src
@@ -508,4 +509,6 @@ def write_hf_config(dest: Path, arch: ModelArch, config, dtype) -> None:
         shutil.copyfile(src, dest)
         return
     cfg = dict(config) if config is not None else hf_config_from_arch(arch, dtype)
+    if arch.model_type in ARCHITECTURES:
+        cfg.setdefault("architectures", [ARCHITECTURES[arch.model_type]])
     dest.write_text(json.dumps(cfg, indent=2) + "\n")

@@ -104,6 +104,7 @@ class Sampler(Protocol):
 
 class RolloutEngine(Protocol):
     name: str
+    stats: dict[str, float]  # the last session's figures, logged with the step's metrics
 
     def session(self, seed: int) -> AbstractContextManager[Sampler]: ...
 
@@ -129,6 +130,7 @@ class BuiltinRollout:
 
     def __init__(self, runtime):
         self.runtime = runtime
+        self.stats: dict[str, float] = {}  # nothing beyond the trainer's own timings
 
     @contextmanager
     def session(self, seed: int) -> Iterator[Sampler]:

@@ -210,8 +210,10 @@ class GRPOTrainer:
             )
         return group_advantages(rewards, ro.groups, std_norm=self.cfg.adv_std_norm)
 
-    def update(self, step: int, ro: RolloutBatch, old, ref, adv: torch.Tensor) -> dict[str, float]:
-        """`ppo_epochs` x `mini_batches` optimizer updates over this step's responses."""
+    def update(self, step: int, ro: RolloutBatch, old, ref, adv: torch.Tensor,
+               is_weights: list[torch.Tensor] | None = None) -> dict[str, float]:
+        """`ppo_epochs` x `mini_batches` optimizer updates over this step's responses (`is_weights`: the
+        rollout's per-token importance weights, when corrected)."""
         n = len(ro.sequences)
         extras = {
             "old_logprobs": old,
@@ -219,11 +221,8 @@ class GRPOTrainer:
         }
         if ref is not None and self.loss_cfg.kl_coef > 0:
             extras["ref_logprobs"] = ref
-        if self.rollout_cfg.importance_correction == "tis":
-            extras["is_weights"] = [
-                truncated_importance_weights(o, s, self.rollout_cfg.importance_cap)
-                for o, s in zip(old, ro.sampler_logprobs())
-            ]
+        if is_weights is not None:
+            extras["is_weights"] = is_weights
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}
         grad_norms = []
@@ -302,22 +301,26 @@ class GRPOTrainer:
         old = self.old_logprobs(ro)
         ref = self.reference_logprobs(ro) if self.reference is not None else None
         adv = self.advantages(ro, old, ref)
-        metrics = self.update(step, ro, old, ref, adv)
+        sampler = ro.sampler_logprobs()
+        is_weights = None
+        if self.rollout_cfg.importance_correction == "tis":
+            is_weights = [truncated_importance_weights(o, s, self.rollout_cfg.importance_cap)
+                          for o, s in zip(old, sampler)]
+        metrics = self.update(step, ro, old, ref, adv, is_weights)
         lengths = torch.tensor([len(c.response_ids) for c in ro.completions], dtype=torch.float32)
         label_masks = ro.label_masks
-        sampler = torch.cat(ro.sampler_logprobs())
-        metrics.update(logprob_mismatch(torch.cat(old), sampler, torch.cat(label_masks),
+        mask = torch.cat(label_masks)
+        tokens = mask.sum().clamp(min=1)
+        metrics.update(logprob_mismatch(torch.cat(old), torch.cat(sampler), mask,
                                         self.rollout_cfg.mismatch_threshold))
-        if self.rollout_cfg.importance_correction == "tis":
-            weights = truncated_importance_weights(torch.cat(old), sampler, self.rollout_cfg.importance_cap)
-            metrics["rollout/is_weight_mean"] = float((weights * torch.cat(label_masks)).sum()
-                                                      / torch.cat(label_masks).sum().clamp(min=1))
-        metrics.update(getattr(self.engine, "stats", {}))
+        if is_weights is not None:
+            metrics["rollout/is_weight_mean"] = float((torch.cat(is_weights) * mask).sum() / tokens)
+        metrics.update(self.engine.stats)
         if ref is not None:
             kl = torch.cat(
                 [kl_estimate(o, r, self.cfg.kl_estimator) * m for o, r, m in zip(old, ref, label_masks)]
             )
-            metrics["actor/kl_ref"] = float(kl.sum() / torch.cat(label_masks).sum().clamp(min=1))
+            metrics["actor/kl_ref"] = float(kl.sum() / tokens)
         metrics.update(
             {
                 "reward/mean": float(ro.rewards.mean()),

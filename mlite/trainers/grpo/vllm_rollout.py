@@ -35,7 +35,6 @@ from mlite.runtime.state import rng_state, set_rng_state
 from mlite.trainers.grpo.rollout import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
-ROLLOUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def require_vllm() -> None:
@@ -61,16 +60,15 @@ class VLLMRollout:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights pass as tensors
         from vllm import LLM
 
-        from mlite.runtime.ckpt.hf import ARCHITECTURES, write_hf_config
+        from mlite.runtime.ckpt.hf import write_hf_config
+        from mlite.runtime.layout import COMPUTE_DTYPES
 
         r = job.rollout
         self.runtime = runtime
-        self.dtype = ROLLOUT_DTYPES[job.precision.compute]
+        self.dtype = COMPUTE_DTYPES[job.precision.compute]
         model_dir = Path(model_dir)
         model_dir.mkdir(parents=True, exist_ok=True)
-        config = dict(runtime.hf_config)  # a catalog preset's names no architecture: vLLM's model class
-        config.setdefault("architectures", [ARCHITECTURES[runtime.arch.model_type]])
-        write_hf_config(model_dir / "config.json", runtime.arch, config, self.dtype)
+        write_hf_config(model_dir / "config.json", runtime.arch, runtime.hf_config, self.dtype)
         started = time.perf_counter()
         streams = rng_state()  # in-process, LLM(seed=...) reseeds the process's generators: keep the run's
         self.llm = LLM(
