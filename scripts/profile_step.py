@@ -1,35 +1,100 @@
 """Profile one mlite training step of a bench case on a GPU (the trainers' Runtime step, as `mlite bench`
-times it, with model.compile): the top CUDA kernels by self time.
+times it, with model.compile) and say where the step's wall time goes:
 
-    python3 scripts/profile_step.py dense-1.7b-4k
+- the top CUDA kernels by self time, and the top host-side ops by self CPU time;
+- the host gap: the step's wall time minus the CUDA time of its kernels (the GPU idles while the host
+  launches, syncs or runs eager Python);
+- the graph breaks and recompilations torch.compile saw (each break is an eager region between graphs);
+- every host sync of a step (`torch.cuda.set_sync_debug_mode`), counted by the mlite line that caused it.
+
+    python3 scripts/profile_step.py dense-1.7b-4k [moe-30b-a3b-6l-4k ...] [--rows 25]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import time
+import traceback
+import warnings
 
 import torch
+import torch._dynamo.utils
 
 from mlite import bench
 
-parser = argparse.ArgumentParser()
-parser.add_argument("case")
-parser.add_argument("--rows", type=int, default=25)
-args = parser.parse_args()
 
-case = bench.CASES[args.case]
-arch = bench.case_arch(case)
-seqs = bench.random_sequences(bench.case_seq_lens(case), arch.vocab, seed=0)
-step, _runtime, _last = bench.runtime_step_fn(case, seqs, "cuda")
-for _ in range(3):
-    step()
-torch.cuda.synchronize()
-with torch.profiler.profile(
-    activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
-) as prof:
-    for _ in range(2):
+def sync_sites(step) -> collections.Counter:
+    """Run one step with CUDA sync warnings on: {the innermost mlite frame of each sync: count}."""
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()
+                  if "/mlite/" in f.filename and "profile_step" not in f.filename][-3:]
+        where = " <- ".join(f"{f.filename.split('/mlite/')[-1]}:{f.lineno} {f.line}"
+                            for f in reversed(frames))
+        sites[where or f"{filename}:{lineno}"] += 1
+
+    shown = warnings.showwarning
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            step()
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = shown
+    return sites
+
+
+def profile(name: str, rows: int) -> None:
+    case = bench.CASES[name]
+    arch = bench.case_arch(case)
+    seqs = bench.random_sequences(bench.case_seq_lens(case), arch.vocab, seed=0)
+    step, _runtime, _last = bench.runtime_step_fn(case, seqs, "cuda")
+    for _ in range(3):
         step()
     torch.cuda.synchronize()
-print(f"== {args.case} (Runtime step, model.compile)")
-print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows,
-                                max_name_column_width=70))
+    counters = torch._dynamo.utils.counters
+    breaks = {reason: n for reason, n in counters["graph_break"].items()}
+    graphs = counters["stats"].get("unique_graphs", 0)
+    start = time.perf_counter()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) / 3 * 1e3
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+    ) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    cuda_ms = sum(e.device_time for e in kernels) / 1e3 / 2  # the kernels themselves, not the ops around them
+    print(f"== {name} (Runtime step, model.compile)")
+    print(f"step {wall_ms:.1f} ms wall; CUDA kernels {cuda_ms:.1f} ms; host gap {wall_ms - cuda_ms:.1f} ms")
+    print(f"compiled graphs {graphs}; graph breaks {sum(breaks.values())}")
+    for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"  {n:4d} x {reason[:200]}")
+    sites = sync_sites(step)
+    print(f"host syncs in one step: {sum(sites.values())}")
+    for where, n in sites.most_common(15):
+        print(f"  {n:4d} x {where}")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70))
+
+
+parser = argparse.ArgumentParser()
+parser.add_argument("cases", nargs="+")
+parser.add_argument("--rows", type=int, default=25)
+args = parser.parse_args()
+for case_name in args.cases:
+    profile(case_name, args.rows)
+    torch._dynamo.utils.counters.clear()
+    torch.cuda.empty_cache()

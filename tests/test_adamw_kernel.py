@@ -182,3 +182,30 @@ def test_gpu_a_view_off_alignment_takes_torchs_step():
     for p in params:
         p.grad = torch.randn_like(p)
     assert opt._plan() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_gpu_clipping_inside_the_step_equals_clipping_first(dtype, aligned):
+    """step(grad_coef=c) gives the update of torch's fused AdamW on gradients first scaled by c with
+    _foreach_mul_ (what clipping did before the step), whether the kernel serves the step (it scales each
+    gradient as it reads it) or a misaligned view sends it to torch's step (which scales them first)."""
+    ours, theirs = _gpu_params(dtype), _gpu_params(dtype)
+    if not aligned:
+        for params in (ours, theirs):
+            params.append(torch.nn.Parameter(torch.randn(4097, device="cuda").to(dtype)[1:]))
+    opt_ours = TritonAdamW(_groups(ours), lr=1e-3, betas=BETAS, eps=EPS, fused=True)
+    opt_theirs = torch.optim.AdamW(_groups(theirs), lr=1e-3, betas=BETAS, eps=EPS, fused=True)
+    for step in range(4):
+        _set_grads(step, ours, theirs)
+        coef = torch.tensor(0.37 + 0.2 * step, device="cuda").clamp(max=1.0)  # 1.0 on the last step
+        torch._foreach_mul_([p.grad for p in theirs], coef)
+        for opt in (opt_ours, opt_theirs):
+            for group in opt.param_groups:
+                group["lr"] = 1e-3 * (1 + step) / 4
+        opt_ours.step(grad_coef=coef)
+        opt_theirs.step()
+    assert bool(opt_ours._tables) == aligned  # the kernel served the step, or torch's did
+    _compare(f"{dtype} clipped inside the step ({'kernel' if aligned else 'torch'})",
+             _tensors(opt_ours, ours), _tensors(opt_theirs, theirs))

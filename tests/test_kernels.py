@@ -1,7 +1,7 @@
 """Kernels agree with their pure-torch references: every attention backend present with the `torch` path
 (forward and gradients), the `torch` path with a whole-stream masked softmax (no attention across sequence
-boundaries), cached decoding attention with packed attention, and grouped GEMM with a dense per-row
-product."""
+boundaries), cached decoding attention with packed attention, grouped GEMM with a dense per-row
+product, and the MoE routing and dispatch traced as one compiled graph."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from mlite.runtime.kernels import (
     resolve_attention_backend,
     varlen_attention,
 )
+from mlite.runtime.models.moe import expert_counts, local_dispatch, router_stats
 
 LENS = [5, 11, 1, 7]
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -142,6 +143,44 @@ def test_grouped_gemm_of_no_rows():
     assert grouped_gemm(x, w, c).shape == (0, 40)
 
 
+def test_expert_counts_equal_bincount_with_and_without_weights():
+    ids = torch.tensor([3, 0, 3, 3, 1, 0, 3])
+    assert expert_counts(ids, 5).tolist() == torch.bincount(ids, minlength=5).tolist()
+    real = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    assert expert_counts(ids, 5, real).tolist() == [1.0, 1.0, 0.0, 3.0, 0.0]
+
+
+def _router_and_dispatch(hidden, router, experts_weight, real, top_k=2):
+    """The MoE block's routing with the grouped-GEMM experts (the CUDA path's op, bf16 on CPU too)."""
+    def experts(tokens, counts):
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        return torch._grouped_mm(tokens, experts_weight.transpose(-2, -1), offs=offsets)
+
+    probs = (hidden.float() @ router.float().t()).softmax(-1)
+    weights, expert_ids = probs.topk(top_k, dim=-1)
+    out = local_dispatch(hidden, expert_ids, weights.to(hidden.dtype), experts, router.shape[0])
+    return out, router_stats(probs, expert_ids, router.shape[0], real)
+
+
+def test_moe_routing_dispatch_and_statistics_trace_as_one_graph():
+    """No bincount, no boolean indexing, no .tolist(): router, permute, grouped GEMM, combine and the
+    balance statistics are one torch.compile graph, with the token counts per expert left on the device
+    (no host sync). A graph break here would put the dispatch back outside the compiled block."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(64, 32, generator=g).bfloat16()
+    router, weight = torch.randn(8, 32, generator=g), torch.randn(8, 16, 32, generator=g).bfloat16()
+    real = torch.arange(64) < 50  # the last rows are padding: left out of the statistics
+    explained = torch._dynamo.explain(_router_and_dispatch)(hidden, router, weight, real)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    out, stats = torch.compile(_router_and_dispatch, fullgraph=True, backend="eager")(
+        hidden, router, weight, real)
+    eager_out, eager_stats = _router_and_dispatch(hidden, router, weight, real)
+    torch.testing.assert_close(out, eager_out, rtol=0, atol=0)
+    _, ids = (hidden.float() @ router.t()).softmax(-1).topk(2, dim=-1)
+    assert stats.counts.tolist() == torch.bincount(ids[real].reshape(-1), minlength=8).float().tolist()
+    assert stats.rows.item() == 50 and eager_stats.counts.sum().item() == 100
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["sdpa", "varlen", "cudnn", "packed", "flash_attn", "te"])
@@ -191,3 +230,52 @@ def test_torch_grouped_mm_equals_the_loop_in_bf16(counts):
     out = grouped_gemm(x, w, c)
     torch.testing.assert_close(out.float(), dense_reference(x, w, c).float(), rtol=2e-2, atol=5e-1)
     torch.testing.assert_close(out, grouped_gemm_loop(x, w, c), rtol=2e-2, atol=5e-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v4"])
+def test_moe_block_compiles_to_one_graph_on_cuda(family):
+    """The whole MoE block (router, permute, grouped GEMM, combine, statistics; V4: hash or bias routing
+    and the shared expert) compiles with fullgraph=True, and equals eager in bf16, gradients included."""
+    from mlite.config.catalog import preset_arch
+    from mlite.runtime.data.packed import PackedBatch
+    from mlite.runtime.models.deepseek_v4 import V4MoE
+    from mlite.runtime.models.moe import MoE
+
+    torch.manual_seed(0)
+    if family == "deepseek_v4":
+        arch = preset_arch("tiny-deepseek-v4")
+        block = V4MoE(arch, layer=arch.v4.num_hash_layers)  # bias-routed
+        hidden = arch.hidden
+    else:
+        block, hidden = MoE(256, 16, 4, 128, True, torch.nn.functional.silu), 256
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    block = block.to("cuda", torch.bfloat16)
+    x = torch.randn(512, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    batch = PackedBatch.from_sequences([list(range(256)), list(range(255, -1, -1))]).to("cuda")
+    compiled = torch.compile(block, fullgraph=True)
+    outs = []
+    for run in (compiled, block):
+        x.grad = None
+        block.zero_grad()
+        out, stats = run(x, batch)
+        (out.float().square().mean() + (stats.prob_sum.sum() if stats is not None else 0)).backward()
+        outs.append((out.detach(), x.grad.clone(), block.router.weight.grad.clone()))
+    for got, want in zip(*outs, strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_the_runtime_on_a_gpu_computes_with_the_gpu_attention_backend():
+    """The Runtime builds its model on the meta device and materialises it on the GPU: `auto` must resolve
+    for the GPU (packed: cuDNN / varlen), not for the meta build's CPU fallback (per-sequence SDPA, a host
+    sync and a graph break per layer: the dense bench lost 4 MFU points to that)."""
+    from mlite import bench
+    from mlite.runtime.engine import Runtime
+    from mlite.runtime.parallel.parallelize import blocks
+
+    case = bench.CASES["tiny-cpu"]
+    runtime = Runtime(bench.case_job(case, "cuda"), hf_config=bench.case_hf_config(case))
+    backends = {layer.attn.core.keywords["backend"] for layer in blocks(runtime.model)}
+    assert backends == {resolve_attention_backend("auto", "cuda")} == {"packed"}

@@ -112,7 +112,7 @@ def build_parallel_model(job: JobConfig, placement: Placement, arch: ModelArch,
     No rank ever holds the whole model: the chunks are built and laid out on the meta device
     (`rank_chunks`), then each rank materialises only its own shards (`materialise`): random weights that
     are the same under every layout, or its slices of the HF checkpoint at `weights`."""
-    chunks = rank_chunks(job, arch, placement.dims, placement.mesh, dtype)
+    chunks = rank_chunks(job, arch, placement.dims, placement.mesh, dtype, placement.device.type)
     for chunk in chunks.values():
         materialise(chunk, placement.device, job.trainer.seed, weights)
     if placement.dims.pp == 1:
@@ -126,18 +126,20 @@ def build_parallel_model(job: JobConfig, placement: Placement, arch: ModelArch,
 
 
 def rank_chunks(job: JobConfig, arch: ModelArch, dims: ParallelDims, mesh: ParallelMesh | None,
-                dtype: torch.dtype = torch.float32) -> dict[int, nn.Module]:
+                dtype: torch.dtype = torch.float32, runs_on: str = "cpu") -> dict[int, nn.Module]:
     """This rank's pipeline chunks (chunk c of pp*vpp lives on pp rank c % pp; one chunk, the whole model,
     without pipeline parallel), each built on the meta device with only its own layers (the embedding on
     the chunk with layer 0, norm and head on the one with the last layer) and laid out like a whole model
     (TP, CP, recompute, EP, FSDP2: DTensor plans apply to meta modules). Nothing is allocated: what the
     rank holds is each parameter's local shard (`to_local()`), which `materialise` gives storage and
-    values. `mesh` None: one process (recompute and compilation only)."""
+    values. `mesh` None: one process (recompute and compilation only). `runs_on`: the device type the chunks
+    will compute on (their attention backend is chosen for it, not for the meta device)."""
     model = job.model
 
     def build(layers):
         return build_model(arch, model.attention_backend, dtype=dtype, device="meta", layers=layers,
-                           mtp_weight=model.mtp_loss_weight, indexer_loss_weight=model.indexer_loss_weight)
+                           mtp_weight=model.mtp_loss_weight, indexer_loss_weight=model.indexer_loss_weight,
+                           runs_on=runs_on)
 
     if mesh is None:
         whole = build(None)

@@ -67,7 +67,8 @@ if triton is not None:
 
     @triton.jit
     def _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, offs, size, lr, weight_decay, beta1, beta2, eps,
-                    step_size, bc2_sqrt, DECAY: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr):
+                    step_size, bc2_sqrt, grad_coef, DECAY: tl.constexpr, SCALE: tl.constexpr,
+                    MASKED: tl.constexpr, INTERPRET: tl.constexpr):
         if MASKED:
             mask = offs < size
             p = tl.load(p_ptr + offs, mask=mask, eviction_policy="evict_first").to(tl.float32)
@@ -79,6 +80,9 @@ if triton is not None:
             g = tl.load(g_ptr + offs, eviction_policy="evict_first").to(tl.float32)
             m = tl.load(m_ptr + offs, eviction_policy="evict_first").to(tl.float32)
             v = tl.load(v_ptr + offs, eviction_policy="evict_first").to(tl.float32)
+        dtype: tl.constexpr = p_ptr.dtype.element_ty
+        if SCALE:  # gradient clipping as torch's _foreach_mul_ does it: in fp32, rounded to the grad's dtype
+            g = _cast(g * grad_coef, dtype, INTERPRET).to(tl.float32)
         # adam_math (fused_adam_utils.cuh), ADAMW mode, as torch's kernel does it: everything in fp32
         # ("opmath", the hyper-parameters cast to float once), nvcc's contraction of a - b * c into an fma,
         # IEEE-rounded sqrt and division (Triton's plain `/` is approximate)
@@ -89,7 +93,6 @@ if triton is not None:
         v = tl.fma(beta2, v, tl.fma(-beta2, gg, gg))
         denom = tl.math.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
         p = p - tl.math.div_rn(step_size * m, denom)
-        dtype: tl.constexpr = p_ptr.dtype.element_ty
         p, m, v = _cast(p, dtype, INTERPRET), _cast(m, dtype, INTERPRET), _cast(v, dtype, INTERPRET)
         if MASKED:
             tl.store(p_ptr + offs, p, mask=mask)
@@ -101,13 +104,14 @@ if triton is not None:
             tl.store(v_ptr + offs, v)
 
     @triton.jit
-    def _adamw_kernel(table_ptr, program_tensor_ptr, hyper_ptr, DTYPE: tl.constexpr,
-                      DECAY: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr,
+    def _adamw_kernel(table_ptr, program_tensor_ptr, hyper_ptr, grad_coef_ptr, DTYPE: tl.constexpr,
+                      DECAY: tl.constexpr, SCALE: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr,
                       BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
         # the hyper-parameters, cast to fp32 as torch's kernel does, from device memory (no recompilation
         # or argument specialisation when the lr changes)
         lr, weight_decay = tl.load(hyper_ptr + 0), tl.load(hyper_ptr + 1)
         beta1, beta2, eps = tl.load(hyper_ptr + 2), tl.load(hyper_ptr + 3), tl.load(hyper_ptr + 4)
+        grad_coef = tl.load(grad_coef_ptr) if SCALE else 1.0  # the clipping factor, computed on the device
         pid = tl.program_id(0)
         row = table_ptr + tl.load(program_tensor_ptr + pid).to(tl.int64) * 8  # 8 int64 columns (_table)
         p_ptr = tl.load(row + 0).to(tl.pointer_type(DTYPE))
@@ -130,10 +134,12 @@ if triton is not None:
         full = size // BLOCK * BLOCK
         for off in range(0, full, BLOCK):
             _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, off + tl.arange(0, BLOCK), size, lr, weight_decay,
-                        beta1, beta2, eps, step_size, bc2_sqrt, DECAY, MASKED=False, INTERPRET=INTERPRET)
+                        beta1, beta2, eps, step_size, bc2_sqrt, grad_coef, DECAY, SCALE, MASKED=False,
+                        INTERPRET=INTERPRET)
         if full < size:
             _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, full + tl.arange(0, BLOCK), size, lr, weight_decay,
-                        beta1, beta2, eps, step_size, bc2_sqrt, DECAY, MASKED=True, INTERPRET=INTERPRET)
+                        beta1, beta2, eps, step_size, bc2_sqrt, grad_coef, DECAY, SCALE, MASKED=True,
+                        INTERPRET=INTERPRET)
 
     _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -153,13 +159,22 @@ class TritonAdamW(torch.optim.AdamW):
         self._tables: dict[tuple, list[tuple]] = {}
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_coef: torch.Tensor | None = None):
+        """One AdamW step. `grad_coef` (a scalar tensor on the parameters' device, e.g. gradient clipping's
+        min(1, max_norm / norm)) scales every gradient first, exactly as torch._foreach_mul_ would (fp32
+        product rounded to the gradient's dtype). The kernel applies it as it reads each gradient, which
+        saves clipping's own pass over them (a read and a write of every gradient: 7 ms of a 4B-parameter
+        step); the gradients themselves are left unscaled. torch's step scales them in place first."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         plan = self._plan()
         if plan is None:
+            if grad_coef is not None:
+                from mlite.runtime.optim import scale_grads_
+
+                scale_grads_([p for group in self.param_groups for p in group["params"]], grad_coef)
             self._torch_step(None)
             return loss
         steps, launches = plan
@@ -169,10 +184,12 @@ class TritonAdamW(torch.optim.AdamW):
             beta1, beta2 = group["betas"]
             hyper = _to_device(torch.tensor([group["lr"], group["weight_decay"], beta1, beta2, group["eps"]],
                                             dtype=torch.float32), device)
+            coef = hyper if grad_coef is None else grad_coef.to(device, torch.float32)
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 _adamw_kernel[(program_tensor.numel(),)](
-                    table, program_tensor, hyper, DTYPE=_TL_DTYPES[dtype],
-                    DECAY=group["weight_decay"] != 0, ALIGNED=aligned, CHUNK=self.chunk, BLOCK=self.block,
+                    table, program_tensor, hyper, coef, DTYPE=_TL_DTYPES[dtype],
+                    DECAY=group["weight_decay"] != 0, SCALE=grad_coef is not None, ALIGNED=aligned,
+                    CHUNK=self.chunk, BLOCK=self.block,
                     INTERPRET=_INTERPRET, num_warps=self.num_warps,
                     enable_fp_fusion=True,  # mul + add -> fma, as nvcc compiles torch's kernel
                 )

@@ -36,6 +36,7 @@ def build_model(
     init: bool = True,
     mtp_weight: float = 0.0,
     indexer_loss_weight: float = 0.0,
+    runs_on: str | None = None,
 ) -> Transformer | DeepseekV4:
     """A model for `arch` with freshly initialised weights (load real ones with mlite.runtime.ckpt.hf).
 
@@ -44,10 +45,13 @@ def build_model(
     values later, shard by shard (how the runtime starts at scale). `init=False` leaves the weights
     uninitialised; `init=True` draws them with the model's own `init_weights` from the global RNG.
     DeepSeek-V4 only: `mtp_weight` > 0 builds the multi-token-prediction block, its loss weighted so;
-    `indexer_loss_weight` > 0 trains the CSA indexers with their KL loss."""
+    `indexer_loss_weight` > 0 trains the CSA indexers with their KL loss. `runs_on`: the device type the
+    model will compute on, when that is not `device` (a meta build materialised later): the attention
+    backend is chosen for it."""
     check_model_built(arch)  # the rule book's list of the families built here
     device = torch.device(device)
-    backend = resolve_attention_backend(attention_backend, device.type if device.type != "meta" else "cpu")
+    backend = resolve_attention_backend(
+        attention_backend, runs_on or (device.type if device.type != "meta" else "cpu"))
 
     with device:
         if arch.v4 is not None:  # its attention has one torch path (gathered key sets); no backend choice

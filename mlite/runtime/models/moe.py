@@ -44,12 +44,21 @@ ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 DispatchFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertsFn, int], torch.Tensor]
 
 
+def expert_counts(ids: torch.Tensor, num_experts: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """[E]: how many of `ids` (flat) name each expert, or the sum of their `weights`. A scatter-add into a
+    tensor whose size is known before it runs: bincount's size depends on the data, which costs a host
+    sync on CUDA and a graph break under torch.compile (the dispatch would leave the block's graph)."""
+    ones = torch.ones_like(ids) if weights is None else weights
+    return torch.zeros(num_experts, dtype=ones.dtype, device=ids.device).scatter_add_(0, ids, ones)
+
+
 def group_by_expert(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
-    """(token, choice) pairs sorted by expert: (order, routed rows [N*k, H], counts [E])."""
+    """(token, choice) pairs sorted by expert: (order, routed rows [N*k, H], counts [E]). Sizes are known
+    from the shapes alone (N*k rows): no host sync, and one graph with the router and the experts."""
     k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    return order, hidden[order // k], torch.bincount(flat_ids, minlength=num_experts)
+    return order, hidden[order // k], expert_counts(flat_ids, num_experts)
 
 
 def combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -148,9 +157,12 @@ def router_stats(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int
                  real: torch.Tensor | None = None) -> RouterStats:
     """Sums over this rank's tokens (`reduce_stats` adds the other ranks' under cp x tp); `real` [N] leaves
     padding rows out."""
+    # padding rows count 0: weighted, not dropped, so no shape depends on the data
+    real_weight = (torch.ones_like(expert_ids, dtype=probs.dtype) if real is None
+                   else real.unsqueeze(-1).to(probs.dtype).expand_as(expert_ids))
     if real is not None:
-        probs, expert_ids = probs * real.unsqueeze(-1).to(probs.dtype), expert_ids[real]
-    counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(probs.dtype)
+        probs = probs * real.unsqueeze(-1).to(probs.dtype)
+    counts = expert_counts(expert_ids.reshape(-1), num_experts, real_weight.reshape(-1))
     rows = (real.sum().to(probs.dtype) if real is not None
             else torch.tensor(float(probs.shape[0]), dtype=probs.dtype, device=probs.device))
     return RouterStats(counts, probs.sum(0), rows)

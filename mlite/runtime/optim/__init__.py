@@ -91,7 +91,8 @@ class LocalAdamW:
     in sync. `grad_norm_fn` lets a layout that shards or replicates parameters reduce the norm over its
     groups (default: the local norm). Plain CUDA parameters (one GPU) take TritonAdamW, torch's fused AdamW
     with one Triton launch per group for the whole update; DTensor shards, which may span several meshes,
-    and CPU runs take foreach."""
+    and CPU runs take foreach. Clipping on one GPU happens inside TritonAdamW's kernel (`grad_coef`), with
+    the numerics of clipping first; elsewhere the gradients are scaled in place before the step."""
 
     def __init__(
         self,
@@ -111,6 +112,7 @@ class LocalAdamW:
         fused = bool(self.params) and all(p.is_cuda and not isinstance(p, DTensor) for p in self.params)
         groups = [g for g in groups if g["params"]]
         options = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps}
+        self.fused = fused
         if fused:
             from mlite.runtime.kernels.adamw import TritonAdamW  # imports triton: only on a GPU run
 
@@ -128,19 +130,28 @@ class LocalAdamW:
             self.skipped_steps += 1
             self.zero_grad()
             return float(norm), True
-        if self.cfg.clip_grad > 0:
-            _clip_grads_with_norm_(self.params, self.cfg.clip_grad, norm)
-        self.optimizer.step()
+        coef = clip_coef(norm, self.cfg.clip_grad) if self.cfg.clip_grad > 0 else None
+        if self.fused:  # TritonAdamW scales each gradient as it reads it: no pass of clipping's own
+            self.optimizer.step(grad_coef=coef)
+        else:
+            if coef is not None:
+                scale_grads_(self.params, coef)
+            self.optimizer.step()
         return float(norm), False
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def _clip_grads_with_norm_(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
-    """torch's clip_grads_with_norm_, scaling each gradient's local part: sharded layouts mix DTensors of
-    several meshes (dense over dp_cp, experts over edp), which one foreach call cannot take."""
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's clip_grads_with_norm_ factor: min(1, max_norm / (norm + 1e-6)), left on the device."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+def scale_grads_(params: list[torch.nn.Parameter], coef: torch.Tensor) -> None:
+    """Every gradient times `coef` in place (torch's clip_grads_with_norm_ with the factor given), scaling
+    each gradient's local part: sharded layouts mix DTensors of several meshes (dense over dp_cp, experts
+    over edp), which one foreach call cannot take."""
     grads = [p.grad for p in params if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     for device, group in _by_device(local).items():
