@@ -200,6 +200,8 @@ def test_gpu_clipping_inside_the_step_equals_clipping_first(dtype, aligned):
     for step in range(4):
         _set_grads(step, ours, theirs)
         coef = torch.tensor(0.37 + 0.2 * step, device="cuda").clamp(max=1.0)  # 1.0 on the last step
+        for p in theirs:  # _set_grads shares one fp32 tensor between the lists
+            p.grad = p.grad.clone()
         torch._foreach_mul_([p.grad for p in theirs], coef)
         for opt in (opt_ours, opt_theirs):
             for group in opt.param_groups:

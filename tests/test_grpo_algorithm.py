@@ -119,8 +119,9 @@ def test_grpo_loss_gradient_and_metrics():
     loss.backward()
     # token-mean: d/dlogp of -A * ratio / 3 = -ratio / 3 where unclipped, 0 where clipped (1.5)
     torch.testing.assert_close(logprob.grad, torch.tensor([0.0, -1.1 / 3, -0.9 / 3]))
-    assert metrics["actor/clip_frac"] == pytest.approx(1 / 3)
-    assert metrics["actor/ppo_kl"] == pytest.approx(-(math.log(1.5) + math.log(1.1) + math.log(0.9)) / 3)
+    assert float(metrics["actor/clip_frac"]) == pytest.approx(1 / 3)
+    expected_kl = -(math.log(1.5) + math.log(1.1) + math.log(0.9)) / 3
+    assert float(metrics["actor/ppo_kl"]) == pytest.approx(expected_kl)
 
 
 def test_grpo_loss_entropy_bonus_and_kl_in_loss():
@@ -136,8 +137,8 @@ def test_grpo_loss_entropy_bonus_and_kl_in_loss():
         cfg, logprob, logprob, adv, mask, seq, 1, norm, entropy=entropy, ref_logprob=ref
     )
     assert float(loss) == pytest.approx(-0.1 * 1.0 + 0.2 * 0.25)
-    assert metrics["actor/entropy"] == pytest.approx(1.0)
-    assert metrics["actor/kl"] == pytest.approx(0.25)
+    assert float(metrics["actor/entropy"]) == pytest.approx(1.0)
+    assert float(metrics["actor/kl"]) == pytest.approx(0.25)
 
 
 # ------------------------------------------------------------------------------------------- rewards

@@ -30,6 +30,7 @@ from mlite.runtime.parallel.pipeline import one_f_one_b
 from mlite.runtime.parallel.step import (
     broadcast_outputs,
     gather_stream,
+    host_number,
     local_share,
     real_token_mask,
     vocab_parallel_logprobs,
@@ -65,9 +66,9 @@ def forward_backward(
                              last=i == len(fulls) - 1) for i, (full, share) in enumerate(zip(fulls, shares))]
     outputs = []
     for full, share, (loss, metrics, logprobs, entropy) in zip(fulls, shares, computed):
-        outputs.append({
-            "loss": loss,
-            "metrics": metrics,
+        outputs.append({  # read back to the host only now, after every backward: one wait, at the end
+            "loss": host_number(loss),
+            "metrics": {key: host_number(value) for key, value in metrics.items()},
             "logprobs": whole_stream(rt, logprobs.detach(), share, full),
             "entropy": whole_stream(rt, entropy.detach(), share, full) if entropy is not None else None,
             "num_tokens": int(real_token_mask(share, full).sum()),
@@ -93,7 +94,7 @@ def _one(rt, full, share, loss_fn, forward_only, with_entropy, temperature, aux_
     loss, metrics = loss_fn(share, logprobs, entropy, aux) if loss_fn else (None, {})
     if not forward_only:
         loss.backward()
-    return float(loss.detach()) if loss is not None else None, metrics, logprobs, entropy
+    return loss.detach() if loss is not None else None, metrics, logprobs, entropy
 
 
 def _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperature, aux_weight):
@@ -141,7 +142,7 @@ def _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperatu
         aux[m] = term.double()
     torch.distributed.all_reduce(aux, group=rt.mesh.group("pp"))
     aux = aux * rt.dims.tp  # as `_aux_share`: each cp x tp rank holds 1/(cp*tp) of the value
-    return [(loss + float(aux[m]), *rest) for m, (loss, *rest) in enumerate(outputs)]
+    return [(loss + aux[m].float(), *rest) for m, (loss, *rest) in enumerate(outputs)]
 
 
 def _autocast(rt: Runtime):

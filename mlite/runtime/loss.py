@@ -107,6 +107,7 @@ def sft_loss(global_target_tokens: int):
     def loss_fn(batch: PackedBatch, logprobs: torch.Tensor, entropy, aux_loss: torch.Tensor):
         nll_sum = -logprobs.sum()
         loss = nll_sum / global_target_tokens + aux_loss
-        return loss, {"nll_sum": float(nll_sum.detach()), "target_tokens": batch.num_target_tokens}
+        # tensors: the runtime reads metrics after the backward (no host sync between forward and backward)
+        return loss, {"nll_sum": nll_sum.detach(), "target_tokens": (batch.labels != IGNORE).sum()}
 
     return loss_fn

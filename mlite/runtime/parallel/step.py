@@ -137,6 +137,12 @@ def gather_stream(values: torch.Tensor, share: PackedBatch, full: PackedBatch, g
     return stream[: full.num_tokens]
 
 
+def host_number(value):
+    """A loss or metric as a Python number. Loss functions return them as 0-dim tensors, read only after
+    every backward of the step, so no host sync sits between a forward and its backward."""
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
 def broadcast_outputs(computed, num_tokens: int, with_entropy: bool, mesh: ParallelMesh, device):
     """(loss float, metrics, logprobs [t], entropy [t] or None) of one micro-batch from the last pipeline
     stage (where `computed` is not None) to every rank of its `pp` group."""
@@ -150,7 +156,7 @@ def broadcast_outputs(computed, num_tokens: int, with_entropy: bool, mesh: Paral
         values[0] = logprobs.detach().float()
         if with_entropy:
             values[1] = entropy.detach().float()
-        header = [(float(loss.detach()) if loss is not None else None, metrics)]
+        header = [(host_number(loss), {key: host_number(value) for key, value in metrics.items()})]
     dist.broadcast(values, src=last, group=group)
     dist.broadcast_object_list(header, src=last, group=group, device=device)
     loss, metrics = header[0]

@@ -161,10 +161,12 @@ def grpo_loss(
     entropy: torch.Tensor | None = None,
     ref_logprob: torch.Tensor | None = None,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy loss of one micro-batch: clipped surrogate - entropy bonus + KL penalty, all aggregated
-    with `cfg.loss_agg`. Metrics are this micro-batch's token means (detached floats). `is_weights`: the
-    rollout's importance weights (`truncated_importance_weights`), multiplying each token's surrogate."""
+    with `cfg.loss_agg`. Metrics are this micro-batch's token means, as detached 0-dim tensors: the
+    runtime reads them after the backward, so no host sync sits between the forward and the backward.
+    `is_weights`: the rollout's importance weights (`truncated_importance_weights`), multiplying each
+    token's surrogate."""
     mask = mask.to(logprob.dtype)
     pg, clipped, dual_clipped, log_ratio = clipped_surrogate(
         logprob, old_logprob, advantages, cfg.clip_low, cfg.clip_high
@@ -173,13 +175,13 @@ def grpo_loss(
         pg = pg * is_weights.to(pg.dtype)
     loss = aggregate(pg, mask, seq_ids, num_seqs, cfg.loss_agg, norm)
     metrics = {
-        "actor/pg_loss": float(loss.detach()),
-        "actor/clip_frac": float(masked_mean(clipped.to(mask.dtype), mask)),
-        "actor/clip_frac_lower": float(masked_mean(dual_clipped.to(mask.dtype), mask)),
-        "actor/ppo_kl": float(masked_mean(-log_ratio.detach(), mask)),
+        "actor/pg_loss": loss.detach(),
+        "actor/clip_frac": masked_mean(clipped.to(mask.dtype), mask).detach(),
+        "actor/clip_frac_lower": masked_mean(dual_clipped.to(mask.dtype), mask).detach(),
+        "actor/ppo_kl": masked_mean(-log_ratio.detach(), mask),
     }
     if entropy is not None:
-        metrics["actor/entropy"] = float(masked_mean(entropy.detach(), mask))
+        metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * aggregate(entropy, mask, seq_ids, num_seqs, cfg.loss_agg, norm)
     if cfg.kl_coef:
@@ -187,7 +189,7 @@ def grpo_loss(
             raise ValueError("kl_coef > 0 needs the reference log-probs")
         kl = kl_estimate(logprob, ref_logprob, cfg.kl_estimator)
         loss = loss + cfg.kl_coef * aggregate(kl, mask, seq_ids, num_seqs, cfg.loss_agg, norm)
-        metrics["actor/kl"] = float(masked_mean(kl.detach(), mask))
+        metrics["actor/kl"] = masked_mean(kl.detach(), mask)
     return loss, metrics
 
 

@@ -260,7 +260,7 @@ class GRPOTrainer:
                         batch.extras.get("ref_logprobs"),
                         batch.extras.get("is_weights"),
                     )
-                    metrics["tokens"] = float(mask.sum())
+                    metrics["tokens"] = mask.sum()
                     return loss + aux_loss, metrics  # the runtime's share of the MoE balance loss
 
                 self.runtime.zero_grad()
