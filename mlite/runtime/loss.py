@@ -20,7 +20,11 @@ from torch.utils.checkpoint import checkpoint
 
 from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.kernels.lm_head import linear_logprobs
+from mlite.runtime.models.deepseek_v4 import DeepseekV4
 from mlite.runtime.models.qwen3 import Transformer
+
+# models whose compute_logits is their `output` nn.Linear applied to the hidden states
+PLAIN_HEAD_MODELS = (Transformer, DeepseekV4)
 
 DEFAULT_CHUNK_TOKENS = 4096
 
@@ -43,7 +47,7 @@ def linear_head_weight(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -
     the autograd path: a DTensor weight (FSDP2 or tp shards), hooks on the head (FSDP2 gathers there), a
     bias."""
     owner = getattr(compute_logits, "__self__", None)
-    if isinstance(owner, Transformer) and compute_logits.__func__ is Transformer.compute_logits:
+    if isinstance(owner, PLAIN_HEAD_MODELS) and compute_logits.__func__ is type(owner).compute_logits:
         compute_logits = owner.output
     if not isinstance(compute_logits, torch.nn.Linear) or compute_logits.bias is not None:
         return None

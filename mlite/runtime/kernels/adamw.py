@@ -81,8 +81,10 @@ if triton is not None:
             m = tl.load(m_ptr + offs, eviction_policy="evict_first").to(tl.float32)
             v = tl.load(v_ptr + offs, eviction_policy="evict_first").to(tl.float32)
         dtype: tl.constexpr = p_ptr.dtype.element_ty
-        if SCALE:  # gradient clipping as torch's _foreach_mul_ does it: in fp32, rounded to the grad's dtype
-            g = _cast(g * grad_coef, dtype, INTERPRET).to(tl.float32)
+        if SCALE:  # clipping as torch's _foreach_mul_(grads, coef) does it: the factor in the gradients'
+            # dtype, the product in fp32, rounded to that dtype
+            coef = _cast(grad_coef, dtype, INTERPRET).to(tl.float32)
+            g = _cast(g * coef, dtype, INTERPRET).to(tl.float32)
         # adam_math (fused_adam_utils.cuh), ADAMW mode, as torch's kernel does it: everything in fp32
         # ("opmath", the hyper-parameters cast to float once), nvcc's contraction of a - b * c into an fma,
         # IEEE-rounded sqrt and division (Triton's plain `/` is approximate)

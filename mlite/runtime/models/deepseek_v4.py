@@ -585,6 +585,7 @@ class DeepseekV4(nn.Module):
         rope_dim = v4.qk_rope_head_dim
         self.freqs = {"main": inv_freq(rope_dim, arch.rope_theta, None),
                       "compress": inv_freq(rope_dim, v4.compress_rope_theta, v4.compress_rope_scaling)}
+        self.device_freqs: dict[torch.device, dict[str, torch.Tensor]] = {}
         self.ratios = sorted({r for r in v4.compress_ratios if r})
         self.geometry_fn = None
 
@@ -608,9 +609,13 @@ class DeepseekV4(nn.Module):
                 layer.attn.indexer.requires_grad_(weight > 0)
 
     def ropes(self, geo: Geometry, dtype: torch.dtype) -> dict:
-        ropes = {kind: rope_angles(geo.positions, freqs, dtype) for kind, freqs in self.freqs.items()}
+        device = geo.positions.device
+        if device not in self.device_freqs:  # copied once: a host-to-GPU copy each step is a host sync
+            self.device_freqs[device] = {kind: freqs.to(device) for kind, freqs in self.freqs.items()}
+        freqs = self.device_freqs[device]
+        ropes = {kind: rope_angles(geo.positions, kind_freqs, dtype) for kind, kind_freqs in freqs.items()}
         for ratio, windows in geo.compressed.items():
-            ropes["entries", ratio] = rope_angles(windows.positions, self.freqs["compress"], dtype)
+            ropes["entries", ratio] = rope_angles(windows.positions, freqs["compress"], dtype)
         return ropes
 
     def forward(self, batch: PackedBatch, hidden: torch.Tensor | None = None) -> ModelOutput:
