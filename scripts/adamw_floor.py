@@ -68,7 +68,7 @@ def time_triton(params, floor_ms: float, sweep: bool) -> dict:
         return {"error": "TritonAdamW fell back to torch's step (no triton?)"}
     ms = median_ms(opt.step)
     row = {"ms": round(ms, 2), "x_floor": round(ms / floor_ms, 2), "host_ms": round(host_ms(opt.step), 2),
-           "launches": sum(len(launches) for launches in opt._tables.values()),
+           "launches": sum(len(launches) for launches, _ in opt._tables.values()),
            "config": [opt.chunk, opt.block, opt.num_warps]}
     if sweep:
         row["sweep"] = {}

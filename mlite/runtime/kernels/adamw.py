@@ -13,8 +13,8 @@ runs `_adamw_kernel`:
 - one launch per (param group, dtype) over every tensor of it: a table of pointers (param, grad, moments,
   step) in device memory, and a map from program to tensor; each program updates one chunk of CHUNK
   elements of one tensor. Big tensors get many programs, a norm weight gets one, and nothing pays a launch
-  of its own. The tables depend only on the tensors' addresses and sizes, so they are built once and reused
-  while the gradients land at the same addresses (the caching allocator makes that the usual case);
+  of its own. The tables are built once per set of parameter and state addresses; a step whose gradients
+  landed elsewhere (zero_grad frees them) rewrites only the gradient column;
 - tiles of BLOCK elements, 8 per thread: one 16-byte load per thread and tensor for bf16. Only a tensor's
   last tile is masked, so the others vectorise;
 - the update is torch's `adam_math` (aten/src/ATen/native/cuda/fused_adam_utils.cuh) operation for
@@ -157,8 +157,9 @@ class TritonAdamW(torch.optim.AdamW):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # (a group's tensor addresses and sizes, chunk) -> its launches, tables on the device (_launches)
-        self._tables: dict[tuple, list[tuple]] = {}
+        # (a group's parameter and state addresses and sizes, chunk) -> (its launches, tables on the device;
+        # the gradient addresses each table holds): see _launches
+        self._tables: dict[tuple, tuple[list[tuple], list[tuple]]] = {}
 
     @torch.no_grad()
     def step(self, closure=None, grad_coef: torch.Tensor | None = None):
@@ -240,21 +241,43 @@ class TritonAdamW(torch.optim.AdamW):
 
     def _launches(self, tensors: list[tuple], rows: list[tuple]) -> list[tuple] | None:
         """A group's launches, (device, dtype, aligned, pointer table, program -> tensor map), one per kind
-        of tensor; None if the kernel cannot take one of them. Cached by the tensors' addresses and sizes:
-        the gradients usually land where they did last step."""
-        key = (tuple(rows), self.chunk)
-        if key in self._tables:
-            return self._tables[key]
+        of tensor; None if the kernel cannot take one of them. Cached by the addresses and sizes of the
+        parameters and their state, which stay put. Gradients are freed by zero_grad and land at new
+        addresses most steps: then only the table's gradient column is rewritten (one small asynchronous
+        copy), not the whole table and program map (whose host work once cost ~4 ms a step on 1.7B)."""
+        key = (tuple(row[:1] + row[2:] for row in rows), self.chunk)  # all but the gradients' addresses
+        cached = self._tables.get(key)
+        if cached is None:
+            cached = self._build_launches(tensors, rows)
+            if cached is None:
+                return None
+            if len(self._tables) >= 16:  # addresses moved for good (loaded state, new parameters)
+                self._tables.clear()
+            self._tables[key] = cached
+        launches, grad_rows = cached
+        for (device, _dtype, aligned, table, _), (indices, known) in zip(launches, grad_rows):
+            grads = [rows[i][1] for i in indices]
+            if grads != known:
+                if aligned and any(g % 16 for g in grads):
+                    return None  # a gradient off 16-byte alignment: torch's step
+                table[:, 1].copy_(_to_device(torch.tensor(grads, dtype=torch.int64), device),
+                                  non_blocking=True)
+                known[:] = grads
+        return launches
+
+    def _build_launches(self, tensors: list[tuple], rows: list[tuple]) -> tuple[list, list] | None:
+        """(launches, per launch: its rows' indices and the gradient addresses its table holds)."""
         if not all(_servable(*t) for t in tensors):
             return None
-        kinds: dict[tuple, list] = {}
-        for (p, *_), row in zip(tensors, rows):
+        kinds: dict[tuple, list[int]] = {}
+        for i, ((p, *_), row) in enumerate(zip(tensors, rows)):
             aligned = (row[0] | row[1] | row[2] | row[3]) % 16 == 0  # 16-byte vectors need 16-byte addresses
             if not aligned:  # a view off its storage's start: torch's step (the allocator aligns the rest)
                 return None
-            kinds.setdefault((p.device, p.dtype, aligned), []).append(row)
-        launches = []
-        for (device, dtype, aligned), kind_rows in kinds.items():
+            kinds.setdefault((p.device, p.dtype, aligned), []).append(i)
+        launches, grad_rows = [], []
+        for (device, dtype, aligned), indices in kinds.items():
+            kind_rows = [rows[i] for i in indices]
             counts = [-(-numel // self.chunk) for *_, numel in kind_rows]  # programs per tensor
             if sum(counts) == 0:
                 continue
@@ -265,10 +288,8 @@ class TritonAdamW(torch.optim.AdamW):
                                                      torch.tensor(counts))
             launches.append((device, dtype, aligned, _to_device(table, device),
                              _to_device(program_tensor, device)))
-        if len(self._tables) >= 16:  # addresses moved for good (new grads, loaded state): start over
-            self._tables.clear()
-        self._tables[key] = launches
-        return launches
+            grad_rows.append((indices, [row[1] for row in kind_rows]))
+        return launches, grad_rows
 
     def _torch_step(self, closure):
         # torch.optim.AdamW.step without the profiling/hook wrapper Optimizer may have put on it: ours
