@@ -37,5 +37,6 @@ for _ in range(8):
     torch.cuda.synchronize()
     times.append((time.perf_counter() - start) * 1e3)
 times.sort()
-print(f"{case_name} {mode}: median {times[len(times) // 2]:.1f} ms (min {times[0]:.1f}, max {times[-1]:.1f}); "
-      f"loss {last['loss']:.4f}; peak {torch.cuda.max_memory_reserved() / 1e9:.1f} GB")
+print(f"{case_name} {mode}: median {times[len(times) // 2]:.1f} ms "
+      f"(min {times[0]:.1f}, max {times[-1]:.1f}); loss {last['loss']:.4f}; "
+      f"peak {torch.cuda.max_memory_reserved() / 1e9:.1f} GB")
