@@ -23,10 +23,7 @@ elif mode == "cudagraphs":
     inductor.triton.cudagraphs = True
 elif mode != "default":
     raise SystemExit(f"unknown mode {mode}")
-case = bench.CASES[case_name]
-arch = bench.case_arch(case)
-seqs = bench.random_sequences(bench.case_seq_lens(case), arch.vocab, seed=0)
-step, _runtime, last = bench.runtime_step_fn(case, seqs, "cuda")
+step, _runtime, last = bench.case_step(case_name)
 for _ in range(4):
     step()
 torch.cuda.synchronize()

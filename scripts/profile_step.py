@@ -53,10 +53,7 @@ def sync_sites(step) -> collections.Counter:
 
 
 def profile(name: str, rows: int) -> None:
-    case = bench.CASES[name]
-    arch = bench.case_arch(case)
-    seqs = bench.random_sequences(bench.case_seq_lens(case), arch.vocab, seed=0)
-    step, _runtime, _last = bench.runtime_step_fn(case, seqs, "cuda")
+    step, _runtime, _last = bench.case_step(name)
     for _ in range(3):
         step()
     torch.cuda.synchronize()

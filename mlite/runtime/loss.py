@@ -112,6 +112,6 @@ def sft_loss(global_target_tokens: int):
         nll_sum = -logprobs.sum()
         loss = nll_sum / global_target_tokens + aux_loss
         # tensors: the runtime reads metrics after the backward (no host sync between forward and backward)
-        return loss, {"nll_sum": nll_sum.detach(), "target_tokens": (batch.labels != IGNORE).sum()}
+        return loss, {"nll_sum": nll_sum.detach(), "target_tokens": batch.target_count()}
 
     return loss_fn

@@ -80,7 +80,11 @@ class PackedBatch:
 
     @property
     def num_target_tokens(self) -> int:
-        return int((self.labels != IGNORE).sum())
+        return int(self.target_count())
+
+    def target_count(self) -> torch.Tensor:
+        """The number of training targets as a 0-dim tensor on the batch's device (no host read)."""
+        return (self.labels != IGNORE).sum()
 
     def split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Cut a per-token [T, ...] tensor back into one tensor per sequence."""

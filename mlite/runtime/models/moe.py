@@ -157,15 +157,13 @@ def router_stats(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int
                  real: torch.Tensor | None = None) -> RouterStats:
     """Sums over this rank's tokens (`reduce_stats` adds the other ranks' under cp x tp); `real` [N] leaves
     padding rows out."""
-    # padding rows count 0: weighted, not dropped, so no shape depends on the data
-    real_weight = (torch.ones_like(expert_ids, dtype=probs.dtype) if real is None
-                   else real.unsqueeze(-1).to(probs.dtype).expand_as(expert_ids))
+    # padding rows weigh 0: weighted, not dropped, so no shape depends on the data
+    weight = probs.new_ones(probs.shape[0]) if real is None else real.to(probs.dtype)  # [N]
     if real is not None:
-        probs = probs * real.unsqueeze(-1).to(probs.dtype)
-    counts = expert_counts(expert_ids.reshape(-1), num_experts, real_weight.reshape(-1))
-    rows = (real.sum().to(probs.dtype) if real is not None
-            else torch.tensor(float(probs.shape[0]), dtype=probs.dtype, device=probs.device))
-    return RouterStats(counts, probs.sum(0), rows)
+        probs = probs * weight.unsqueeze(-1)
+    counts = expert_counts(expert_ids.reshape(-1), num_experts,
+                           weight.unsqueeze(-1).expand_as(expert_ids).reshape(-1))
+    return RouterStats(counts, probs.sum(0), weight.sum())
 
 
 def load_balancing_loss(stats: list[RouterStats], num_experts: int, coef: float) -> torch.Tensor:
