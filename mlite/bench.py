@@ -603,6 +603,7 @@ def run_parallel_cases(cases: list[BenchCase], device: str, steps: int = 8, warm
     import torch.distributed as dist
 
     from mlite.errors import MliteError
+    from mlite.runtime.layout import end_process_group
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     for case in cases:
@@ -621,9 +622,11 @@ def run_parallel_cases(cases: list[BenchCase], device: str, steps: int = 8, warm
         results = []
         for case in cases:
             results += _parallel_case(case, singles[case.name], device, steps, warmup, gpu, peak_tflops)
-        return results
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        end_process_group(clean=False)
+        raise
+    end_process_group(clean=True)
+    return results
 
 
 def _parallel_case(case: BenchCase, single: Measured, device: str, steps: int, warmup: int, gpu: str,

@@ -101,9 +101,10 @@ class Runtime:
         torch.distributed.all_reduce(t, group=group)
         return t.item()
 
-    def close(self) -> None:
-        """End the process group if this runtime started it (a no-op for one process)."""
-        self.placement.close()
+    def close(self, clean: bool = True) -> None:
+        """End the process group if this runtime started it (a no-op for one process); `clean=False`
+        after an error (no closing barrier)."""
+        self.placement.close(clean)
 
     # ---------------------------------------------------------------------------------- training
     def forward_backward(

@@ -85,10 +85,24 @@ class Placement:
         """The rank whose outputs (log-probs, metrics) are the step's: last pipeline stage, tp/cp rank 0."""
         return self.rank_in("pp") == self.dims.pp - 1 and self.rank_in("tp") == 0 and self.rank_in("cp") == 0
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
         if self.owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
+            end_process_group(clean)
             self.owns_process_group = False
+
+
+def end_process_group(clean: bool) -> None:
+    """Destroy every process group. After a clean run, first free what still holds collective work (the
+    garbage collector) and wait for every rank (a barrier): a rank that tears its gloo pairs down while a
+    peer still finishes its last collective, or whose work objects outlive the group into interpreter
+    shutdown, dies with SIGABRT after its results are printed. After an error there is no barrier: the
+    other ranks may never reach it."""
+    import gc
+
+    if clean:
+        gc.collect()
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def place(job: JobConfig, arch: ModelArch) -> Placement:

@@ -81,9 +81,12 @@ def run(job: JobConfig, runtime: Runtime, trainer: Trainer, console=None,
     """Train (or continue training) `trainer` on `runtime`; returns where everything went. The runtime's
     process group is closed on the way out, whatever happens."""
     try:
-        return _run(job, runtime, trainer, console, show_progress)
-    finally:
-        runtime.close()
+        result = _run(job, runtime, trainer, console, show_progress)
+    except BaseException:
+        runtime.close(clean=False)
+        raise
+    runtime.close()
+    return result
 
 
 def _run(job, runtime, trainer, console, show_progress) -> RunResult:

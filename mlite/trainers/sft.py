@@ -96,7 +96,7 @@ def train_sft(job: JobConfig, console=None, show_progress: bool = True) -> SFTRe
     try:
         trainer = SFTTrainer(job, runtime)
     except BaseException:
-        runtime.close()
+        runtime.close(clean=False)
         raise
     if first_rank() and console is not None:
         console.print(trainer.data.summary(), highlight=False)

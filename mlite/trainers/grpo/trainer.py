@@ -474,7 +474,7 @@ def train_grpo(job: JobConfig, console=None, show_progress: bool = True, tokeniz
             engine = VLLMRollout(job, runtime, Path(job.trainer.output_dir) / "vllm_model")
         trainer = GRPOTrainer(job, runtime, tokenizer, train_prompts, val_prompts, engine)
     except BaseException:
-        runtime.close()
+        runtime.close(clean=False)
         raise
     try:
         result = loop.run(job, runtime, trainer, console, show_progress)
