@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from mlite.config.arch import V4_CSA, ModelArch
 from mlite.config.catalog import layer_params
@@ -426,9 +427,9 @@ def runtime_step_fn(case: BenchCase, sequences: list[list[int]], device: str, on
     micro_batches = [batch] * case.accum
     # the step's loss is the mean NLL over every replica's targets (the same lengths on every replica)
     loss_fn = sft_loss(batch.num_target_tokens * case.accum * rt.dp_size)
-    last: dict[str, float] = {}
+    last: dict[str, Any] = {}
 
-    def step() -> None:
+    def step() -> None:  # no host sync: the trainer loop too reads a step's numbers once the next is queued
         rt.zero_grad()
         outs = rt.forward_backward(micro_batches, loss_fn)
         last["grad_norm"], _ = rt.optimizer_step()
@@ -523,7 +524,7 @@ def measure(make: Callable[[], tuple], device: str, steps: int, warmup: int,
     footprint, allocated = _peak_gb(device)
     del step, keep
     _free(device)
-    return Measured(timing, footprint, allocated, dict(last))
+    return Measured(timing, footprint, allocated, {key: float(value) for key, value in last.items()})
 
 
 def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str) -> float | None:

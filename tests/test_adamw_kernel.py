@@ -90,6 +90,33 @@ def test_on_cpu_a_checkpoint_of_one_loads_into_the_other(direction):
         assert a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
 
 
+@pytest.mark.skipif(kernel._INTERPRET, reason="under TRITON_INTERPRET=1 the kernel serves CPU tensors")
+def test_on_cpu_a_found_inf_flag_skips_the_step():
+    _check_found_inf("cpu", torch.float32, CPU_SIZES)
+
+
+def _check_found_inf(device, dtype, sizes):
+    """step(found_inf=1) changes no parameter, moment or step count; step(found_inf=0) then equals a step
+    of an optimizer that never saw the skipped one. The flag stays on the device (no host sync)."""
+    ours, plain = _params(dtype, device, sizes), _params(dtype, device, sizes)
+    opt_ours = TritonAdamW(_groups(ours), lr=1e-3, betas=BETAS, eps=EPS, fused=True)
+    opt_plain = TritonAdamW(_groups(plain), lr=1e-3, betas=BETAS, eps=EPS, fused=True)
+    _run([(opt_ours, ours), (opt_plain, plain)], range(2))
+    before = [t.clone() for t in _tensors(opt_ours, ours)]
+    _set_grads(2, ours)
+    opt_ours.step(grad_coef=torch.tensor(0.5, device=device), found_inf=torch.ones((), device=device))
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(opt_ours, ours), before)), "a skipped step wrote"
+    _set_grads(3, ours, plain)
+    for p in plain:  # _set_grads shares one fp32 tensor between the lists, and torch's step scales it
+        p.grad = p.grad.clone()
+    coef = torch.tensor(0.25, device=device)
+    opt_ours.step(grad_coef=coef, found_inf=torch.zeros((), device=device))
+    opt_plain.step(grad_coef=coef)
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(opt_ours, ours), _tensors(opt_plain, plain)))
+    assert not torch.equal(_tensors(opt_ours, ours)[0], before[0])  # it did step
+    return opt_ours
+
+
 def _checkpoint_roundtrip(device, dtype, sizes, direction):
     """Two steps with one optimizer; its state_dict into a fresh one of the other kind over a copy of the
     parameters; three more steps on both. Returns both tensor lists (see _tensors), which should agree."""
@@ -172,6 +199,41 @@ def test_local_adamw_takes_the_kernel_on_one_gpu():
     _set_grads(0, params)
     norm, skipped = opt.step()
     assert not skipped and opt.optimizer._tables
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_a_found_inf_flag_skips_the_kernels_step(dtype):
+    opt = _check_found_inf("cuda", dtype, GPU_SIZES)
+    assert opt._plan() is not None  # the kernel served the steps
+
+
+@pytest.mark.gpu
+def test_gpu_local_adamw_steps_and_skips_without_a_host_sync():
+    """On one GPU LocalAdamW's norm, non-finite check, clipping and update are all queued: the step runs
+    under CUDA's sync debug mode set to raise; a NaN gradient skips the update on the device."""
+    from mlite.config.schema import OptimizerConfig
+    from mlite.runtime.optim import LocalAdamW
+
+    params = _params(torch.bfloat16, "cuda", [(64, 64), (64,)])
+    opt = LocalAdamW(params, OptimizerConfig(weight_decay=0.1, clip_grad=1.0))
+    _set_grads(0, params)
+    opt.step()  # the first step builds the kernel's tables and state
+    before = [p.detach().clone() for p in params]
+    for step, poison in ((1, True), (2, False)):
+        _set_grads(step, params)
+        if poison:
+            params[0].grad[0, 0] = float("nan")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            norm, skipped = opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert bool(skipped) == poison and torch.isnan(norm).item() == poison
+        if poison:
+            assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert int(opt.skipped_steps) == 1 and not torch.equal(params[0], before[0])
 
 
 @pytest.mark.gpu

@@ -230,3 +230,71 @@ def test_compile_runs_each_block_through_torch_compile_with_the_same_numbers():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > captured  # really compiled
     for (loss, norm), (loss_c, norm_c) in zip(eager, compiled):
         assert loss_c == pytest.approx(loss, rel=1e-5) and norm_c == pytest.approx(norm, rel=1e-4)
+
+
+# --------------------------------------------------------------------------- the step without host syncs
+class _Watched(torch.Tensor):
+    """A 0-dim tensor that records when the host reads it."""
+
+    def item(self):
+        self.reads.append(("read", self.at))
+        return super().item()
+
+
+def test_the_loop_reads_a_steps_numbers_only_after_the_next_step_is_queued(tmp_path):
+    """A step's loss and grad norm stay on the device until the following step has been queued (on a GPU
+    the host never waits between steps); steps that evaluate or save are read at once. The logged values
+    are each step's own, in order."""
+    from mlite.trainers import loop
+    from mlite.trainers.metrics import read_metrics
+
+    job = job_from_dict({
+        "model": {"name": "tiny-qwen3"}, "precision": {"compute": "fp32"}, "data": {"seq_len": 512},
+        "trainer": {"device": "cpu", "steps": 6, "save_every": 3, "eval_every": 0,
+                    "output_dir": str(tmp_path / "run")},
+    })
+    events = []
+
+    class Trainer:
+        name, plot_keys, plot_file, eval_at_start = "sft", ("loss",), "loss.png", False
+
+        def steps_per_epoch(self):
+            return 100
+
+        def step(self, index):
+            events.append(("step", index + 1))
+            loss = torch.tensor(0.5 + index).as_subclass(_Watched)
+            loss.at, loss.reads = index + 1, events
+            return loop.StepResult({"loss": loss}, 10.0, ("loss", loss))
+
+        def evaluate(self):
+            return {}
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+        def summary_lines(self, result):
+            return []
+
+    loop.run(job, Runtime(job), Trainer(), show_progress=False)
+    order = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]  # a step is read once or twice
+    assert order == [("step", 1), ("step", 2), ("read", 1), ("step", 3), ("read", 2), ("read", 3),  # saved
+                     ("step", 4), ("step", 5), ("read", 4), ("step", 6), ("read", 5), ("read", 6)]
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert [(r["step"], r["loss"]) for r in records] == [(s, 0.5 + s - 1) for s in range(1, 7)]
+    assert all(r["step_time_s"] > 0 and r["tokens_per_s"] > 0 for r in records)
+
+
+def test_step_outputs_stay_tensors_until_read_and_equal_the_read_values():
+    """forward_backward's loss and metrics and optimizer_step's norm and skip flag are 0-dim tensors (a
+    GPU step queues its update without waiting for them); the token count is the host's."""
+    rt = Runtime(make_job())
+    batch = PackedBatch.from_sequences(sequences([8, 5]))
+    (out,) = rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
+    norm, skipped = rt.optimizer_step()
+    assert all(isinstance(x, torch.Tensor) and x.dim() == 0 for x in (out["loss"], norm, skipped))
+    assert isinstance(out["num_tokens"], int) and out["num_tokens"] == 13
+    assert not bool(skipped) and math.isfinite(float(norm)) and float(out["loss"]) > 0

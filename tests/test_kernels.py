@@ -5,6 +5,8 @@ product, and the MoE routing and dispatch traced as one compiled graph."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -279,3 +281,26 @@ def test_the_runtime_on_a_gpu_computes_with_the_gpu_attention_backend():
     runtime = Runtime(bench.case_job(case, "cuda"), hf_config=bench.case_hf_config(case))
     backends = {layer.attn.core.keywords["backend"] for layer in blocks(runtime.model)}
     assert backends == {resolve_attention_backend("auto", "cuda")} == {"packed"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-cpu", "tiny-cpu-dp2"], ids=["moe", "dense"])
+def test_the_runtimes_gpu_step_never_waits_for_the_gpu(name):
+    """The trainers' step on one GPU (batch copy, compiled forward and backward, loss, grad norm, the
+    non-finite check, clipping and the update) runs under CUDA's sync debug mode set to raise: the host
+    queues it all and could queue the next step before it ends (the loop reads a step's numbers after the
+    next one is queued). Its numbers, read afterwards, are finite."""
+    from mlite import bench
+
+    case = bench.CASES[name]
+    sequences = bench.random_sequences(bench.case_seq_lens(case), bench.case_arch(case).vocab, seed=0)
+    step, runtime, last = bench.runtime_step_fn(case, sequences, "cuda", one_gpu=True)
+    for _ in range(2):  # compile, build the optimizer's state and tables
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert math.isfinite(float(last["loss"])) and math.isfinite(float(last["grad_norm"]))

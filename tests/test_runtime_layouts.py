@@ -278,8 +278,8 @@ def rl_steps(tmp_path: Path, layout: dict) -> dict:
     for _ in range(2):
         rt.zero_grad()
         steps.append(rt.forward_backward(batches, rl_loss, with_entropy=True))
-        result["loss"].append(rt.global_sum(sum(o["loss"] for o in steps[-1])))
-        result["grad_norm"].append(rt.optimizer_step()[0])
+        result["loss"].append(float(rt.global_sum(sum(o["loss"] for o in steps[-1]))))
+        result["grad_norm"].append(float(rt.optimizer_step()[0]))
     result["logprobs"] = [o["logprobs"] for o in steps[0] + evaluated]
     result["entropy"] = [o["entropy"] for o in steps[0] + evaluated]
     # the KL term after two updates: the policy's log-probs against the reference's, both through the

@@ -133,5 +133,5 @@ def runtime_losses(setup: Path) -> list[float]:
         outs = runtime.forward_backward(micro, sft_loss(targets))
         runtime.optimizer_step()
         runtime.lr_scheduler_step()
-        losses.append(sum(o["loss"] for o in outs))
+        losses.append(float(sum(o["loss"] for o in outs)))
     return losses

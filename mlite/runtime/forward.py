@@ -30,8 +30,8 @@ from mlite.runtime.parallel.pipeline import one_f_one_b
 from mlite.runtime.parallel.step import (
     broadcast_outputs,
     gather_stream,
-    host_number,
     local_share,
+    real_token_count,
     real_token_mask,
     vocab_parallel_logprobs,
 )
@@ -54,7 +54,7 @@ def forward_backward(
     of IGNORE labels are 0. With loss_fn None (forward_only), only the log-probs are computed."""
     if loss_fn is None and not forward_only:
         raise ValueError("forward_backward needs a loss_fn unless forward_only")
-    fulls = [b.to(rt.device) for b in micro_batches]
+    fulls = [b.to(rt.device, non_blocking=True) for b in micro_batches]
     shares = [local_share(b, rt.mesh, context_chunk_multiple(rt.arch)) for b in fulls]
     aux_weight = 1.0 / (len(fulls) * rt.dims.dp)
     with torch.set_grad_enabled(not forward_only), _autocast(rt), _vocab_parallel(rt):
@@ -66,12 +66,16 @@ def forward_backward(
                              last=i == len(fulls) - 1) for i, (full, share) in enumerate(zip(fulls, shares))]
     outputs = []
     for full, share, (loss, metrics, logprobs, entropy) in zip(fulls, shares, computed):
-        outputs.append({  # read back to the host only now, after every backward: one wait, at the end
-            "loss": host_number(loss),
-            "metrics": {key: host_number(value) for key, value in metrics.items()},
+        # loss and metrics stay 0-dim tensors (numbers after a pipeline's broadcast): reading one
+        # (float()) waits for the GPU, so callers read them when they log, and the next step's work can be
+        # queued before that (mlite.trainers.loop)
+        outputs.append({
+            "loss": loss,
+            "metrics": {key: value.detach() if isinstance(value, torch.Tensor) else value
+                        for key, value in metrics.items()},
             "logprobs": whole_stream(rt, logprobs.detach(), share, full),
             "entropy": whole_stream(rt, entropy.detach(), share, full) if entropy is not None else None,
-            "num_tokens": int(real_token_mask(share, full).sum()),
+            "num_tokens": real_token_count(share, full),
         })
     return outputs
 

@@ -6,6 +6,9 @@
   schedule's length;
 - metrics (JSONL, TensorBoard), progress (tokens/s, ETA), the evaluation cadence (`trainer.eval_every` and
   at the end), the save cadence (`trainer.save_every` and at the end);
+- when a step's numbers are read: an SFT step leaves its loss and grad norm as tensors on the device, and
+  the loop reads them once the next step is queued (at once before an evaluation or a save), so on a GPU
+  the host never keeps the device waiting between steps;
 - the stop signal (SIGTERM/SIGUSR1 save at the next step boundary and return: Slurm preemption and
   requeue), the PNG plot, `runtime.close()` and the summary, printed by the output rank only.
 
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from mlite.config.schema import JobConfig
 from mlite.runtime.ckpt.checkpoint import CheckpointManager
 from mlite.runtime.engine import Runtime
@@ -33,10 +38,30 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
-    metrics: dict[str, float]  # what the step logs
+    """What a step logs. Its numbers may be 0-dim tensors still being computed on the GPU: the loop reads
+    them (`host_values`) only after the next step's work is queued, so the GPU never waits for the host
+    between steps; the values logged are the same."""
+
+    metrics: dict[str, Any]  # what the step logs (numbers or 0-dim tensors)
     tokens: float  # tokens the step trained on, over all ranks (for tokens/s)
-    progress: tuple[str, float]  # the figure the progress line shows, e.g. ("loss", 0.41)
+    progress: tuple[str, Any]  # the figure the progress line shows, e.g. ("loss", 0.41)
     note: str = ""  # appended to the progress line
+    skipped: Any = False  # the optimizer dropped this step's update (non-finite gradients)
+
+
+def host_value(value: Any) -> Any:
+    """A number as a Python number: a 0-dim tensor is read from the device (which waits for it)."""
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def host_values(values: dict[str, Any]) -> dict[str, Any]:
+    return {key: host_value(value) for key, value in values.items()}
+
+
+def _unread(result: StepResult) -> bool:
+    """The step left numbers as tensors (the SFT step; GRPO's, which waits on its rollout, reads its own)."""
+    values = [*result.metrics.values(), result.progress[1], result.skipped]
+    return any(isinstance(value, torch.Tensor) for value in values)
 
 
 class Trainer(Protocol):
@@ -119,30 +144,52 @@ def _run(job, runtime, trainer, console, show_progress) -> RunResult:
 
     if trainer.eval_at_start and start == 0 and (values := evaluate(0)):
         writer.log(0, values)
+    last_read = None  # when the previous step's numbers were read: the device had finished it
+
+    def publish(at: int, result: StepResult, began: float, evaluated: dict) -> None:
+        """Read step `at`'s numbers (waiting for its device work) and log them. Its time runs from when it
+        began or, if it was queued before, when the step ahead of it was read: the device's time for it."""
+        nonlocal last_read
+        metrics = host_values(result.metrics)
+        label, value = result.progress[0], host_value(result.progress[1])
+        skipped = bool(host_value(result.skipped))
+        done = time.perf_counter()
+        elapsed = done - max(began, last_read if last_read is not None else began)
+        last_read = done
+        record = {**metrics, "tokens_per_s": result.tokens / elapsed, "step_time_s": elapsed, **evaluated}
+        if at % cfg.log_every == 0 or at == total or evaluated:
+            writer.log(at, record)
+            note = " ".join(filter(None, [result.note, "(skipped: non-finite grads)" if skipped else ""]))
+            progress.update(at, value, result.tokens / elapsed, note, label=label)
+
     runtime.train()
+    pending = None  # (step, result, began) of a step whose numbers are not read yet
     with StopRequest() as stop:
         while step < total:
             began = time.perf_counter()
             result = trainer.step(step)
             step += 1
-            elapsed = time.perf_counter() - began
-            record = {**result.metrics, "tokens_per_s": result.tokens / elapsed, "step_time_s": elapsed}
+            if pending is not None:  # this step is queued: now the one before it is read
+                publish(*pending, {})
+                pending = None
             evaluated = {}
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == total:
                 evaluated = evaluate(step)
-                record.update(evaluated)
-            if step % cfg.log_every == 0 or step == total or evaluated:
-                writer.log(step, record)
-                label, value = result.progress
-                progress.update(step, value, result.tokens / elapsed, result.note, label=label)
             stopped = stop.should_stop(runtime.device)
-            if stopped or step == total or (cfg.save_every and step % cfg.save_every == 0):
+            save = stopped or step == total or (cfg.save_every and step % cfg.save_every == 0)
+            if evaluated or save or not _unread(result):
+                publish(step, result, began, evaluated)
+            else:  # read it once the next step is queued
+                pending = (step, result, began)
+            if save:
                 extra = {"step": step, **trainer.state_dict()}
                 last_saved = manager.save(step,
                                           lambda path, extra=extra: runtime.save_checkpoint(path, extra))
             if stopped:
                 stopped_by = stop.received
                 break
+        if pending is not None:
+            publish(*pending, {})
     progress.close()
     writer.close()
     plot = None

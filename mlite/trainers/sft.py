@@ -54,8 +54,7 @@ class SFTTrainer:
         loss = rt.global_sum(sum(o["loss"] for o in outs))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped_steps": rt.skipped_steps,
                    "tokens": int(tokens), "target_tokens": int(global_targets), "epoch": self.data.epoch}
-        return loop.StepResult(metrics, tokens, ("loss", loss),
-                               "(skipped: non-finite grads)" if skipped else "")
+        return loop.StepResult(metrics, tokens, ("loss", loss), skipped=skipped)
 
     def evaluate(self) -> dict[str, float]:
         """Mean token NLL over the validation set (forward only); {} without one."""

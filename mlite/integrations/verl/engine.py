@@ -317,7 +317,9 @@ class MliteEngine(BaseEngine):
             with_entropy=want_entropy,
             temperature=temperature,
         )
-        result = {"loss": float(out["loss"] or 0.0), "metrics": out["metrics"]}
+        loss = 0.0 if out["loss"] is None else float(out["loss"])  # verl reads numbers
+        result = {"loss": loss, "metrics": {key: value.item() if isinstance(value, torch.Tensor) else value
+                                            for key, value in out["metrics"].items()}}
         if keep_output:  # the runtime's whole-stream outputs: on every rank, whatever the layout
             result["model_output"] = jagged({"log_probs": out["logprobs"], "entropy": out["entropy"]})
         return result

@@ -103,7 +103,15 @@ class PackedBatch:
         return torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens.long())
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        """The batch on `device`. non_blocking from the host to a GPU goes through pinned memory: the copy
+        is queued behind the GPU's work instead of waiting for it to finish (a pageable copy is a host
+        sync), so the next step's batch does not stall the host while the last step's update runs."""
+        device = torch.device(device)
+        pin = non_blocking and device.type == "cuda"
+
         def move(t: torch.Tensor) -> torch.Tensor:
+            if pin and t.device.type == "cpu":
+                t = t.pin_memory()
             return t.to(device, non_blocking=non_blocking)
 
         return replace(

@@ -106,9 +106,10 @@ if triton is not None:
             tl.store(v_ptr + offs, v)
 
     @triton.jit
-    def _adamw_kernel(table_ptr, program_tensor_ptr, hyper_ptr, grad_coef_ptr, DTYPE: tl.constexpr,
-                      DECAY: tl.constexpr, SCALE: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr,
-                      BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    def _adamw_kernel(table_ptr, program_tensor_ptr, hyper_ptr, grad_coef_ptr, found_inf_ptr,
+                      DTYPE: tl.constexpr, DECAY: tl.constexpr, SCALE: tl.constexpr, SKIP: tl.constexpr,
+                      ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                      INTERPRET: tl.constexpr):
         # the hyper-parameters, cast to fp32 as torch's kernel does, from device memory (no recompilation
         # or argument specialisation when the lr changes)
         lr, weight_decay = tl.load(hyper_ptr + 0), tl.load(hyper_ptr + 1)
@@ -125,6 +126,8 @@ if triton is not None:
             m_ptr, v_ptr = tl.multiple_of(m_ptr, 16), tl.multiple_of(v_ptr, 16)
         start = (pid - tl.load(row + 6)) * CHUNK  # this program's chunk of its tensor
         size = tl.minimum(tl.load(row + 5) - start, CHUNK).to(tl.int32)
+        if SKIP:  # a non-finite gradient norm, found on the device: no tile is read or written
+            size = tl.where(tl.load(found_inf_ptr) != 0, 0, size)
         p_ptr, g_ptr, m_ptr, v_ptr = p_ptr + start, g_ptr + start, m_ptr + start, v_ptr + start
 
         # bias corrections in fp32 from the step the host incremented on the device (no host sync)
@@ -162,12 +165,17 @@ class TritonAdamW(torch.optim.AdamW):
         self._tables: dict[tuple, tuple[list[tuple], list[tuple]]] = {}
 
     @torch.no_grad()
-    def step(self, closure=None, grad_coef: torch.Tensor | None = None):
+    def step(self, closure=None, grad_coef: torch.Tensor | None = None,
+             found_inf: torch.Tensor | None = None):
         """One AdamW step. `grad_coef` (a scalar tensor on the parameters' device, e.g. gradient clipping's
         min(1, max_norm / norm)) scales every gradient first, exactly as torch._foreach_mul_ would (fp32
         product rounded to the gradient's dtype). The kernel applies it as it reads each gradient, which
         saves clipping's own pass over them (a read and a write of every gradient: 7 ms of a 4B-parameter
-        step); the gradients themselves are left unscaled. torch's step scales them in place first."""
+        step); the gradients themselves are left unscaled. torch's step scales them in place first.
+
+        `found_inf` (a 0-dim float tensor on the device, 1.0 or 0.0) skips the step where it is 1: no
+        parameter, moment or step count changes, as torch's fused step does it for a GradScaler. The host
+        never reads it, so a step's update is queued behind its backward without waiting for it."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -178,20 +186,28 @@ class TritonAdamW(torch.optim.AdamW):
                 from mlite.runtime.optim import scale_grads_
 
                 scale_grads_([p for group in self.param_groups for p in group["params"]], grad_coef)
-            self._torch_step(None)
+            self.found_inf = found_inf  # torch's fused step skips on it (and takes the step count back)
+            try:
+                self._torch_step(None)
+            finally:
+                self.found_inf = None
             return loss
         steps, launches = plan
         if steps:
             torch._foreach_add_(steps, 1)  # as torch's fused step: the kernel reads the new count
+            if found_inf is not None:  # as torch's fused step: a skipped step does not count
+                torch._foreach_sub_(steps, [found_inf.to(steps[0].device, torch.float32)] * len(steps))
         for group, device, dtype, aligned, table, program_tensor in launches:
             beta1, beta2 = group["betas"]
             hyper = _to_device(torch.tensor([group["lr"], group["weight_decay"], beta1, beta2, group["eps"]],
                                             dtype=torch.float32), device)
             coef = hyper if grad_coef is None else grad_coef.to(device, torch.float32)
+            skip = hyper if found_inf is None else found_inf.to(device, torch.float32)
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 _adamw_kernel[(program_tensor.numel(),)](
-                    table, program_tensor, hyper, coef, DTYPE=_TL_DTYPES[dtype],
-                    DECAY=group["weight_decay"] != 0, SCALE=grad_coef is not None, ALIGNED=aligned,
+                    table, program_tensor, hyper, coef, skip, DTYPE=_TL_DTYPES[dtype],
+                    DECAY=group["weight_decay"] != 0, SCALE=grad_coef is not None,
+                    SKIP=found_inf is not None, ALIGNED=aligned,
                     CHUNK=self.chunk, BLOCK=self.block,
                     INTERPRET=_INTERPRET, num_warps=self.num_warps,
                     enable_fp_fusion=True,  # mul + add -> fma, as nvcc compiles torch's kernel

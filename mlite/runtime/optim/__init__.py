@@ -2,7 +2,8 @@
 
     optim = LocalAdamW(model.parameters(), job.optimizer, grad_norm_fn)   # what Runtime builds
     schedule = LRSchedule(optim.optimizer, job.optimizer, total_steps)    # lr: a pure function of the step
-    grad_norm, skipped = optim.step()        # norm, skip on a non-finite norm, clip, update
+    grad_norm, skipped = optim.step()        # norm, skip on a non-finite norm, clip, update (0-dim
+                                             # tensors: reading them waits for the step)
 
 `LocalAdamW` serves every layout the runtime runs: one process, and FSDP2, whose parameters are DTensor
 shards (then `grad_norm_fn` is mlite.runtime.parallel.parallelize.grad_norm, summed over every mesh once).
@@ -74,11 +75,12 @@ class OptimizerBackend(Protocol):
 
     optimizer: torch.optim.Optimizer  # the torch optimizer, for checkpoints (DCP names its state by FQN)
     params: list[torch.nn.Parameter]  # what it updates (replicated data parallel sums their grads first)
-    skipped_steps: int
+    skipped_steps: int | torch.Tensor  # a count, possibly a 0-dim tensor still on the device
 
-    def step(self) -> tuple[float, bool]:
+    def step(self) -> tuple[torch.Tensor | float, torch.Tensor | bool]:
         """Clip, then update unless the grad norm is non-finite. Returns (grad norm before clipping,
-        skipped)."""
+        skipped), as 0-dim tensors where the backend decides on the device: float() and bool() read them
+        (a host sync), so read them when the numbers are logged, not in the step."""
 
     def zero_grad(self) -> None: ...
 
@@ -122,22 +124,26 @@ class LocalAdamW:
         self.grad_norm_fn = grad_norm_fn or _local_grad_norm
         self.skipped_steps = 0
 
-    def step(self) -> tuple[float, bool]:
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = self.grad_norm_fn(grads) if grads else torch.zeros(())
-        if not torch.isfinite(norm):
-            # an inf/nan gradient would poison the Adam moments for good: drop this step's update
+        coef = clip_coef(norm, self.cfg.clip_grad) if self.cfg.clip_grad > 0 else None
+        # an inf/nan gradient would poison the Adam moments for good: such a step's update is dropped
+        skipped = ~torch.isfinite(norm)
+        if self.fused:
+            # decided on the GPU: TritonAdamW reads the flag (and scales each gradient by the clipping
+            # factor as it reads it), so the update is queued behind the backward with no host sync
+            self.optimizer.step(grad_coef=coef, found_inf=skipped.float())
+            self.skipped_steps = self.skipped_steps + skipped.long()
+            return norm, skipped
+        if skipped:  # foreach steps (CPU, DTensor shards) decide on the host
             self.skipped_steps += 1
             self.zero_grad()
-            return float(norm), True
-        coef = clip_coef(norm, self.cfg.clip_grad) if self.cfg.clip_grad > 0 else None
-        if self.fused:  # TritonAdamW scales each gradient as it reads it: no pass of clipping's own
-            self.optimizer.step(grad_coef=coef)
-        else:
-            if coef is not None:
-                scale_grads_(self.params, coef)
-            self.optimizer.step()
-        return float(norm), False
+            return norm, skipped
+        if coef is not None:
+            scale_grads_(self.params, coef)
+        self.optimizer.step()
+        return norm, skipped
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

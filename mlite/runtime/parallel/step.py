@@ -71,6 +71,14 @@ def real_token_mask(share: PackedBatch, full: PackedBatch) -> torch.Tensor:
     return torch.arange(share.num_tokens, device=share.input_ids.device) < full.num_tokens
 
 
+def real_token_count(share: PackedBatch, full: PackedBatch) -> int:
+    """How many of the share's tokens are the micro-batch's own: known on the host unless context parallel
+    scattered them (then counted on the device)."""
+    if TOKEN_INDEX in share.extras:
+        return int(real_token_mask(share, full).sum())
+    return min(share.num_tokens, full.num_tokens)
+
+
 def vocab_parallel_logprobs(
     hidden: torch.Tensor,
     labels: torch.Tensor,

@@ -269,9 +269,10 @@ class GRPOTrainer:
                 )
                 grad_norm, _skipped = self.runtime.optimizer_step()
                 grad_norms.append(float(grad_norm))
-                for out in outs:
-                    tokens = out["metrics"].pop("tokens")
-                    for key, value in out["metrics"].items():
+                for out in outs:  # read on the host here: a GRPO step waits on its rollout anyway
+                    values = {key: float(value) for key, value in out["metrics"].items()}
+                    tokens = values.pop("tokens")
+                    for key, value in values.items():
                         if key == "actor/pg_loss":  # micro-batch shares add up to the mini-batch loss
                             totals[key] = totals.get(key, 0.0) + value / (
                                 self.cfg.ppo_epochs * self.cfg.mini_batches
