@@ -113,7 +113,8 @@ def _check_found_inf(device, dtype, sizes):
     opt_ours.step(grad_coef=coef, found_inf=torch.zeros((), device=device))
     opt_plain.step(grad_coef=coef)
     assert all(torch.equal(a, b) for a, b in zip(_tensors(opt_ours, ours), _tensors(opt_plain, plain)))
-    assert not torch.equal(_tensors(opt_ours, ours)[0], before[0])  # it did step
+    assert not torch.equal(_tensors(opt_ours, ours)[1], before[1])  # it did step (a bf16 parameter may
+    # not move at this lr, its first moment does)
     return opt_ours
 
 
