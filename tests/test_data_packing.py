@@ -194,3 +194,23 @@ def test_gloo_ranks_split_each_step_without_talking():
     from parallel_harness import launch
 
     launch(2, _gloo_ranks_agree, make_samples(64, seed=8))
+
+
+def test_host_lens_follow_cu_seqlens_through_moves_padding_and_context_splits():
+    """The host's copy of the sequence lengths (what lets a GPU step size tensors without reading
+    cu_seqlens back) stays equal to cu_seqlens' lengths wherever a batch goes."""
+    from mlite.runtime.data.packed import PackedBatch
+    from mlite.runtime.parallel.context import split_for_context_parallel
+    from mlite.runtime.parallel.step import pad_to_multiple
+
+    def lens(b):
+        return tuple((b.cu_seqlens[1:] - b.cu_seqlens[:-1]).tolist())
+
+    batch = PackedBatch.from_sequences([[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]])
+    assert batch.host_lens == lens(batch) == (3, 2, 5)
+    moved = batch.to("cpu", non_blocking=True)
+    padded = pad_to_multiple(moved, 4)
+    assert padded.host_lens == lens(padded) == (3, 2, 5, 2)
+    share = split_for_context_parallel(padded, 2, 1)
+    assert share.host_lens == lens(share) and share.seq_lens == list(lens(share))
+    assert pad_to_multiple(padded, 4) is padded  # already a multiple: unchanged

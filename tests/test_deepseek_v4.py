@@ -350,3 +350,20 @@ def test_key_set_attention_layouts_agree_with_dense_attention():
         ref = torch.cat([scores, sink_column], -1)
         torch.einsum("thk,kd->thd", ref.softmax(-1)[..., :-1], keys).sum().backward()
         torch.testing.assert_close(qg.grad, qr.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_geometry_from_the_hosts_lengths_equals_the_one_read_from_the_batch():
+    """batch_geometry sizes its entry tables from the host's copy of the lengths (no GPU read): the same
+    windows as when it reads them from cu_seqlens."""
+    from mlite.runtime.data.packed import PackedBatch
+    from mlite.runtime.models.deepseek_v4 import batch_geometry
+
+    batch = PackedBatch.from_sequences([list(range(37)), list(range(5)), list(range(130))])
+    host = batch_geometry(batch, 16, [4, 16])
+    read = batch_geometry(dataclasses.replace(batch, host_lens=None), 16, [4, 16])
+    assert torch.equal(host.window_mask, read.window_mask)
+    for ratio in (4, 16):
+        a, b = host.compressed[ratio], read.compressed[ratio]
+        assert a.count == b.count == 37 // ratio + 5 // ratio + 130 // ratio
+        for name in ("rows", "prev_rows", "has_prev", "positions", "visible", "visible_mask"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (ratio, name)

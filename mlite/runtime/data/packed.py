@@ -28,6 +28,9 @@ class PackedBatch:
     labels: torch.Tensor  # [T] int64, next token or IGNORE
     max_seqlen: int = 0
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-token [T, ...] tensors
+    # the lengths cu_seqlens marks, as the host knows them (None: read from cu_seqlens, which on a GPU is a
+    # host sync); whatever changes cu_seqlens keeps them in step
+    host_lens: tuple[int, ...] | None = None
 
     @classmethod
     def from_sequences(
@@ -63,6 +66,7 @@ class PackedBatch:
             labels=torch.tensor(labels, dtype=torch.long),
             max_seqlen=max(lens),
             extras=packed_extras,
+            host_lens=tuple(lens),
         )
 
     # ------------------------------------------------------------------ views
@@ -76,6 +80,8 @@ class PackedBatch:
 
     @property
     def seq_lens(self) -> list[int]:
+        if self.host_lens is not None:
+            return list(self.host_lens)
         return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
 
     @property

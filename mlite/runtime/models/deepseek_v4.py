@@ -162,7 +162,8 @@ def batch_geometry(batch: PackedBatch, sliding_window: int, ratios: Iterable[int
     for ratio in set(ratios):
         count = lens // ratio  # complete windows per sequence
         first = torch.cumsum(count, 0) - count  # entry index of each sequence's first window
-        total = int(count.sum())
+        # the number of entries sizes tensors: from the host's lengths when it has them (no GPU read)
+        total = sum(n // ratio for n in batch.host_lens) if batch.host_lens is not None else int(count.sum())
         entry_seq = torch.repeat_interleave(torch.arange(lens.numel(), device=device), count,
                                             output_size=total)
         index_in_seq = torch.arange(total, device=device) - first[entry_seq]

@@ -47,6 +47,7 @@ def pad_to_multiple(batch: PackedBatch, multiple: int) -> PackedBatch:
         labels=torch.cat([batch.labels, batch.labels.new_full((pad,), IGNORE)]),
         max_seqlen=max(batch.max_seqlen, pad),
         extras=extras,
+        host_lens=None if batch.host_lens is None else (*batch.host_lens, pad),
     )
 
 
