@@ -122,9 +122,11 @@ class Runtime:
     def zero_grad(self) -> None:
         self.optim.zero_grad()
 
-    def optimizer_step(self) -> tuple[float, bool]:
-        """Clip and update. Returns (grad norm before clipping, skipped); a non-finite norm skips the update.
-        Several ranks: FSDP2 has reduced the gradients; the norm is taken over every mesh (`grad_norm`)."""
+    def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip and update. Returns (grad norm before clipping, skipped) as 0-dim tensors (float() / bool()
+        read them, which waits for the step); a non-finite norm skips the update, decided on the GPU where
+        one GPU holds the whole model. Several ranks: FSDP2 has reduced the gradients; the norm is taken
+        over every mesh (`grad_norm`)."""
         return self.optim.step()
 
     def set_total_steps(self, total_steps: int) -> None:
@@ -140,7 +142,9 @@ class Runtime:
         return self.schedule.lr
 
     @property
-    def skipped_steps(self) -> int:
+    def skipped_steps(self) -> int | torch.Tensor:
+        """Updates dropped for non-finite gradients in this process (a 0-dim tensor where counted on the
+        GPU: int() reads it)."""
         return self.optim.skipped_steps
 
     def train(self) -> None:
