@@ -196,3 +196,17 @@ def test_what_the_layouts_cannot_do_yet_is_refused_before_any_group_exists(prese
     # good
     check_job(job("tiny-qwen3-moe", {"tp": 2, "ep": 2}), preset_arch("tiny-qwen3-moe"), 2, "cpu", False)
     check_job(job("tiny-qwen3", {}), preset_arch("tiny-qwen3"), 2, "cpu", False)  # tied: one FSDP2 unit
+
+
+def test_expert_parallel_block_permutation_regroups_rows_by_expert_on_the_device():
+    """Received rows come grouped (source rank, local expert); the permutation lists them grouped (local
+    expert, source rank), each block's rows in order, empty blocks included, without reading the counts."""
+    from mlite.runtime.parallel.expert import _block_permutation
+
+    g = torch.Generator().manual_seed(0)
+    for a, b in ((1, 1), (2, 3), (4, 8)):
+        counts = torch.randint(0, 4, (a, b), generator=g)
+        counts[0, 0] = 0
+        starts = (torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)).view(a, b).tolist()
+        want = [starts[i][j] + k for j in range(b) for i in range(a) for k in range(int(counts[i, j]))]
+        assert _block_permutation(counts, int(counts.sum())).tolist() == want

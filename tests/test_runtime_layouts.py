@@ -363,3 +363,52 @@ def test_native_rollout_on_two_ranks_decodes_like_one_process(tmp_path, layout):
         first, again = torch.load(f"{out}.{rank}")
         assert first == again == want[rank][0], rank
         assert [len(r) for r in first] == [3 + 6 * rank] * len(ROLLOUT_PROMPTS[rank])  # no stop token given
+
+
+# ------------------------------------------------------------------- compiled blocks under FSDP2 and EP
+def _compiled_steps(rank, world, layout, model, compile_blocks, out):
+    """Two steps of the Runtime (each rank the same packed batch; the loss normalised over every rank's
+    targets), with what torch.compile captured in this process."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from mlite.runtime.data.packed import PackedBatch
+    from mlite.runtime.engine import Runtime
+    from mlite.runtime.loss import sft_loss
+
+    rt = Runtime(job_from_dict({"model": {"name": model, "compile": compile_blocks}, "parallel": layout,
+                                "data": {"seq_len": 512}, "precision": {"compute": "fp32"},
+                                "trainer": {"device": "cpu", "seed": 3}}))
+    g, steps = torch.Generator().manual_seed(0), []
+    for lengths in ((9, 14), (11, 6, 4)):
+        sequences = [torch.randint(0, 200, (n,), generator=g).tolist() for n in lengths]
+        batch = PackedBatch.from_sequences(sequences)
+        rt.zero_grad()
+        (o,) = rt.forward_backward([batch], sft_loss(rt.global_sum(batch.num_target_tokens)))
+        steps.append((float(rt.global_sum(o["loss"])), float(rt.optimizer_step()[0])))
+    torch.save({"steps": steps, "graphs": dynamo_utils.counters["stats"]["unique_graphs"],
+                "breaks": sum(dynamo_utils.counters["graph_break"].values())}, f"{out}.{rank}")
+
+
+@pytest.mark.parametrize("model,layout", [("tiny-qwen3", {}), ("tiny-qwen3-moe", {"ep": 2})],
+                         ids=["fsdp2-dp2", "ep2"])
+def test_compiled_blocks_under_fsdp2_and_ep_match_one_eager_process(tmp_path, model, layout):
+    """model.compile on 2 gloo ranks (FSDP2 over dp; experts over ep): the blocks are compiled on every
+    rank and the losses and grad norms equal one eager process. FSDP2's hooks add no graph break to those of
+    one compiled process (on CPU the attention core's per-sequence split breaks each block's graph; a GPU's
+    packed attention does not). Expert parallel does add some: its all-to-all takes its split sizes as host
+    numbers, read once per exchange."""
+    from parallel_harness import launch
+
+    out = tmp_path / "steps.pt"
+    launch(1, _compiled_steps, {}, model, False, f"{out}.eager")
+    launch(1, _compiled_steps, {}, model, True, f"{out}.one")
+    launch(2, _compiled_steps, layout, model, True, str(out))
+    eager, one = torch.load(f"{out}.eager.0"), torch.load(f"{out}.one.0")
+    assert eager["graphs"] == 0 and one["graphs"] > 0
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        assert got["graphs"] > 0, (rank, got)
+        if "ep" not in layout:
+            assert got["breaks"] == one["breaks"], (rank, got, one)
+        for (loss, norm), (want_loss, want_norm) in zip(got["steps"], eager["steps"]):
+            assert loss == pytest.approx(want_loss, rel=1e-5) and norm == pytest.approx(want_norm, rel=1e-4)

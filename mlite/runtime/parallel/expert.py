@@ -58,14 +58,14 @@ def _across_ranks(routed, counts, experts, num_experts, ep, group):
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)
     recv_counts = recv_counts.view(ep, local)
-    send_splits = counts.view(ep, local).sum(1).tolist()
-    recv_splits = recv_counts.sum(1).tolist()
+    # the all-to-all takes its split sizes as host numbers: the one read back from the device per exchange
+    send_splits, recv_splits = torch.stack([counts.view(ep, local).sum(1), recv_counts.sum(1)]).tolist()
 
     received = all_to_all_single(
         routed.new_empty(sum(recv_splits), routed.shape[1]), routed, recv_splits, send_splits, group=group
     )
     # received rows are ordered (source rank, local expert); the experts want (local expert, source rank)
-    by_expert = _block_permutation(recv_counts)
+    by_expert = _block_permutation(recv_counts, sum(recv_splits))
     out = experts(received[by_expert], recv_counts.sum(0))
     back = torch.empty_like(out)
     back[by_expert] = out
@@ -74,14 +74,11 @@ def _across_ranks(routed, counts, experts, num_experts, ep, group):
     )
 
 
-def _block_permutation(counts: torch.Tensor) -> torch.Tensor:
-    """Row order that turns blocks laid out [a][b] (sizes counts[a, b]) into the layout [b][a]."""
+def _block_permutation(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """Row order that turns blocks laid out [a][b] (sizes counts[a, b], `total` rows) into the layout
+    [b][a], each block's rows kept in order. Computed on the device: each row's block (i, j), then a stable
+    sort by (j, i); reading every block's bounds to the host instead cost a sync per block."""
     a, b = counts.shape
-    starts = torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)
-    starts = starts.view(a, b)
-    pieces = [
-        torch.arange(int(starts[i, j]), int(starts[i, j] + counts[i, j]), device=counts.device)
-        for j in range(b)
-        for i in range(a)
-    ]
-    return torch.cat(pieces) if pieces else counts.new_zeros(0)
+    block = torch.repeat_interleave(torch.arange(a * b, device=counts.device), counts.reshape(-1),
+                                    output_size=total)
+    return torch.argsort((block % b) * a + block // b, stable=True)
