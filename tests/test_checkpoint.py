@@ -209,3 +209,16 @@ def test_export_of_a_missing_checkpoint_is_one_line_exit_2(tmp_path, capsys):
     assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a checkpoint nor a run directory" in err
+
+
+def test_a_skip_count_kept_on_the_device_is_saved_as_a_number(tmp_path):
+    """On one GPU the fused optimizer counts skipped updates on the device (a 0-dim tensor, no host
+    sync); a checkpoint reads it once and writes the number, and a resume gets it back."""
+    rt = Runtime(make_job())
+    train_steps(rt, range(1))
+    rt.optim.skipped_steps = torch.tensor(2)  # as LocalAdamW's fused step leaves it
+    rt.save_checkpoint(tmp_path / "ck")
+    assert json.loads((tmp_path / "ck" / ckpt.META).read_text())["skipped_steps"] == 2
+    again = Runtime(make_job())
+    again.load_checkpoint(tmp_path / "ck")
+    assert again.skipped_steps == 2

@@ -69,7 +69,7 @@ def save_checkpoint(rt: Runtime, path: str | Path, extra_state: dict | None = No
     meta = {
         "format": 1,
         "schedule": rt.schedule.state_dict(),
-        "skipped_steps": rt.optim.skipped_steps,
+        "skipped_steps": int(rt.optim.skipped_steps),  # counted on the GPU by a fused step: read it here
         "world_size": rt.dims.world_size,
         "job": rt.job.model_dump(mode="json"),
         "hf_config": rt.hf_config,
