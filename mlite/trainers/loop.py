@@ -30,6 +30,7 @@ import torch
 from mlite.config.schema import JobConfig
 from mlite.runtime.ckpt.checkpoint import CheckpointManager
 from mlite.runtime.engine import Runtime
+from mlite.runtime.parallel.step import host_number
 from mlite.trainers.common import StopRequest, checkpoint_to_resume, first_rank
 from mlite.trainers.metrics import MetricsWriter, ProgressDisplay, plot_metrics, read_metrics
 
@@ -49,13 +50,8 @@ class StepResult:
     skipped: Any = False  # the optimizer dropped this step's update (non-finite gradients)
 
 
-def host_value(value: Any) -> Any:
-    """A number as a Python number: a 0-dim tensor is read from the device (which waits for it)."""
-    return value.item() if isinstance(value, torch.Tensor) else value
-
-
 def host_values(values: dict[str, Any]) -> dict[str, Any]:
-    return {key: host_value(value) for key, value in values.items()}
+    return {key: host_number(value) for key, value in values.items()}
 
 
 def _unread(result: StepResult) -> bool:
@@ -144,17 +140,17 @@ def _run(job, runtime, trainer, console, show_progress) -> RunResult:
 
     if trainer.eval_at_start and start == 0 and (values := evaluate(0)):
         writer.log(0, values)
-    last_read = None  # when the previous step's numbers were read: the device had finished it
+    last_read = -math.inf  # when the previous step's numbers were read: the device had finished it
 
     def publish(at: int, result: StepResult, began: float, evaluated: dict) -> None:
         """Read step `at`'s numbers (waiting for its device work) and log them. Its time runs from when it
         began or, if it was queued before, when the step ahead of it was read: the device's time for it."""
         nonlocal last_read
         metrics = host_values(result.metrics)
-        label, value = result.progress[0], host_value(result.progress[1])
-        skipped = bool(host_value(result.skipped))
+        label, value = result.progress[0], host_number(result.progress[1])
+        skipped = bool(host_number(result.skipped))
         done = time.perf_counter()
-        elapsed = done - max(began, last_read if last_read is not None else began)
+        elapsed = done - max(began, last_read)
         last_read = done
         record = {**metrics, "tokens_per_s": result.tokens / elapsed, "step_time_s": elapsed, **evaluated}
         if at % cfg.log_every == 0 or at == total or evaluated:

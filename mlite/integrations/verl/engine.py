@@ -29,6 +29,7 @@ from mlite.errors import MliteError
 from mlite.integrations.verl.config_schema import MliteEngineConfig, to_job_dict
 from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.layout import COMPUTE_DTYPES
+from mlite.runtime.parallel.step import host_number
 
 logger = logging.getLogger(__name__)
 
@@ -318,8 +319,7 @@ class MliteEngine(BaseEngine):
             temperature=temperature,
         )
         loss = 0.0 if out["loss"] is None else float(out["loss"])  # verl reads numbers
-        result = {"loss": loss, "metrics": {key: value.item() if isinstance(value, torch.Tensor) else value
-                                            for key, value in out["metrics"].items()}}
+        result = {"loss": loss, "metrics": {key: host_number(value) for key, value in out["metrics"].items()}}
         if keep_output:  # the runtime's whole-stream outputs: on every rank, whatever the layout
             result["model_output"] = jagged({"log_probs": out["logprobs"], "entropy": out["entropy"]})
         return result

@@ -147,8 +147,8 @@ def gather_stream(values: torch.Tensor, share: PackedBatch, full: PackedBatch, g
 
 
 def host_number(value):
-    """A loss or metric as a Python number. Loss functions return them as 0-dim tensors, read only after
-    every backward of the step, so no host sync sits between a forward and its backward."""
+    """A loss or metric as a Python number: a 0-dim tensor is read from its device (which waits for it).
+    Losses and metrics stay tensors through the step; callers read them when they need the number."""
     return value.item() if isinstance(value, torch.Tensor) else value
 
 
