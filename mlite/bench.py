@@ -27,7 +27,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -341,13 +341,15 @@ def case_arch(case: BenchCase) -> ModelArch:
     return arch_from_hf_config(case_hf_config(case), name=case.model)
 
 
-def case_job(case: BenchCase, device: str, one_gpu: bool = False):
-    """The job the Runtime runs for the case. `one_gpu`: the one-GPU reference of a multi-rank case."""
-    from mlite.config import job_from_dict
+def case_job(case: BenchCase, device: str, one_gpu: bool = False, overrides: Sequence[str] = ()):
+    """The job the Runtime runs for the case. `one_gpu`: the one-GPU reference of a multi-rank case;
+    `overrides`: job keys as on the trainers' command line (`mlite bench --set optimizer.overlap_step=false`),
+    for an A/B of one key on the same case."""
+    from mlite.config import apply_overrides, job_from_dict
 
     cuda = device.startswith("cuda")
     gpus, ep, cp = (1, 1, 1) if one_gpu else (case.gpus, case.ep, case.cp)
-    return job_from_dict({
+    job = {
         "model": {"name": case.model, "compile": cuda},  # model.compile: the speed a GPU job asks for
         "cluster": {"nodes": 1, "gpus_per_node": gpus},
         "parallel": {"ep": ep, "cp": cp},
@@ -357,7 +359,8 @@ def case_job(case: BenchCase, device: str, one_gpu: bool = False):
         "precision": {"compute": "bf16", "master": "bf16"} if cuda else {"compute": "fp32", "master": "fp32"},
         "optimizer": {"lr": 1e-5},
         "trainer": {"device": "cuda" if cuda else "cpu"},
-    })
+    }
+    return job_from_dict(apply_overrides(job, overrides))
 
 
 def case_seq_lens(case: BenchCase, seed: int = 0) -> list[int]:
@@ -413,7 +416,8 @@ def case_step(name: str, device: str = "cuda"):
     return runtime_step_fn(case, sequences, device)
 
 
-def runtime_step_fn(case: BenchCase, sequences: list[list[int]], device: str, one_gpu: bool = False):
+def runtime_step_fn(case: BenchCase, sequences: list[list[int]], device: str, one_gpu: bool = False,
+                    overrides: Sequence[str] = ()):
     """One optimizer step of the SFT trainer on the Runtime: case.accum micro-batches of `sequences` on every
     data-parallel replica. Returns (step, runtime, last) where `last` holds the last step's loss and grad
     norm as the trainer would log them (this rank's loss)."""
@@ -421,7 +425,7 @@ def runtime_step_fn(case: BenchCase, sequences: list[list[int]], device: str, on
     from mlite.runtime.engine import Runtime
     from mlite.runtime.loss import sft_loss
 
-    rt = Runtime(case_job(case, device, one_gpu), hf_config=case_hf_config(case))
+    rt = Runtime(case_job(case, device, one_gpu, overrides), hf_config=case_hf_config(case))
     rt.train()
     batch = PackedBatch.from_sequences(sequences)  # on the host, as the data loader hands it over
     micro_batches = [batch] * case.accum
@@ -547,8 +551,9 @@ def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str) -> float | N
 
 
 def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, sides=("mlite", "hf"),
-             gpu: str = "cpu", peak_tflops: float = 1.0) -> list[BenchResult]:
-    """A one-GPU case: the Runtime's step, then (unless the case or `sides` leave it out) HF's."""
+             gpu: str = "cpu", peak_tflops: float = 1.0, overrides: Sequence[str] = ()) -> list[BenchResult]:
+    """A one-GPU case: the Runtime's step, then (unless the case or `sides` leave it out) HF's.
+    `overrides`: job keys for the Runtime's side (case_job)."""
     arch = case_arch(case)
     seq_lens = case_seq_lens(case)
     sequences = random_sequences(seq_lens, arch.vocab, seed=0)
@@ -564,7 +569,8 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
                                        device=device, skipped=reason))
             continue
         if side == "mlite":
-            m = measure(lambda: runtime_step_fn(case, sequences, device), device, steps, warmup)
+            m = measure(lambda: runtime_step_fn(case, sequences, device, overrides=overrides), device, steps,
+                        warmup)
         else:
             m = measure(lambda: hf_step_fn(arch, sequences, device, case.accum), device, steps, warmup)
         tps = tokens / (m.timing.median_ms / 1e3)
@@ -574,7 +580,7 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
             estimate_gb=planner_estimate_gb(case, arch, gpu) if side == "mlite" else None, device=device,
             extra={"seq_lens": seq_lens if len(seq_lens) < 64 else len(seq_lens),
                    "step_ms_all": m.timing.step_ms, "peak_allocated_gb": m.allocated_gb, "accum": case.accum,
-                   **m.last},
+                   **({"overrides": list(overrides)} if side == "mlite" and overrides else {}), **m.last},
         ))
     return results
 

@@ -15,6 +15,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--no-baseline", action="store_true", help="skip the HF-transformers side")
     p.add_argument("--out", default="runs/bench/results.json", help="JSON results file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a job key for mlite's side of one-GPU cases, as for mlite sft (repeatable), "
+                        "e.g. --set optimizer.overlap_step=false")
     p.set_defaults(run=run)
 
 
@@ -39,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     multi = [n for n in names if bench.CASES[n].gpus > 1]
+    if multi and args.overrides:
+        raise MliteError("--set applies to one-GPU cases; the multi-GPU cases run their own layouts")
     if multi and len(multi) != len(names):
         raise MliteError("multi-GPU and one-GPU bench cases run in separate launches; "
                          "name one kind at a time")
@@ -67,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"[bold]{name}[/bold] on {gpu} ...")
             results += bench.run_case(bench.CASES[name], device, steps=args.steps, warmup=args.warmup,
                                       sides=("mlite",) if args.no_baseline else ("mlite", "hf"), gpu=gpu,
-                                      peak_tflops=peak)
+                                      peak_tflops=peak, overrides=args.overrides)
     if not rank0:
         return 0
     console.print(bench.render_table(results))

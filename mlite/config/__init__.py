@@ -17,7 +17,8 @@ from pydantic import BaseModel, ValidationError
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
 
-__all__ = ["JobConfig", "load_job", "job_from_dict", "parse_overrides", "list_presets", "preset_path"]
+__all__ = ["JobConfig", "load_job", "job_from_dict", "apply_overrides", "parse_overrides", "list_presets",
+           "preset_path"]
 
 
 def list_presets() -> list[str]:
@@ -65,9 +66,14 @@ def load_job(source: str | Path | None = None, overrides: Iterable[str] = ()) ->
             raise MliteError(f"{path}:{where} is not valid YAML ({getattr(err, 'problem', err)})") from None
         if not isinstance(data, dict):
             raise MliteError(f"{path}: the top level must be a mapping of sections (model:, parallel:, ...)")
+    return job_from_dict(apply_overrides(data, overrides))
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Set each `key.sub=value` override in the job dict `data` (in place); returns it."""
     for key, value in parse_overrides(overrides):
         _set_path(data, key, value)
-    return job_from_dict(data)
+    return data
 
 
 def job_from_dict(data: dict[str, Any]) -> JobConfig:
