@@ -408,12 +408,12 @@ def _peak_gb(device: str) -> tuple[float, float]:
             torch.cuda.max_memory_allocated() / 2**30)
 
 
-def case_step(name: str, device: str = "cuda"):
+def case_step(name: str, device: str = "cuda", overrides: Sequence[str] = ()):
     """runtime_step_fn for the case named `name` on its random sequences (seed 0), as `mlite bench` times
     it on one device (scripts/profile_step.py and the probes take it from here)."""
     case = CASES[name]
     sequences = random_sequences(case_seq_lens(case), case_arch(case).vocab, seed=0)
-    return runtime_step_fn(case, sequences, device)
+    return runtime_step_fn(case, sequences, device, overrides=overrides)
 
 
 def runtime_step_fn(case: BenchCase, sequences: list[list[int]], device: str, one_gpu: bool = False,

@@ -7,7 +7,9 @@ times it, with model.compile) and say where the step's wall time goes:
 - the graph breaks and recompilations torch.compile saw (each break is an eager region between graphs);
 - every host sync of a step (`torch.cuda.set_sync_debug_mode`), counted by the mlite line that caused it.
 
-    python3 scripts/profile_step.py dense-1.7b-4k [moe-30b-a3b-6l-4k ...] [--rows 25]
+    python3 scripts/profile_step.py dense-1.7b-4k [moe-30b-a3b-6l-4k ...] [--rows 25] [--set KEY=VALUE]
+
+`--set` takes job keys as `mlite bench --set` does (an A/B of one key on the same case).
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ def sync_sites(step) -> collections.Counter:
     return sites
 
 
-def profile(name: str, rows: int) -> None:
-    step, _runtime, _last = bench.case_step(name)
+def profile(name: str, rows: int, overrides: list[str]) -> None:
+    step, _runtime, _last = bench.case_step(name, overrides=overrides)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -76,7 +78,7 @@ def profile(name: str, rows: int) -> None:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not getattr(e, "is_user_annotation", False)]
     cuda_ms = sum(e.device_time for e in kernels) / 1e3 / 2
-    print(f"== {name} (Runtime step, model.compile)")
+    print(f"== {name} (Runtime step, model.compile{''.join(', ' + o for o in overrides)})")
     print(f"step {wall_ms:.1f} ms wall; CUDA kernels {cuda_ms:.1f} ms; host gap {wall_ms - cuda_ms:.1f} ms")
     print(f"compiled graphs {graphs}; graph breaks {sum(breaks.values())}")
     for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])[:10]:
@@ -92,8 +94,9 @@ def profile(name: str, rows: int) -> None:
 parser = argparse.ArgumentParser()
 parser.add_argument("cases", nargs="+")
 parser.add_argument("--rows", type=int, default=25)
+parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 args = parser.parse_args()
 for case_name in args.cases:
-    profile(case_name, args.rows)
+    profile(case_name, args.rows, args.overrides)
     torch._dynamo.utils.counters.clear()
     torch.cuda.empty_cache()

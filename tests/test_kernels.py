@@ -334,6 +334,7 @@ def test_gpu_the_overlapped_update_gives_the_plain_steps_numbers(name):
         runs[overlap] = numbers, weights, moments
         if overlap:
             assert all(p.grad is None for p in rt.optim.params)  # each unit's gradients freed by its update
+            assert not rt.model.output._forward_pre_hooks  # the loss keeps its fused LM-head kernel
             # one more backward: the kernel's launches, cut by unit and queued in the forward's order
             rt.forward_backward([PackedBatch.from_sequences(sequences)], sft_loss(1.0))
             launch_units = [launch[1] for launch in rt.optim.optimizer._plan()[1]]
@@ -348,7 +349,7 @@ def test_gpu_the_overlapped_update_gives_the_plain_steps_numbers(name):
     tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 2e-2, "atol": 1e-5}
     torch.testing.assert_close(numbers, plain_numbers, **tol)
     for key in plain_w:
-        torch.testing.assert_close(w[key], plain_w[key], **tol, msg=key)
+        torch.testing.assert_close(w[key], plain_w[key], **tol, msg=lambda m, key=key: f"{key}: {m}")
     for a, b in zip(m, plain_m):
         torch.testing.assert_close(a, b, **(tol if exact else {"rtol": 5e-2, "atol": 1e-9}))
 

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 from mlite.config import job_from_dict
 from mlite.errors import MliteError
 from mlite.runtime.data.packed import PackedBatch
-from mlite.runtime.engine import Runtime
+from mlite.runtime.engine import Runtime, lm_heads
 from mlite.runtime.loss import sft_loss
 from mlite.runtime.optim import forward_units, hook_units
 from mlite.runtime.parallel.parallelize import blocks
@@ -100,7 +100,8 @@ def test_every_parameter_is_read_only_after_its_units_hook(model):
     def release(k):
         reads.released = max(reads.released, k)
 
-    handles = hook_units(rt.model, units, release, lambda: release(len(units) - 1))
+    # hooked as the Runtime hooks them: the LM head without a hook (its fused loss kernel needs that)
+    handles = hook_units(rt.model, units, release, lambda: release(len(units) - 1), lm_heads(rt.model))
     batch = PackedBatch.from_sequences([list(range(3, 40)), list(range(5, 30))])
     try:
         with reads:
@@ -108,6 +109,7 @@ def test_every_parameter_is_read_only_after_its_units_hook(model):
     finally:
         for handle in handles:
             handle.remove()
+    assert lm_heads(rt.model) and not rt.model.output._forward_pre_hooks  # the fused head kernel's condition
     assert reads.early == []
     assert reads.read == set(range(len(units)))  # every unit was read, so every unit was checked
     assert reads.released == len(units) - 1
@@ -117,7 +119,7 @@ def test_hooks_fire_per_unit_in_order_and_release_all_at_the_forwards_end():
     rt = cpu_runtime(MODELS["moe"])
     units = forward_units(rt.model, blocks(rt.model), rt.optim.params)
     events = []
-    handles = hook_units(rt.model, units, events.append, lambda: events.append("end"))
+    handles = hook_units(rt.model, units, events.append, lambda: events.append("end"))  # every unit hooked
     batch = PackedBatch.from_sequences([list(range(3, 40))])
     rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
     for handle in handles:

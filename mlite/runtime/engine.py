@@ -41,6 +41,13 @@ log = logging.getLogger(__name__)
 __all__ = ["Runtime", "export_checkpoint"]
 
 
+def lm_heads(model: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """The model's LM head (`output`, in every mlite model), which the overlapped update leaves unhooked so
+    that the loss keeps its fused kernel (mlite.runtime.optim.hook_units)."""
+    head = getattr(model, "output", None)
+    return (head,) if head is not None else ()
+
+
 class Runtime:
     def __init__(self, job: JobConfig, total_steps: int | None = None, hf_config: dict | None = None):
         """Check the job against the rule book, then build this rank's share of the model, laid out (random
@@ -76,7 +83,7 @@ class Runtime:
         # one GPU: the update overlaps the next forward (optimizer.overlap_step; the rule book refused true
         # where it cannot run). Whatever reads or writes the weights outside a forward settles first.
         if job.optimizer.overlap_step is not False and self.mesh is None and self.optim.fused:
-            self.optim.overlap(self.model, blocks(self.model))
+            self.optim.overlap(self.model, blocks(self.model), unhooked=lm_heads(self.model))
 
     # ------------------------------------------------------------------------------------- layout
     @property

@@ -135,12 +135,14 @@ class LocalAdamW:
         self.skipped_steps = 0
         self.overlapped: StepOverlap | None = None  # set by `overlap`
 
-    def overlap(self, model: nn.Module, blocks: list[nn.Module]) -> None:
+    def overlap(self, model: nn.Module, blocks: list[nn.Module],
+                unhooked: tuple[nn.Module, ...] = ()) -> None:
         """Run each fused step on a side stream, unit by unit, overlapped with the next forward
-        (`StepOverlap`). One GPU only: the caller (Runtime) asks the rule book first."""
+        (`StepOverlap`; `unhooked`: see `hook_units`). One GPU only: the caller (Runtime) asks the rule
+        book first."""
         if not self.fused:
             raise ValueError("overlapping the update needs the fused one-GPU step (plain CUDA parameters)")
-        self.overlapped = StepOverlap(model, blocks, self.optimizer, self.params)
+        self.overlapped = StepOverlap(model, blocks, self.optimizer, self.params, unhooked)
 
     def settle(self) -> None:
         """The current stream waits for the last queued update: call before reading or writing the weights
@@ -213,12 +215,15 @@ def forward_units(model: nn.Module, blocks: list[nn.Module],
 
 
 def hook_units(model: nn.Module, units: list[tuple[nn.Module, list[nn.Parameter]]], before_unit,
-               after_forward) -> list:
+               after_forward, unhooked: tuple[nn.Module, ...] = ()) -> list:
     """Forward pre-hooks: `before_unit(k)` as unit k's module is called; `after_forward()` when the model's
-    forward returns (what is read after it, e.g. the LM head's weight in the fused loss kernel). The
-    hooks sit on the units' own modules, outside any compiled block body. Returns the handles."""
+    forward returns (what is read after it). The hooks sit on the units' own modules, outside any compiled
+    block body. A module in `unhooked` gets none: the LM head, whose fused loss kernel takes only a head
+    without hooks (hooks there mean FSDP2 gathers); its unit is released by a later unit's hook (MTP's,
+    which runs after the head's unit) or by the forward's end, before the loss reads it. Returns the
+    handles."""
     handles = [module.register_forward_pre_hook(lambda _m, _a, k=k: before_unit(k))
-               for k, (module, _) in enumerate(units)]
+               for k, (module, _) in enumerate(units) if not any(module is u for u in unhooked)]
     handles.append(model.register_forward_hook(lambda _m, _a, _o: after_forward()))
     return handles
 
@@ -233,7 +238,8 @@ class StepOverlap:
     Each unit's gradients are freed right after its update is queued, recorded on the side stream, so
     their memory returns to the allocator as that unit's update ends, not when the whole step has."""
 
-    def __init__(self, model: nn.Module, blocks: list[nn.Module], optimizer, params: list[nn.Parameter]):
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], optimizer, params: list[nn.Parameter],
+                 unhooked: tuple[nn.Module, ...] = ()):
         self.optimizer = optimizer
         self.device = params[0].device
         self.units = forward_units(model, blocks, params)
@@ -242,7 +248,7 @@ class StepOverlap:
         optimizer.unit_of = {id(p): k for k, (_, unit) in enumerate(self.units) for p in unit}
         self.ready: list[torch.cuda.Event | None] = []  # per unit, until the forward has waited for it
         self.done: torch.cuda.Event | None = None
-        self.handles = hook_units(model, self.units, self.wait, self.settle)
+        self.handles = hook_units(model, self.units, self.wait, self.settle, unhooked)
 
     def step(self, grad_coef: torch.Tensor | None, found_inf: torch.Tensor) -> None:
         compute = torch.cuda.current_stream(self.device)
