@@ -343,7 +343,7 @@ def case_arch(case: BenchCase) -> ModelArch:
 
 def case_job(case: BenchCase, device: str, one_gpu: bool = False, overrides: Sequence[str] = ()):
     """The job the Runtime runs for the case. `one_gpu`: the one-GPU reference of a multi-rank case;
-    `overrides`: job keys as on the trainers' command line (`mlite bench --set optimizer.overlap_step=false`),
+    `overrides`: job keys as on the trainers' command line (`mlite bench --set model.compile=false`),
     for an A/B of one key on the same case."""
     from mlite.config import apply_overrides, job_from_dict
 

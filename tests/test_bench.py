@@ -268,3 +268,35 @@ def test_tiny_dsv4_hf_side_runs_where_transformers_has_deepseek_v4():
     counts = tables[0].flatten().bincount(minlength=arch.moe.num_experts)
     assert int(counts.max() - counts.min()) <= 1
     step()
+
+
+def test_set_overrides_reach_the_runtimes_job_and_are_recorded(tmp_path):
+    """`mlite bench --set KEY=VALUE`: an A/B of one job key on the same case. The keys reach the job the
+    Runtime builds and the Runtime itself, they are recorded with the result, and a bad key is the
+    config's own one-line error."""
+    from mlite.bench import CASES, case_job, run_case
+    from mlite.errors import MliteError
+
+    case = CASES["tiny-cpu"]
+    assert case_job(case, "cpu").optimizer.clip_grad == 1.0
+    job = case_job(case, "cpu", overrides=["optimizer.clip_grad=0", "optimizer.lr=0.002"])
+    assert (job.optimizer.clip_grad, job.optimizer.lr) == (0.0, 0.002)
+    result, = run_case(case, "cpu", steps=1, warmup=0, sides=("mlite",), overrides=["optimizer.lr=0.002"])
+    assert result.extra["overrides"] == ["optimizer.lr=0.002"]
+    from mlite.bench import case_seq_lens, random_sequences, runtime_step_fn
+
+    sequences = random_sequences(case_seq_lens(case), 256, seed=0)
+    _step, runtime, _last = runtime_step_fn(case, sequences, "cpu", overrides=["optimizer.lr=0.002"])
+    assert runtime.optim.optimizer.param_groups[0]["lr"] == 0.002  # warmup 0, first step: the lr itself
+    with pytest.raises(MliteError, match="optimizer.nope"):
+        case_job(case, "cpu", overrides=["optimizer.nope=1"])
+
+
+def test_set_is_refused_for_multi_gpu_cases_in_one_line():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "mlite", "bench", "tiny-cpu-dp2", "--device", "cpu",
+                          "--set", "optimizer.lr=0.1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--set applies to one-GPU cases" in out.stderr + out.stdout
+    assert "Traceback" not in out.stderr

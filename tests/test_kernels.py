@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from mlite.errors import MliteError
-from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.kernels import (
     available_attention_backends,
     cached_attention,
@@ -20,7 +19,6 @@ from mlite.runtime.kernels import (
     resolve_attention_backend,
     varlen_attention,
 )
-from mlite.runtime.loss import sft_loss
 from mlite.runtime.models.moe import expert_counts, local_dispatch, router_stats
 
 LENS = [5, 11, 1, 7]
@@ -306,50 +304,3 @@ def test_the_runtimes_gpu_step_never_waits_for_the_gpu(name):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert math.isfinite(float(last["loss"])) and math.isfinite(float(last["grad_norm"]))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["tiny-cpu", "tiny-cpu-dp2"], ids=["moe", "dense"])
-def test_gpu_the_overlapped_update_gives_the_plain_steps_numbers(name):
-    """optimizer.overlap_step (auto: on, on one GPU) queues the update on a side stream unit by unit and
-    lets the next forward wait per unit. Four steps each way from the same start: the same losses and
-    grad norms, and the same parameters and Adam moments after them (bitwise for the dense model; the MoE's
-    scatter-adds are not deterministic, so within bf16 rounding there). The overlapped step launches its
-    kernel once per unit (and kind), in the order the forward meets the units."""
-    from mlite import bench
-
-    case = bench.CASES[name]
-    sequences = bench.random_sequences(bench.case_seq_lens(case), bench.case_arch(case).vocab, seed=0)
-    runs = {}
-    for overlap in (False, True):
-        step, rt, last = bench.runtime_step_fn(case, sequences, "cuda", one_gpu=True,
-                                               overrides=[f"optimizer.overlap_step={str(overlap).lower()}"])
-        assert (rt.optim.overlapped is not None) is overlap
-        numbers = []
-        for _ in range(4):
-            step()
-            numbers.append((float(last["loss"]), float(last["grad_norm"])))
-        weights = {k: v.float().cpu() for k, v in rt.snapshot_weights().items()}  # settles first
-        moments = [rt.optim.optimizer.state[p]["exp_avg_sq"].float().cpu() for p in rt.optim.params]
-        runs[overlap] = numbers, weights, moments
-        if overlap:
-            assert all(p.grad is None for p in rt.optim.params)  # each unit's gradients freed by its update
-            assert not rt.model.output._forward_pre_hooks  # the loss keeps its fused LM-head kernel
-            # one more backward: the kernel's launches, cut by unit and queued in the forward's order
-            rt.forward_backward([PackedBatch.from_sequences(sequences)], sft_loss(1.0))
-            launch_units = [launch[1] for launch in rt.optim.optimizer._plan()[1]]
-            assert launch_units == sorted(launch_units)
-            assert set(launch_units) == set(range(len(rt.optim.overlapped.units)))
-            head = 0 if rt.arch.tie_embeddings else 1  # a tied LM head is the embedding's unit
-            # the embedding, the blocks, the final norm (and an untied LM head)
-            assert len(rt.optim.overlapped.units) == 1 + len(rt.model.layers) + 1 + head
-        del step, rt
-    (plain_numbers, plain_w, plain_m), (numbers, w, m) = runs[False], runs[True]
-    exact = name == "tiny-cpu-dp2"
-    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 2e-2, "atol": 1e-5}
-    torch.testing.assert_close(numbers, plain_numbers, **tol)
-    for key in plain_w:
-        torch.testing.assert_close(w[key], plain_w[key], **tol, msg=lambda m, key=key: f"{key}: {m}")
-    for a, b in zip(m, plain_m):
-        torch.testing.assert_close(a, b, **(tol if exact else {"rtol": 5e-2, "atol": 1e-9}))
-

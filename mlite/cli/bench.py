@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default="runs/bench/results.json", help="JSON results file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a job key for mlite's side of one-GPU cases, as for mlite sft (repeatable), "
-                        "e.g. --set optimizer.overlap_step=false")
+                        "e.g. --set model.compile=false")
     p.set_defaults(run=run)
 
 

@@ -126,9 +126,6 @@ class OptimizerConfig(Section):
     clip_grad: float = Field(1.0, ge=0)  # 0 disables clipping
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["cosine", "constant", "linear"] = "cosine"
-    # one GPU: each step's update runs on a side stream, block by block, while the next forward starts
-    # (None: wherever the run is one process on a GPU; true: required, refused elsewhere; false: off)
-    overlap_step: bool | None = None
 
     @field_validator("betas", mode="before")
     @classmethod

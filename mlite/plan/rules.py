@@ -478,7 +478,6 @@ def check_runtime_keys(
     check_precision(job, world_size, device_type)
     check_offload(job, world_size, device_type)
     check_rollout_engine(job, world_size, device_type)
-    check_overlap_step(job, world_size, device_type)
 
 
 def check_job(
@@ -630,24 +629,6 @@ def check_offload(job: JobConfig, world_size: int, device_type: str) -> None:
             "offload.params / offload.grads: FSDP2 moves a unit's parameters, gradients and optimizer "
             "state to the host together; set all three (optimizer_fraction 1.0), or offload.optimizer "
             "alone with a fraction (those layers' parameters and gradients move with their optimizer state)"
-        )
-
-
-def check_overlap_step(job: JobConfig, world_size: int, device_type: str) -> None:
-    """optimizer.overlap_step true: the update on a side stream needs one process on a GPU (sharded
-    layouts update DTensor shards after their own reductions, and the CPU has no streams)."""
-    if job.optimizer.overlap_step is not True:
-        return
-    if job.optimizer.backend == "dist_opt":
-        raise MliteError(
-            "optimizer.overlap_step: true is the fsdp2 backend's one-GPU update; Megatron-Core's "
-            "distributed optimizer steps on its own; remove it or set optimizer.backend: fsdp2"
-        )
-    if device_type != "cuda" or world_size > 1:
-        where = "on the CPU" if device_type != "cuda" else f"with {world_size} ranks"
-        raise MliteError(
-            f"optimizer.overlap_step: true overlaps the update with the next forward on one GPU, and this "
-            f"job runs {where}; remove it (auto) or set it to false"
         )
 
 

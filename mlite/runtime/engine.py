@@ -34,18 +34,11 @@ from mlite.runtime import forward, state
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.layout import COMPUTE_DTYPES, build_parallel_model, hf_config_of, place
 from mlite.runtime.optim import LocalAdamW, LRSchedule
-from mlite.runtime.parallel.parallelize import blocks, grad_norm
+from mlite.runtime.parallel.parallelize import grad_norm
 from mlite.runtime.state import export_checkpoint, seed_everything
 
 log = logging.getLogger(__name__)
 __all__ = ["Runtime", "export_checkpoint"]
-
-
-def lm_heads(model: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
-    """The model's LM head (`output`, in every mlite model), which the overlapped update leaves unhooked so
-    that the loss keeps its fused kernel (mlite.runtime.optim.hook_units)."""
-    head = getattr(model, "output", None)
-    return (head,) if head is not None else ()
 
 
 class Runtime:
@@ -80,10 +73,6 @@ class Runtime:
         self.optim = LocalAdamW(self.model.parameters(), job.optimizer,
                                 grad_norm_fn=grad_norm if self.mesh is not None else None)
         self.schedule = LRSchedule(self.optim.optimizer, job.optimizer, total_steps or job.trainer.steps)
-        # one GPU: the update overlaps the next forward (optimizer.overlap_step; the rule book refused true
-        # where it cannot run). Whatever reads or writes the weights outside a forward settles first.
-        if job.optimizer.overlap_step is not False and self.mesh is None and self.optim.fused:
-            self.optim.overlap(self.model, blocks(self.model), unhooked=lm_heads(self.model))
 
     # ------------------------------------------------------------------------------------- layout
     @property
@@ -166,14 +155,12 @@ class Runtime:
 
     def snapshot_weights(self) -> dict[str, torch.Tensor]:
         """This rank's shards of the current weights (mlite.runtime.state.snapshot_weights)."""
-        self.optim.settle()
         return state.snapshot_weights(self.model)
 
     def forward_with_weights(self, snapshot: dict[str, torch.Tensor], micro_batches: list[PackedBatch],
                              temperature: float = 1.0) -> list[dict[str, Any]]:
         """Forward-only log-probs of the snapshot's weights through this runtime's own path (layout,
         sequence split, vocab-parallel loss, pipeline): the GRPO reference policy on any layout."""
-        self.optim.settle()
         with state.swapped_weights(self.model, snapshot):
             return self.forward_backward(micro_batches, None, forward_only=True, temperature=temperature)
 
@@ -181,24 +168,19 @@ class Runtime:
         """The model the native sampler decodes with (mlite.trainers.grpo.rollout): the model itself on one
         process, else a plain replica of the current weights and buffers gathered once per rollout, from
         every pipeline stage too (mlite.runtime.state.rollout_model)."""
-        self.optim.settle()
         return state.rollout_model(self)
 
     # ------------------------------------------------------------------------------ state & export
     def save_checkpoint(self, path: str | Path, extra_state: dict | None = None) -> Path:
-        self.optim.settle()
         return state.save_checkpoint(self, path, extra_state)
 
     def load_checkpoint(self, path: str | Path, weights_only: bool = False) -> dict:
-        self.optim.settle()
         return state.load_checkpoint(self, path, weights_only)
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        self.optim.settle()
         return state.export_weights(self, dtype)
 
     def weight_shards(self, dtype: torch.dtype | None = None) -> Iterator[Any]:
         """This rank's pieces of the HF tensors (HF name, piece, offsets, full shape) in `dtype`, for rollout
         weight sync: only what it holds, each element sent by one rank of the world (mlite.runtime.state)."""
-        self.optim.settle()
         return state.weight_shards(self, dtype)

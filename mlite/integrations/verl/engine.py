@@ -88,7 +88,6 @@ def move_state(runtime, device: str | torch.device, model: bool = True, optimize
     target = torch.device(device)
     if target.index is None and target.type == runtime.device.type:
         target = runtime.device
-    runtime.optim.settle()  # an update still queued on the side stream finishes before anything moves
     if model:
         for p in runtime.model.parameters():
             p.data = p.data.to(target)
@@ -194,15 +193,11 @@ class MliteEngine(BaseEngine):
     # the separation workers) and the torch optimizer (step-time lr/betas of the split-step worker)
     @property
     def module(self) -> torch.nn.Module:
-        runtime = self._built()
-        runtime.optim.settle()  # what verl reads or restores of it sees the last update
-        return runtime.model
+        return self._built().model
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        runtime = self._built()
-        runtime.optim.settle()
-        return runtime.optim.optimizer
+        return self._built().optim.optimizer
 
     def _built(self):
         if self.runtime is None:  # as verl's engines: no such attribute before initialize()

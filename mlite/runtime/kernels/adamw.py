@@ -163,13 +163,10 @@ class TritonAdamW(torch.optim.AdamW):
         # (a group's parameter and state addresses and sizes, chunk) -> (its launches, tables on the device;
         # the gradient addresses each table holds): see _launches
         self._tables: dict[tuple, tuple[list[tuple], list[tuple]]] = {}
-        # id(parameter) -> its unit (mlite.runtime.optim.StepOverlap): launches are cut by unit and queued
-        # in unit order; every parameter is in unit 0 unless set
-        self.unit_of: dict[int, int] = {}
 
     @torch.no_grad()
     def step(self, closure=None, grad_coef: torch.Tensor | None = None,
-             found_inf: torch.Tensor | None = None, after_unit=None):
+             found_inf: torch.Tensor | None = None):
         """One AdamW step. `grad_coef` (a scalar tensor on the parameters' device, e.g. gradient clipping's
         min(1, max_norm / norm)) scales every gradient first, exactly as torch._foreach_mul_ would (fp32
         product rounded to the gradient's dtype). The kernel applies it as it reads each gradient, which
@@ -178,10 +175,7 @@ class TritonAdamW(torch.optim.AdamW):
 
         `found_inf` (a 0-dim float tensor on the device, 1.0 or 0.0) skips the step where it is 1: no
         parameter, moment or step count changes, as torch's fused step does it for a GradScaler. The host
-        never reads it, so a step's update is queued behind its backward without waiting for it.
-
-        `after_unit(k)` is called once unit k's launches are queued (`unit_of`), in unit order; not at all
-        when torch's step serves the whole step."""
+        never reads it, so a step's update is queued behind its backward without waiting for it."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -203,7 +197,7 @@ class TritonAdamW(torch.optim.AdamW):
             torch._foreach_add_(steps, 1)  # as torch's fused step: the kernel reads the new count
             if found_inf is not None:  # as torch's fused step: a skipped step does not count
                 torch._foreach_sub_(steps, [found_inf.to(steps[0].device, torch.float32)] * len(steps))
-        for i, (group, unit, device, dtype, aligned, table, program_tensor) in enumerate(launches):
+        for group, device, dtype, aligned, table, program_tensor in launches:
             beta1, beta2 = group["betas"]
             hyper = _to_device(torch.tensor([group["lr"], group["weight_decay"], beta1, beta2, group["eps"]],
                                             dtype=torch.float32), device)
@@ -218,8 +212,6 @@ class TritonAdamW(torch.optim.AdamW):
                     INTERPRET=_INTERPRET, num_warps=self.num_warps,
                     enable_fp_fusion=True,  # mul + add -> fma, as nvcc compiles torch's kernel
                 )
-            if after_unit is not None and (i + 1 == len(launches) or launches[i + 1][1] != unit):
-                after_unit(unit)
         return loss
 
     def _plan(self) -> tuple[list[torch.Tensor], list[tuple]] | None:
@@ -261,19 +253,15 @@ class TritonAdamW(torch.optim.AdamW):
                 return None
             all_steps += [t[4] for t in tensors]
             launches += [(group, *launch) for launch in group_launches]
-        launches.sort(key=lambda launch: launch[1])  # by unit (stable: groups in order within one)
         return all_steps, launches
 
     def _launches(self, tensors: list[tuple], rows: list[tuple]) -> list[tuple] | None:
-        """A group's launches, (unit, device, dtype, aligned, pointer table, program -> tensor map), one per
-        unit and kind of tensor; None if the kernel cannot take one of them. Cached by the addresses and
-        sizes of the parameters and their state, which stay put. Gradients are freed by zero_grad and land
-        at new addresses most steps: then only the table's gradient column is rewritten (one small
-        asynchronous copy), not the whole table and program map (whose host work once cost ~4 ms a step on
-        1.7B)."""
-        # all but the gradients' addresses
-        key = (tuple(row[:1] + row[2:] for row in rows), self.chunk, tuple(self.unit_of.get(id(t[0]), 0)
-                                                                          for t in tensors))
+        """A group's launches, (device, dtype, aligned, pointer table, program -> tensor map), one per kind
+        of tensor; None if the kernel cannot take one of them. Cached by the addresses and sizes of the
+        parameters and their state, which stay put. Gradients are freed by zero_grad and land at new
+        addresses most steps: then only the table's gradient column is rewritten (one small asynchronous
+        copy), not the whole table and program map (whose host work once cost ~4 ms a step on 1.7B)."""
+        key = (tuple(row[:1] + row[2:] for row in rows), self.chunk)  # all but the gradients' addresses
         cached = self._tables.get(key)
         if cached is None:
             cached = self._build_launches(tensors, rows)
@@ -283,7 +271,7 @@ class TritonAdamW(torch.optim.AdamW):
                 self._tables.clear()
             self._tables[key] = cached
         launches, grad_rows = cached
-        for (_unit, device, _dtype, aligned, table, _), (indices, known) in zip(launches, grad_rows):
+        for (device, _dtype, aligned, table, _), (indices, known) in zip(launches, grad_rows):
             grads = [rows[i][1] for i in indices]
             if grads != known:
                 if aligned and any(g % 16 for g in grads):
@@ -302,9 +290,9 @@ class TritonAdamW(torch.optim.AdamW):
             aligned = (row[0] | row[1] | row[2] | row[3]) % 16 == 0  # 16-byte vectors need 16-byte addresses
             if not aligned:  # a view off its storage's start: torch's step (the allocator aligns the rest)
                 return None
-            kinds.setdefault((self.unit_of.get(id(p), 0), p.device, p.dtype, aligned), []).append(i)
+            kinds.setdefault((p.device, p.dtype, aligned), []).append(i)
         launches, grad_rows = [], []
-        for (unit, device, dtype, aligned), indices in sorted(kinds.items(), key=lambda kind: kind[0][0]):
+        for (device, dtype, aligned), indices in kinds.items():
             kind_rows = [rows[i] for i in indices]
             counts = [-(-numel // self.chunk) for *_, numel in kind_rows]  # programs per tensor
             if sum(counts) == 0:
@@ -314,7 +302,7 @@ class TritonAdamW(torch.optim.AdamW):
                                  dtype=torch.int64)
             program_tensor = torch.repeat_interleave(torch.arange(len(kind_rows), dtype=torch.int32),
                                                      torch.tensor(counts))
-            launches.append((unit, device, dtype, aligned, _to_device(table, device),
+            launches.append((device, dtype, aligned, _to_device(table, device),
                              _to_device(program_tensor, device)))
             grad_rows.append((indices, [row[1] for row in kind_rows]))
         return launches, grad_rows

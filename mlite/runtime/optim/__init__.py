@@ -9,25 +9,15 @@
 shards (then `grad_norm_fn` is mlite.runtime.parallel.parallelize.grad_norm, summed over every mesh once).
 `OptimizerBackend` is the interface it implements; the Megatron-Core adapter
 (mlite.runtime.parallel.dist_opt) implements it too.
-
-On one GPU the update is pure memory traffic (14 bytes per bf16 parameter), a fixed cost per step that
-the matmuls cannot hide on the same stream. `StepOverlap` queues it on a side stream, unit by unit in the
-order the forward meets them (`forward_units`: each decoder block whole, and each other module holding
-parameters of its own), and the next forward waits for a unit's event only as it reaches that unit's
-module (a forward pre-hook): block 0 computes while blocks 1.. are still being updated.
-
-    optim.overlap(model, blocks(model))   # Runtime, one GPU; optim.settle() before reading the weights
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mlite.config.schema import OptimizerConfig
@@ -133,22 +123,6 @@ class LocalAdamW:
             self.optimizer = torch.optim.AdamW(groups, foreach=True, **options)
         self.grad_norm_fn = grad_norm_fn or _local_grad_norm
         self.skipped_steps = 0
-        self.overlapped: StepOverlap | None = None  # set by `overlap`
-
-    def overlap(self, model: nn.Module, blocks: list[nn.Module],
-                unhooked: tuple[nn.Module, ...] = ()) -> None:
-        """Run each fused step on a side stream, unit by unit, overlapped with the next forward
-        (`StepOverlap`; `unhooked`: see `hook_units`). One GPU only: the caller (Runtime) asks the rule
-        book first."""
-        if not self.fused:
-            raise ValueError("overlapping the update needs the fused one-GPU step (plain CUDA parameters)")
-        self.overlapped = StepOverlap(model, blocks, self.optimizer, self.params, unhooked)
-
-    def settle(self) -> None:
-        """The current stream waits for the last queued update: call before reading or writing the weights
-        or the optimizer state outside a forward (checkpoints, export, weight sync, snapshots)."""
-        if self.overlapped is not None:
-            self.overlapped.settle()
 
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -159,10 +133,7 @@ class LocalAdamW:
         if self.fused:
             # decided on the GPU: TritonAdamW reads the flag (and scales each gradient by the clipping
             # factor as it reads it), so the update is queued behind the backward with no host sync
-            if self.overlapped is not None:
-                self.overlapped.step(coef, skipped.float())
-            else:
-                self.optimizer.step(grad_coef=coef, found_inf=skipped.float())
+            self.optimizer.step(grad_coef=coef, found_inf=skipped.float())
             self.skipped_steps = self.skipped_steps + skipped.long()
             return norm, skipped
         if skipped:  # foreach steps (CPU, DTensor shards) decide on the host
@@ -176,124 +147,6 @@ class LocalAdamW:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-
-
-# ------------------------------------------------------------------------------ overlapped update
-def forward_units(model: nn.Module, blocks: list[nn.Module],
-                  params: list[nn.Parameter]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """The model's parameters (those in `params`) cut into units in the order the forward meets them:
-    (module, its parameters) for each decoder block whole, and for each other module that holds
-    parameters of its own, in definition order (the model files define modules in the order they run).
-    A tied parameter belongs to its first holder (the embedding, before the LM head that shares it)."""
-    wanted = {id(p) for p in params}
-    block_ids = {id(b) for b in blocks}
-    seen: set[int] = set()
-    units: list[tuple[nn.Module, list[nn.Parameter]]] = []
-
-    def take(candidates) -> list[nn.Parameter]:
-        taken = []
-        for p in candidates:
-            if p is not None and id(p) in wanted and id(p) not in seen:
-                seen.add(id(p))
-                taken.append(p)
-        return taken
-
-    def visit(module: nn.Module) -> None:
-        if id(module) in block_ids:  # a block is one unit: its body may be one compiled graph
-            own = take(module.parameters())
-            if own:
-                units.append((module, own))
-            return
-        own = take(module._parameters.values())
-        if own:
-            units.append((module, own))
-        for child in module.children():
-            visit(child)
-
-    visit(model)
-    return units
-
-
-def hook_units(model: nn.Module, units: list[tuple[nn.Module, list[nn.Parameter]]], before_unit,
-               after_forward, unhooked: tuple[nn.Module, ...] = ()) -> list:
-    """Forward pre-hooks: `before_unit(k)` as unit k's module is called; `after_forward()` when the model's
-    forward returns (what is read after it). The hooks sit on the units' own modules, outside any compiled
-    block body. A module in `unhooked` gets none: the LM head, whose fused loss kernel takes only a head
-    without hooks (hooks there mean FSDP2 gathers); its unit is released by a later unit's hook (MTP's,
-    which runs after the head's unit) or by the forward's end, before the loss reads it. Returns the
-    handles."""
-    handles = [module.register_forward_pre_hook(lambda _m, _a, k=k: before_unit(k))
-               for k, (module, _) in enumerate(units) if not any(module is u for u in unhooked)]
-    handles.append(model.register_forward_hook(lambda _m, _a, _o: after_forward()))
-    return handles
-
-
-class StepOverlap:
-    """The fused update queued on a side stream, one unit after another in forward order, each unit's
-    end marked by an event; the next forward's pre-hook for unit k makes the compute stream wait for event
-    k only. The side stream runs in order, so event k also covers units 0..k. The numbers are the same as
-    the plain step's: the same kernel reads the same gradients, norm, clipping factor and skip flag (the
-    side stream first waits for the backward that made them).
-
-    Each unit's gradients are freed right after its update is queued, recorded on the side stream, so
-    their memory returns to the allocator as that unit's update ends, not when the whole step has."""
-
-    def __init__(self, model: nn.Module, blocks: list[nn.Module], optimizer, params: list[nn.Parameter],
-                 unhooked: tuple[nn.Module, ...] = ()):
-        self.optimizer = optimizer
-        self.device = params[0].device
-        self.units = forward_units(model, blocks, params)
-        self.stream = torch.cuda.Stream(self.device)
-        # unit of each parameter: TritonAdamW cuts its launches by it and queues them in unit order
-        optimizer.unit_of = {id(p): k for k, (_, unit) in enumerate(self.units) for p in unit}
-        self.ready: list[torch.cuda.Event | None] = []  # per unit, until the forward has waited for it
-        self.done: torch.cuda.Event | None = None
-        self.handles = hook_units(model, self.units, self.wait, self.settle, unhooked)
-
-    def step(self, grad_coef: torch.Tensor | None, found_inf: torch.Tensor) -> None:
-        compute = torch.cuda.current_stream(self.device)
-        self.settle()  # a step before the last one was waited for (no forward in between)
-        self.stream.wait_stream(compute)  # the gradients, norm and flags of this step's backward
-        ended: dict[int, torch.cuda.Event] = {}
-
-        def after_unit(k: int) -> None:
-            ended[k] = torch.cuda.Event()
-            ended[k].record(self.stream)
-            for p in self.units[k][1]:
-                if p.grad is not None:  # its memory is reused once this unit's update is over
-                    p.grad.record_stream(self.stream)
-                    p.grad = None
-
-        with torch.cuda.stream(self.stream):
-            self.optimizer.step(grad_coef=grad_coef, found_inf=found_inf, after_unit=after_unit)
-            self.done = torch.cuda.Event()
-            self.done.record(self.stream)
-        for t in (grad_coef, found_inf):
-            if t is not None:
-                t.record_stream(self.stream)
-        for _, unit in self.units:  # gradients no unit freed (torch's own step served it)
-            for p in unit:
-                if p.grad is not None:
-                    p.grad.record_stream(self.stream)
-        # torch's step (no unit ended on its own): every unit waits for the whole of it; a unit with no
-        # launch (no gradient) needs no more than the units before it
-        self.ready = [self.done] * len(self.units) if not ended else \
-            list(itertools.accumulate((ended.get(k) for k in range(len(self.units))),
-                                      lambda before, own: own or before))
-
-    def wait(self, k: int) -> None:
-        """Forward pre-hook of unit k: the compute stream waits for its update (and every earlier one)."""
-        if k < len(self.ready) and self.ready[k] is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ready[k])
-            for j in range(k + 1):
-                self.ready[j] = None
-
-    def settle(self) -> None:
-        """The compute stream waits for the whole queued update."""
-        if self.done is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.done)
-            self.done = None
-            self.ready = []
 
 
 def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
