@@ -367,3 +367,51 @@ def test_geometry_from_the_hosts_lengths_equals_the_one_read_from_the_batch():
         assert a.count == b.count == 37 // ratio + 5 // ratio + 130 // ratio
         for name in ("rows", "prev_rows", "has_prev", "positions", "visible", "visible_mask"):
             assert torch.equal(getattr(a, name), getattr(b, name)), (ratio, name)
+
+
+def test_indexer_scores_every_entry_at_once_or_per_query_with_the_same_picks(monkeypatch):
+    """The indexer scores its candidates one of two ways: one matmul against every entry, then each query's
+    candidate columns (a long sequence: its candidates are most entries), or a per-query copy of the
+    candidate keys (many short sequences: each query sees few of the batch's entries). Both give the
+    same scores within fp32 rounding and the same picks; which way a batch takes follows its shape."""
+    from mlite.runtime.models.deepseek_v4 import CSA, Indexer
+
+    model, _, seqs = reference_model(CASES[0])
+    indexer = next(layer.attn.indexer for layer in model.layers.values() if layer.attn.indexer is not None)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(9, indexer.heads, indexer.dim, generator=gen)
+    keys = torch.randn(6, indexer.dim, generator=gen)
+    weights = torch.randn(9, indexer.heads, generator=gen)
+    visible = torch.randint(0, 6, (9, 5), generator=gen)
+    torch.testing.assert_close(indexer.scores(q, keys, weights).gather(1, visible),
+                               indexer.scores(q, keys[visible], weights), atol=1e-6, rtol=1e-6)
+
+    ways = []
+    scores = Indexer.scores
+
+    def spy(self, q, keys, head_weights):
+        ways.append("every" if keys.dim() == 2 else "per-query")
+        return scores(self, q, keys, head_weights)
+
+    monkeypatch.setattr(Indexer, "scores", spy)
+
+    def pick(batch):
+        ways.clear()
+        geo = batch_geometry(batch, model.arch.v4.sliding_window, model.ratios)
+        assert geo.compressed[CSA].count > 0
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(batch.num_tokens, model.arch.hidden, generator=gen)
+        q_residual = torch.randn(batch.num_tokens, model.arch.v4.q_lora_rank, generator=gen)
+        ropes = model.ropes(geo, torch.float32)
+        picked, mask, _ = indexer(x, q_residual, geo, ropes["entries", CSA], ropes["compress"])
+        return picked.masked_fill(~mask, -1), set(ways)
+
+    long_seq = torch.cat(seqs)
+    one, many = packed([long_seq]), packed([long_seq[i:i + 16] for i in range(0, len(long_seq) - 15, 16)])
+    every_picks, every_ways = pick(one)
+    assert every_ways == {"every"}
+    assert pick(many)[1] == {"per-query"}
+    monkeypatch.setattr(Indexer, "every_entry_ratio", 0)  # the per-query way for the same long sequence
+    per_query_picks, per_query_ways = pick(one)
+    assert per_query_ways == {"per-query"}
+    assert torch.equal(every_picks, per_query_picks) and (every_picks >= 0).any()

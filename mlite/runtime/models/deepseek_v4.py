@@ -273,6 +273,8 @@ class Indexer(nn.Module):
     """The lightning indexer of CSA: scores compressed entries for each query,
     sum_h w[t, h] * relu(q[t, h] . k[c]), and keeps the top-k visible ones."""
 
+    every_entry_ratio = 4  # score every entry at once where a query's candidates are >= 1/4 of them
+
     def __init__(self, arch: ModelArch):
         super().__init__()
         v4 = arch.v4
@@ -282,8 +284,13 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(arch.hidden, self.heads, bias=False)
 
     def scores(self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
-        """q [t, heads, dim], keys [t, V, dim] (each query's candidates), head_weights [t, heads] -> [t, V]"""
-        dots = torch.einsum("thd,tvd->thv", q.float(), keys.float()).relu() * self.dim**-0.5
+        """q [t, heads, dim], head_weights [t, heads], keys [t, V, dim] (each query's own candidates) ->
+        [t, V]; or keys [C, dim] (every entry, the same for all queries) -> [t, C]."""
+        if keys.dim() == 2:  # one matmul against every entry: no per-query copy of the keys
+            dots = torch.matmul(q.float(), keys.float().t())
+        else:
+            dots = torch.einsum("thd,tvd->thv", q.float(), keys.float())
+        dots = dots.relu() * self.dim**-0.5
         return (dots * (head_weights.float() * self.heads**-0.5).unsqueeze(-1)).sum(dim=1)
 
     @torch.compiler.disable  # top-k over data-dependent candidate sets, chunked: eager (model.compile)
@@ -295,11 +302,18 @@ class Indexer(nn.Module):
         head_weights = self.weights_proj(x)
         top_k = min(self.top_k, windows.visible.shape[1])
         picked, picked_mask = [], []
-        chunk = max(1, (1 << 24) // (self.heads * windows.visible.shape[1]))
+        # where each query's candidates (the complete windows before it in its sequence) are a good share
+        # of all entries, one matmul against every entry, then the candidates' columns, beats copying the
+        # keys per query; a batch of many short sequences keeps the per-query copy (fewer products)
+        every = windows.visible.shape[1] * self.every_entry_ratio >= keys.shape[0]
+        chunk = max(1, (1 << 24) // (self.heads * (keys.shape[0] if every else windows.visible.shape[1])))
         with torch.no_grad():  # top-k is not differentiable: the indexer trains only through its own loss
             for start in range(0, x.shape[0], chunk):
                 part = slice(start, start + chunk)
-                scores = self.scores(q[part], keys[windows.visible[part]], head_weights[part])
+                if every:
+                    scores = self.scores(q[part], keys, head_weights[part]).gather(1, windows.visible[part])
+                else:
+                    scores = self.scores(q[part], keys[windows.visible[part]], head_weights[part])
                 scores = scores.masked_fill(~windows.visible_mask[part], float("-inf"))
                 # ties (relu makes exact zeros common) go to the earlier entry, whatever the candidate
                 # list's length: a stable sort, not topk, whose choice among ties is the kernel's
