@@ -290,8 +290,10 @@ class Indexer(nn.Module):
             dots = torch.matmul(q.float(), keys.float().t())
         else:
             dots = torch.einsum("thd,tvd->thv", q.float(), keys.float())
-        dots = dots.relu() * self.dim**-0.5
-        return (dots * (head_weights.float() * self.heads**-0.5).unsqueeze(-1)).sum(dim=1)
+        # sum_h w[t, h] * relu(dots[t, h]) as one batched product over the relu'd dots: a single read of
+        # them (they are [t, heads, V] fp32, the largest tensor the indexer makes), both scales in w
+        weights = head_weights.float() * (self.heads**-0.5 * self.dim**-0.5)
+        return torch.bmm(weights.unsqueeze(1), dots.relu_()).squeeze(1)
 
     @torch.compiler.disable  # top-k over data-dependent candidate sets, chunked: eager (model.compile)
     def forward(self, x, q_residual, geo: Geometry, entry_rope, query_rope):
