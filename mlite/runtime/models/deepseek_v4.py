@@ -286,7 +286,11 @@ class Indexer(nn.Module):
     def scores(self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
         """q [t, heads, dim], head_weights [t, heads], keys [t, V, dim] (each query's own candidates) ->
         [t, V]; or keys [C, dim] (every entry, the same for all queries) -> [t, C]."""
-        if keys.dim() == 2:  # one matmul against every entry: no per-query copy of the keys
+        if keys.dim() == 2 and q.is_cuda and q.dtype == keys.dtype == torch.bfloat16:
+            # one matmul against every entry, on the tensor cores with an fp32 result: the products of bf16
+            # values are exact in fp32, so these are the fp32 matmul's numbers up to the order of the sums
+            dots = torch.mm(q.flatten(0, 1), keys.t(), out_dtype=torch.float32).view(*q.shape[:2], -1)
+        elif keys.dim() == 2:  # one matmul against every entry: no per-query copy of the keys
             dots = torch.matmul(q.float(), keys.float().t())
         else:
             dots = torch.einsum("thd,tvd->thv", q.float(), keys.float())
