@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -129,8 +130,11 @@ from mlite.config import load_job
 from mlite.trainers.grpo.trainer import train_grpo
 
 result = train_grpo(load_job(sys.argv[1]), show_progress=False)
-print(f"rank {os.environ['RANK']}: group still up={dist.is_initialized()} "
-      f"summary lines={len(result.summary)} last step={result.last_step}/{result.total_steps}", flush=True)
+# one write per line: under PYTHONUNBUFFERED, print() writes the text and its newline separately, and the
+# two ranks share one pipe
+sys.stdout.write(f"rank {os.environ['RANK']}: group still up={dist.is_initialized()} "
+                 f"summary lines={len(result.summary)} last step={result.last_step}/{result.total_steps}\\n")
+sys.stdout.flush()
 """
 
 
@@ -148,7 +152,8 @@ def test_two_ranks_share_the_sft_loop_epochs_close_and_one_summary(workdir, tmp_
                            "--nproc-per-node", "2", str(script), str(config)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
+    line = r"rank \d: group still up=\w+ summary lines=\d+ last step=\d+/\d+"
+    lines = sorted(re.findall(line, done.stdout))
     assert len(lines) == 2 and all("group still up=False" in line and "last step=5/5" in line
                                    for line in lines)
     assert "summary lines=0" not in lines[0] and "summary lines=0" in lines[1], lines  # rank 0 prints, 1 not
