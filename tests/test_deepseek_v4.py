@@ -335,8 +335,9 @@ def test_cuda_indexer_scores_bf16_on_tensor_cores_equal_the_fp32_matmul():
 
 
 def test_key_set_attention_layouts_agree_with_dense_attention():
-    """The three ways the core lays out a query's key set (all entries masked, per-query gathered entries,
-    chunks of blocks recomputed in backward) equal plain masked softmax attention with a sink column."""
+    """The ways the core lays out a query's key set (all entries masked, alone or in runs of blocks each
+    multiplying only the entries visible to it; per-query gathered entries; chunks of blocks recomputed in
+    backward) equal plain masked softmax attention with a sink column."""
     torch.manual_seed(0)
     t, h, d, w, c = 37, 3, 8, 4, 9
     q, kv, entries = torch.randn(t, h, d), torch.randn(t, d), torch.randn(c, d)
@@ -345,9 +346,14 @@ def test_key_set_attention_layouts_agree_with_dense_attention():
     batch = PackedBatch.from_sequences([list(range(n)) for n in lens])
     geo = batch_geometry(batch, w, [])
     picked = torch.stack([torch.randperm(c)[:5] for _ in range(t)])  # distinct, as top-k picks are
-    picked_mask = torch.rand(t, 5) > 0.3
+    # later queries see more entries, as causal visibility has it
+    picked_mask = (torch.rand(t, 5) > 0.3) & (picked < torch.arange(t)[:, None] // 3 - 1)
     dense_mask = torch.zeros(t, c + 1, dtype=torch.bool).scatter_(
         1, torch.where(picked_mask, picked, c), True)[:, :-1]
+    # per block of w tokens, the entries its queries may see: one past the last set column
+    last_seen = torch.where(dense_mask, torch.arange(1, c + 1), 0).amax(1)
+    limits = tuple(int(last_seen[b: b + w].max()) for b in range(0, t, w))
+    assert limits[0] < limits[-1]  # runs of different widths
     # reference: a dense [T, T + C] key matrix
     pos, seq = batch.position_ids, torch.repeat_interleave(torch.arange(2), torch.tensor(lens))
     window = (seq[:, None] == seq[None]) & (pos[:, None] - pos[None] >= 0) & (pos[:, None] - pos[None] < w)
@@ -358,10 +364,14 @@ def test_key_set_attention_layouts_agree_with_dense_attention():
     logits = torch.cat([logits.masked_fill(~mask[:, None], float("-inf")), sink_column], -1)
     expected = torch.einsum("thk,kd->thd", logits.softmax(-1)[..., :-1], keys)
 
-    for entry_keys, entry_mask, budget in ((None, dense_mask, 1 << 28), (picked, picked_mask, 1 << 28),
-                                           (picked, picked_mask, 2 * w * h * 13), (None, dense_mask, 1)):
+    for entry_keys, entry_mask, budget, entry_limits in (
+            (None, dense_mask, 1 << 28, None), (None, dense_mask, 1 << 28, limits),
+            (None, dense_mask, 1, limits),
+            (picked, picked_mask, 1 << 28, None), (picked, picked_mask, 2 * w * h * 13, None),
+            (None, dense_mask, 1, None)):
         qg = q.clone().requires_grad_()
-        out = key_set_attention(qg, kv, geo.window_mask, entries, entry_keys, entry_mask, sinks, 0.5, budget)
+        out = key_set_attention(qg, kv, geo.window_mask, entries, entry_keys, entry_mask, sinks, 0.5, budget,
+                                entry_limits)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
         out.sum().backward()
         qr = q.clone().requires_grad_()
@@ -386,6 +396,10 @@ def test_geometry_from_the_hosts_lengths_equals_the_one_read_from_the_batch():
         assert a.count == b.count == 37 // ratio + 5 // ratio + 130 // ratio
         for name in ("rows", "prev_rows", "has_prev", "positions", "visible", "visible_mask"):
             assert torch.equal(getattr(a, name), getattr(b, name)), (ratio, name)
+        # each 16-token block's entry limit: one past the last entry any of its queries may see (tight)
+        seen = torch.where(a.visible_mask, a.visible + 1, 0).amax(1)
+        assert a.block_limits == tuple(int(seen[i: i + 16].max()) for i in range(0, seen.numel(), 16))
+        assert b.block_limits is None  # without the host's lengths: every block multiplies every entry
 
 
 def test_indexer_scores_every_entry_at_once_or_per_query_with_the_same_picks(monkeypatch):

@@ -18,6 +18,7 @@ and gathers the compressed entries of every rank).
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from collections.abc import Iterable
@@ -110,6 +111,9 @@ class Windows:
     visible: torch.Tensor  # [T, V] entry index each query may see (its sequence's first V entries)
     visible_mask: torch.Tensor  # [T, V] bool: entry complete before the query (causal)
     count: int  # entries of the whole micro-batch (under context parallel, rows are this rank's only)
+    # per block of `window` tokens, how many leading entries any of its queries may see (from the host's
+    # lengths; None when the host has none, or under context parallel)
+    block_limits: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -173,22 +177,41 @@ def batch_geometry(batch: PackedBatch, sliding_window: int, ratios: Iterable[int
         visible = first[seq_of][:, None] + slots
         # query at position p sees entry w once its window is complete: w < (p + 1) // ratio
         visible_mask = slots < ((batch.position_ids + 1) // ratio)[:, None]
+        limits = None if batch.host_lens is None else block_limits(batch.host_lens, ratio, w, t)
         compressed[ratio] = Windows(ratio, rows, (rows - ratio).clamp(min=0), index_in_seq > 0,
                                     index_in_seq * ratio, visible.clamp(max=max(total - 1, 0)), visible_mask,
-                                    total)
+                                    total, limits)
     return Geometry(w, window_mask, batch.position_ids, compressed)
+
+
+def block_limits(lens: Iterable[int], ratio: int, window: int, tokens: int) -> tuple[int, ...]:
+    """For each block of `window` tokens, the entries complete by its last token: entries run in token
+    order, so the entries any of its queries may see are the first that many."""
+    last = []  # the last token of each entry's window
+    start = 0
+    for n in lens:
+        last.extend(range(start + ratio - 1, start + n - n % ratio, ratio))
+        start += n
+    return tuple(bisect.bisect_right(last, min((b + 1) * window, tokens) - 1)
+                 for b in range(-(-tokens // window)))
 
 
 # ------------------------------------------------------------------------------------ attention core
 def key_set_attention(q, kv, window_mask, entries, entry_keys, entry_mask, sinks, scale: float,
-                      budget: int = 1 << 28) -> torch.Tensor:
+                      budget: int = 1 << 28, entry_limits: tuple[int, ...] | None = None) -> torch.Tensor:
     """Attention of each query over its key set: its sliding window of raw keys, plus compressed entries.
 
     q [T, H, D]; kv [T, D] (one shared K=V head); window_mask [T, 2W] (see `Geometry`); entries [C, D] or
     None; entry_keys [T, K] entries each query may see with entry_mask [T, K], or entry_keys None and
     entry_mask [T, C] over all entries (dense, when C is small); sinks [H]: a learned logit per head in the
     softmax denominator only. Returns [T, H, D]. Memory O(T x H x (2W + K)); above `budget` logits it runs
-    in chunks of blocks, recomputed in backward."""
+    in chunks of blocks, recomputed in backward.
+
+    Dense entries join each block's window keys, so a block's scores and output are one batched matmul
+    each. `entry_limits` (dense only; the host's count of leading entries any query of each W-token block
+    may see, as `Windows.block_limits`) lets a run of blocks multiply only the entries visible to it: on one
+    causal sequence that is half of them on average. Runs are used where the entries are at least the
+    window's 2W keys."""
     t, h, d = q.shape
     w = window_mask.shape[1] // 2
     blocks = -(-t // w)
@@ -204,36 +227,51 @@ def key_set_attention(q, kv, window_mask, entries, entry_keys, entry_mask, sinks
         entry_mask = rows(entry_mask, False)
         entry_keys = None if dense else rows(entry_keys)
 
-    def part(q, kv_blocks, window_mask, entry_keys, entry_mask):
+    def part(q, kv_blocks, window_mask, entry_keys, entry_mask, entries):
         n = q.shape[0] // w
-        keys = torch.cat([kv_blocks[:-1], kv_blocks[1:]], dim=1)  # [n, 2w, D]: blocks b-1 and b
-        scores = torch.bmm(q.reshape(n, w * h, d), keys.transpose(1, 2)).view(n * w, h, 2 * w)
+        keys = [kv_blocks[:-1], kv_blocks[1:]]  # [n, w, D] each: blocks b-1 and b
+        if dense:  # every block multiplies the same entries, after its window keys
+            keys.append(entries.expand(n, -1, -1))
+            window_mask = torch.cat([window_mask, entry_mask], dim=1)
+        keys = torch.cat(keys, dim=1)  # [n, K, D]
+        width = keys.shape[1]
+        scores = torch.bmm(q.reshape(n, w * h, d), keys.transpose(1, 2)).view(n * w, h, width)
         logits = [(scores.float() * scale).masked_fill(~window_mask[:, None, :], float("-inf"))]
-        if entries is not None:
-            picked = entries if dense else entries[entry_keys]  # [C, D] or [t, K, D]
-            scores = torch.einsum("thd,cd->thc" if dense else "thd,tkd->thk", q, picked)
+        if entry_keys is not None:
+            picked = entries[entry_keys]  # [t, K, D]
+            scores = torch.einsum("thd,tkd->thk", q, picked)
             logits.append((scores.float() * scale).masked_fill(~entry_mask[:, None, :], float("-inf")))
         logits.append(sinks.float().view(1, h, 1).expand(n * w, h, 1))
         logits = torch.cat(logits, dim=-1)
         probs = (logits - logits.max(dim=-1, keepdim=True).values).softmax(dim=-1).to(q.dtype)
-        out = torch.bmm(probs[..., : 2 * w].reshape(n, w * h, 2 * w), keys).view(n * w, h, d)
-        if entries is not None:
-            spec = "thc,cd->thd" if dense else "thk,tkd->thd"
-            out = out + torch.einsum(spec, probs[..., 2 * w: -1], picked)
+        out = torch.bmm(probs[..., :width].reshape(n, w * h, width), keys).view(n * w, h, d)
+        if entry_keys is not None:
+            out = out + torch.einsum("thk,tkd->thd", probs[..., width: -1], picked)
         return out
 
-    width = 2 * w + (0 if entries is None else entry_mask.shape[1])
-    per_block = max(1, budget // (w * h * width))
-    if per_block >= blocks:
-        return part(q, kv_blocks, window_mask, entry_keys, entry_mask)[:t]
+    # runs of blocks: (first, end, entries they multiply); with limits, up to 4 runs of growing width, where
+    # the entries are a large share of the keys (measured: with 32 entries beside 256 window keys, four
+    # smaller matmuls cost more than the skipped columns save)
+    entry_count = 0 if entries is None else entry_mask.shape[1]
+    runs = [(0, blocks, entry_count)]
+    if dense and entry_limits is not None and entry_count >= 2 * w:
+        step = -(-blocks // 4)
+        runs = [(b, min(b + step, blocks), entry_limits[min(b + step, blocks) - 1])
+                for b in range(0, blocks, step)]
+    if sum((e - b) * w * h * (2 * w + k) for b, e, k in runs) > budget:  # chunks, each recomputed
+        runs = [(c, min(c + max(1, budget // (w * h * (2 * w + k))), e), k)
+                for b, e, k in runs for c in range(b, e, max(1, budget // (w * h * (2 * w + k))))]
+        chunked = torch.is_grad_enabled()
+    else:
+        chunked = False
     outs = []
-    for b in range(0, blocks, per_block):
-        e = min(b + per_block, blocks)
+    for b, e, k in runs:
         args = (q[b * w: e * w], kv_blocks[b: e + 1], window_mask[b * w: e * w],
                 None if entry_keys is None else entry_keys[b * w: e * w],
-                None if entry_mask is None else entry_mask[b * w: e * w])
-        outs.append(checkpoint(part, *args, use_reentrant=False) if torch.is_grad_enabled() else part(*args))
-    return torch.cat(outs)[:t]
+                None if entry_mask is None else entry_mask[b * w: e * w, : k if dense else None],
+                None if entries is None else entries[:k] if dense else entries)
+        outs.append(checkpoint(part, *args, use_reentrant=False) if chunked else part(*args))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs))[:t]
 
 
 # ------------------------------------------------------------------------ compressors and the indexer
@@ -357,8 +395,8 @@ class Attention(nn.Module):
         self.core = key_set_attention
 
     def set_core(self, core) -> None:
-        """The seam: `core(q, kv, window_mask, entries, entry_keys, entry_mask, sinks, scale)` replaces the
-        key-set attention (recompute, a fused GPU kernel)."""
+        """The seam: `core(q, kv, window_mask, entries, entry_keys, entry_mask, sinks, scale, entry_limits=)`
+        replaces the key-set attention (recompute, a fused GPU kernel)."""
         self.core = core
 
     @property
@@ -392,7 +430,9 @@ class Attention(nn.Module):
                                                        device=x.device).scatter_(
                 1, torch.where(picked_mask, picked, entries.shape[0]), True)[:, :-1]
         scale = self.head_dim**-0.5
-        out = self.core(q, kv, geo.window_mask, entries, entry_keys, entry_mask, self.sinks, scale)
+        limits = windows.block_limits if entry_keys is None and entries is not None else None
+        out = self.core(q, kv, geo.window_mask, entries, entry_keys, entry_mask, self.sinks, scale,
+                        entry_limits=limits)
         if scored is not None and self.indexer_loss_weight > 0:
             indexer_loss = self.indexer_loss_weight * self._indexer_loss(
                 q, entries, picked, picked_mask, scored, geo, batch)

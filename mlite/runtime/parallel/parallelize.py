@@ -334,8 +334,8 @@ def apply_recompute(
             layer.set_runner(runner)
 
 
-def _checkpointed(fn, *args):
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+def _checkpointed(fn, *args, **kwargs):
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
 
 def _compiled(compiled_body, body, *args):
