@@ -317,21 +317,24 @@ def test_cuda_bf16_stays_within_bf16_tolerance_of_fp32():
 
 @pytest.mark.gpu
 def test_cuda_indexer_scores_bf16_on_tensor_cores_equal_the_fp32_matmul():
-    """On a GPU the indexer multiplies bf16 queries and entries on the tensor cores with an fp32 result:
-    the products of bf16 values are exact in fp32, so the scores equal the fp32 matmul of the same values
-    up to the order of the sums."""
+    """On a GPU the indexer multiplies bf16 queries and entries on the tensor cores with an fp32 result, and
+    weights, relus and sums the dots over heads in one compiled reduction: the products of bf16 values are
+    exact in fp32, so the scores equal the CPU's fp32 matmul and batched product of the same values up to
+    the order of the sums, for every entry at once and for per-query candidate keys."""
     from mlite.runtime.models.deepseek_v4 import Indexer
 
     arch = preset_arch("tiny-deepseek-v4")
     indexer = Indexer(arch)
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(300, indexer.heads, indexer.dim, generator=gen).bfloat16().cuda()
-    keys = torch.randn(77, indexer.dim, generator=gen).bfloat16().cuda()
-    weights = torch.randn(300, indexer.heads, generator=gen).bfloat16().cuda()
-    fast = indexer.scores(q, keys, weights)
-    exact = indexer.scores(q.float(), keys.float(), weights)  # the fp32 path
-    assert fast.dtype == exact.dtype == torch.float32
-    torch.testing.assert_close(fast, exact, rtol=1e-5, atol=1e-5)
+    q = torch.randn(300, indexer.heads, indexer.dim, generator=gen).bfloat16()
+    keys = torch.randn(77, indexer.dim, generator=gen).bfloat16()
+    weights = torch.randn(300, indexer.heads, generator=gen).bfloat16()
+    candidates = torch.randint(0, 77, (300, 9), generator=gen)
+    for keys_of in (lambda k: k, lambda k: k[candidates]):  # every entry; each query's own candidates
+        fast = indexer.scores(q.cuda(), keys_of(keys).cuda(), weights.cuda())
+        exact = indexer.scores(q.float(), keys_of(keys).float(), weights)  # the CPU's fp32 path
+        assert fast.dtype == exact.dtype == torch.float32
+        torch.testing.assert_close(fast.cpu(), exact, rtol=1e-5, atol=1e-5)
 
 
 def test_key_set_attention_layouts_agree_with_dense_attention():

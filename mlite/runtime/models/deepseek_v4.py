@@ -19,6 +19,7 @@ and gathers the compressed entries of every rank).
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import re
 from collections.abc import Iterable
@@ -198,7 +199,8 @@ def block_limits(lens: Iterable[int], ratio: int, window: int, tokens: int) -> t
 
 # ------------------------------------------------------------------------------------ attention core
 def key_set_attention(q, kv, window_mask, entries, entry_keys, entry_mask, sinks, scale: float,
-                      budget: int = 1 << 28, entry_limits: tuple[int, ...] | None = None) -> torch.Tensor:
+                      budget: int = 1 << 28, entry_limits: tuple[int, ...] | None = None,
+                      entry_runs: int = 8) -> torch.Tensor:
     """Attention of each query over its key set: its sliding window of raw keys, plus compressed entries.
 
     q [T, H, D]; kv [T, D] (one shared K=V head); window_mask [T, 2W] (see `Geometry`); entries [C, D] or
@@ -249,13 +251,13 @@ def key_set_attention(q, kv, window_mask, entries, entry_keys, entry_mask, sinks
             out = out + torch.einsum("thk,tkd->thd", probs[..., width: -1], picked)
         return out
 
-    # runs of blocks: (first, end, entries they multiply); with limits, up to 4 runs of growing width, where
+    # runs of blocks: (first, end, entries they multiply); with limits, `entry_runs` of growing width, where
     # the entries are a large share of the keys (measured: with 32 entries beside 256 window keys, four
     # smaller matmuls cost more than the skipped columns save)
     entry_count = 0 if entries is None else entry_mask.shape[1]
     runs = [(0, blocks, entry_count)]
     if dense and entry_limits is not None and entry_count >= 2 * w:
-        step = -(-blocks // 4)
+        step = -(-blocks // entry_runs)
         runs = [(b, min(b + step, blocks), entry_limits[min(b + step, blocks) - 1])
                 for b in range(0, blocks, step)]
     if sum((e - b) * w * h * (2 * w + k) for b, e, k in runs) > budget:  # chunks, each recomputed
@@ -307,6 +309,16 @@ class Compressor(nn.Module):
         return apply_rope(self.norm((kv * weights).sum(dim=1)), cos, sin)
 
 
+@functools.cache
+def _compiled_weighted_relu_sum():
+    return torch.compile(lambda dots, weights: (dots.relu() * weights.unsqueeze(-1)).sum(1), dynamic=True)
+
+
+def _weighted_relu_sum(dots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """dots [t, heads, V], weights [t, heads] -> sum_h weights * relu(dots): [t, V], one fused kernel."""
+    return _compiled_weighted_relu_sum()(dots, weights)
+
+
 class Indexer(nn.Module):
     """The lightning indexer of CSA: scores compressed entries for each query,
     sum_h w[t, h] * relu(q[t, h] . k[c]), and keeps the top-k visible ones."""
@@ -332,9 +344,12 @@ class Indexer(nn.Module):
             dots = torch.matmul(q.float(), keys.float().t())
         else:
             dots = torch.einsum("thd,tvd->thv", q.float(), keys.float())
-        # sum_h w[t, h] * relu(dots[t, h]) as one batched product over the relu'd dots: a single read of
-        # them (they are [t, heads, V] fp32, the largest tensor the indexer makes), both scales in w
+        # sum_h w[t, h] * relu(dots[t, h]), both scales in w. The dots are [t, heads, V] fp32, the largest
+        # tensor the indexer makes: on GPUs one compiled reduction reads them once (relu, weight and sum
+        # fused); elsewhere one batched product over the relu'd dots
         weights = head_weights.float() * (self.heads**-0.5 * self.dim**-0.5)
+        if dots.is_cuda:
+            return _weighted_relu_sum(dots, weights)
         return torch.bmm(weights.unsqueeze(1), dots.relu_()).squeeze(1)
 
     @torch.compiler.disable  # top-k over data-dependent candidate sets, chunked: eager (model.compile)
@@ -350,7 +365,7 @@ class Indexer(nn.Module):
         # of all entries, one matmul against every entry, then the candidates' columns, beats copying the
         # keys per query; a batch of many short sequences keeps the per-query copy (fewer products)
         every = windows.visible.shape[1] * self.every_entry_ratio >= keys.shape[0]
-        chunk = max(1, (1 << 24) // (self.heads * (keys.shape[0] if every else windows.visible.shape[1])))
+        chunk = max(1, (1 << 26) // (self.heads * (keys.shape[0] if every else windows.visible.shape[1])))
         with torch.no_grad():  # top-k is not differentiable: the indexer trains only through its own loss
             for start in range(0, x.shape[0], chunk):
                 part = slice(start, start + chunk)
