@@ -352,13 +352,18 @@ class Indexer(nn.Module):
             return _weighted_relu_sum(dots, weights)
         return torch.bmm(weights.unsqueeze(1), dots.relu_()).squeeze(1)
 
-    @torch.compiler.disable  # top-k over data-dependent candidate sets, chunked: eager (model.compile)
     def forward(self, x, q_residual, geo: Geometry, entry_rope, query_rope):
-        """-> (picked [T, k] entry indices, picked_mask [T, k], query/key tensors for the indexer loss)."""
+        """-> (picked [T, k] entry indices, picked_mask [T, k], query/key tensors for the indexer loss).
+        The projections, compressor and rope compile with the block; the top-k search runs eagerly."""
         windows = geo.compressed[CSA]
         keys = geo.gather(self.compressor(x, windows, *entry_rope), CSA)  # [C, dim]
         q = apply_rope(self.q_proj(q_residual).view(x.shape[0], self.heads, self.dim), *query_rope)
         head_weights = self.weights_proj(x)
+        picked, picked_mask = self.pick(q, keys, head_weights, windows)
+        return picked, picked_mask, (q, keys, head_weights)
+
+    @torch.compiler.disable  # top-k over data-dependent candidate sets, chunked: eager (model.compile)
+    def pick(self, q, keys, head_weights, windows: Windows) -> tuple[torch.Tensor, torch.Tensor]:
         top_k = min(self.top_k, windows.visible.shape[1])
         picked, picked_mask = [], []
         # where each query's candidates (the complete windows before it in its sequence) are a good share
@@ -367,7 +372,7 @@ class Indexer(nn.Module):
         every = windows.visible.shape[1] * self.every_entry_ratio >= keys.shape[0]
         chunk = max(1, (1 << 26) // (self.heads * (keys.shape[0] if every else windows.visible.shape[1])))
         with torch.no_grad():  # top-k is not differentiable: the indexer trains only through its own loss
-            for start in range(0, x.shape[0], chunk):
+            for start in range(0, q.shape[0], chunk):
                 part = slice(start, start + chunk)
                 if every:
                     scores = self.scores(q[part], keys, head_weights[part]).gather(1, windows.visible[part])
@@ -379,7 +384,7 @@ class Indexer(nn.Module):
                 best = scores.sort(dim=-1, descending=True, stable=True)
                 picked.append(windows.visible[part].gather(1, best.indices[:, :top_k]))
                 picked_mask.append(best.values[:, :top_k] > float("-inf"))
-        return torch.cat(picked), torch.cat(picked_mask), (q, keys, head_weights)
+        return torch.cat(picked), torch.cat(picked_mask)
 
 
 # ----------------------------------------------------------------------------------------- attention
@@ -434,9 +439,11 @@ class Attention(nn.Module):
         if self.compressor is not None and windows.count > 0:  # some window is complete
             entries = geo.gather(self.compressor(x, windows, *ropes["entries", self.ratio]), self.ratio)
             if self.indexer is not None:
-                # detached, as DeepSeek-V3.2 trains it: the indexer's loss reaches the indexer only
-                picked, picked_mask, scored = self.indexer(
-                    x.detach(), q_residual.detach(), geo, ropes["entries", self.ratio], (cos, sin))
+                # detached, as DeepSeek-V3.2 trains it: the indexer's loss reaches the indexer only; a
+                # frozen indexer builds no autograd graph at all
+                with torch.set_grad_enabled(torch.is_grad_enabled() and self.indexer_loss_weight > 0):
+                    picked, picked_mask, scored = self.indexer(
+                        x.detach(), q_residual.detach(), geo, ropes["entries", self.ratio], (cos, sin))
             else:
                 picked, picked_mask = windows.visible, windows.visible_mask
         entry_keys, entry_mask = picked, picked_mask
