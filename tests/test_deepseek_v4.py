@@ -337,6 +337,30 @@ def test_cuda_indexer_scores_bf16_on_tensor_cores_equal_the_fp32_matmul():
         torch.testing.assert_close(fast.cpu(), exact, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu
+def test_cuda_mhc_product_of_bf16_values_equals_the_fp32_path():
+    """The mHC maps' logits, rms_norm(streams) @ fn^T: on a GPU with bf16 streams and weights the product
+    runs on the tensor cores with an fp32 result and the norm's row scale after it. It equals the CPU's
+    fp32 path on the same values within fp32 rounding, and its gradients within bf16 rounding."""
+    from mlite.runtime.models.deepseek_v4 import normed_product
+
+    gen = torch.Generator().manual_seed(0)
+    streams = torch.randn(300, 4, 256, generator=gen).bfloat16()
+    fn = (torch.randn(24, 4 * 256, generator=gen) * 0.05).bfloat16()
+    grad = torch.randn(300, 24, generator=gen)
+    results = []
+    for device, dtype in (("cuda", torch.bfloat16), ("cpu", torch.float32)):
+        x, w = (t.to(device, dtype).requires_grad_() for t in (streams, fn))
+        out = normed_product(x, w, 1e-6)
+        out.backward(grad.to(device))
+        results.append([out.detach().cpu(), x.grad.float().cpu(), w.grad.float().cpu()])
+    (fast, fast_dx, fast_dw), (exact, exact_dx, exact_dw) = results
+    assert fast.dtype == exact.dtype == torch.float32
+    torch.testing.assert_close(fast, exact, rtol=1e-5, atol=1e-5)
+    for got, want in ((fast_dx, exact_dx), (fast_dw, exact_dw)):
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-2
+
+
 def test_key_set_attention_layouts_agree_with_dense_attention():
     """The ways the core lays out a query's key set (all entries masked, alone or in runs of blocks each
     multiplying only the entries visible to it; per-query gathered entries; chunks of blocks recomputed in

@@ -484,6 +484,35 @@ class Attention(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ mHC
+class _Bf16ProductFp32(torch.autograd.Function):
+    """x [M, K] @ w[N, K]^T of bf16 values on the tensor cores with an fp32 result. The products of bf16
+    values are exact in fp32, so this is the fp32 matmul's arithmetic up to the order of the sums.
+    Backward in fp32, as the fp32 matmul's is."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return (grad @ w.float()).to(x.dtype), (grad.t() @ x.float()).to(w.dtype)
+
+
+def normed_product(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(streams.flatten(1)) @ fn^T in fp32 (the mHC maps' logits). The norm's scale is one number
+    per row, so it applies after the product: no fp32 copy of the streams is made or kept for backward,
+    and on GPUs the product of the bf16 streams and weights runs on the tensor cores."""
+    x = streams.flatten(1)
+    scale = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
+    if x.is_cuda and x.dtype == fn.dtype == torch.bfloat16:
+        product = _Bf16ProductFp32.apply(x, fn)
+    else:
+        product = F.linear(x.float(), fn.float())
+    return product * scale
+
+
 class HyperConnection(nn.Module):
     """mHC before a sub-block: from the n residual copies, a pre map (folds them into the sub-block's
     input), a post map (spreads its output back) and a Sinkhorn-normalised n x n mixing map. All fp32."""
@@ -499,8 +528,7 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor):
         """streams [T, n, hidden] -> (post [T, n], mix [T, n, n], the sub-block's input [T, hidden])."""
         n = self.copies
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        pre, post, mix = F.linear(flat, self.fn.float()).split([n, n, n * n], dim=-1)
+        pre, post, mix = normed_product(streams, self.fn, self.norm_eps).split([n, n, n * n], dim=-1)
         pre_b, post_b, mix_b = self.base.float().split([n, n, n * n])
         scale = self.scale.float()
         pre = torch.sigmoid(pre * scale[0] + pre_b) + self.hc_eps
@@ -535,8 +563,8 @@ class HyperHead(nn.Module):
         self.scale = nn.Parameter(torch.ones(1))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float() + self.base.float())
+        pre = torch.sigmoid(normed_product(streams, self.fn, self.norm_eps) * self.scale.float()
+                            + self.base.float())
         return ((pre + self.hc_eps).unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
