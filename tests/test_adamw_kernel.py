@@ -277,3 +277,31 @@ def test_gpu_clipping_inside_the_step_equals_clipping_first(dtype, aligned):
     assert (opt_ours._plan() is not None) == aligned  # the kernel served the step, or torch's did
     _compare(f"{dtype} clipped inside the step ({'kernel' if aligned else 'torch'})",
              _tensors(opt_ours, ours), _tensors(opt_theirs, theirs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_grad_norm_over_the_steps_tables_equals_the_fp64_norm(dtype):
+    """TritonAdamW.grad_norm sums the squares of every gradient in fp32 over the step's own tables (chunks
+    of big tensors, 0-dim and odd sizes, both groups): the fp64 norm of the same values within fp32
+    rounding. A NaN gradient gives NaN; LocalAdamW's norm on one GPU is this one."""
+    from mlite.config.schema import OptimizerConfig
+    from mlite.runtime.optim import LocalAdamW
+
+    params = _gpu_params(dtype)
+    opt = TritonAdamW(_groups(params), lr=1e-3, betas=BETAS, eps=EPS, fused=True)
+    for step in (0, 3):  # gradients of scale 1, then 1e-3
+        _set_grads(step, params)
+        norm = opt.grad_norm()
+        exact = torch.cat([p.grad.double().flatten() for p in params]).norm()
+        assert norm.dtype == torch.float32 and norm.is_cuda and norm.dim() == 0
+        torch.testing.assert_close(norm.double(), exact, rtol=1e-5, atol=0)
+    params[5].grad[7, 11] = float("nan")
+    assert torch.isnan(opt.grad_norm())
+
+    local = LocalAdamW(_gpu_params(dtype), OptimizerConfig(weight_decay=0.1, clip_grad=1.0))
+    _set_grads(0, local.params)
+    exact = torch.cat([p.grad.double().flatten() for p in local.params]).norm()
+    norm, skipped = local.step()
+    assert not skipped
+    torch.testing.assert_close(norm.double(), exact, rtol=1e-5, atol=0)

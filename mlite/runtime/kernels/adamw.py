@@ -146,6 +146,29 @@ if triton is not None:
                         beta1, beta2, eps, step_size, bc2_sqrt, grad_coef, DECAY, SCALE, MASKED=True,
                         INTERPRET=INTERPRET)
 
+    @triton.jit
+    def _square_sum_kernel(table_ptr, program_tensor_ptr, out_ptr, DTYPE: tl.constexpr,
+                           ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # the sum of squares of one chunk of one gradient, in fp32, over the AdamW launch's own tables
+        pid = tl.program_id(0)
+        row = table_ptr + tl.load(program_tensor_ptr + pid).to(tl.int64) * 8  # 8 int64 columns (_table)
+        g_ptr = tl.load(row + 1).to(tl.pointer_type(DTYPE))
+        if ALIGNED:
+            g_ptr = tl.multiple_of(g_ptr, 16)
+        start = (pid - tl.load(row + 6)) * CHUNK
+        size = tl.minimum(tl.load(row + 5) - start, CHUNK).to(tl.int32)
+        g_ptr = g_ptr + start
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        full = size // BLOCK * BLOCK
+        for off in range(0, full, BLOCK):
+            g = tl.load(g_ptr + off + tl.arange(0, BLOCK)).to(tl.float32)
+            acc += g * g
+        if full < size:
+            offs = full + tl.arange(0, BLOCK)
+            g = tl.load(g_ptr + offs, mask=offs < size, other=0.0).to(tl.float32)
+            acc += g * g
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
     _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -213,6 +236,29 @@ class TritonAdamW(torch.optim.AdamW):
                     enable_fp_fusion=True,  # mul + add -> fma, as nvcc compiles torch's kernel
                 )
         return loss
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor | None:
+        """The L2 norm of every gradient the step would read, as a 0-dim fp32 tensor on the device (no host
+        sync), or None where the kernel does not serve the step. One launch per (group, dtype) over the
+        step's own tables: each program sums the squares of one chunk in fp32, then the chunks' sums add up.
+        torch's foreach norm reads the gradients at a fraction of the bandwidth (4.5 ms against a 2.9 ms
+        floor on 4.8B bf16 gradients) and rounds each tensor's norm to the gradients' dtype; this one keeps
+        fp32 throughout. Non-finite gradients give a non-finite norm, as torch's does."""
+        plan = self._plan()
+        if plan is None:
+            return None
+        sums = []
+        for _group, device, dtype, aligned, table, program_tensor in plan[1]:
+            partial = torch.empty(program_tensor.numel(), dtype=torch.float32, device=device)
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                _square_sum_kernel[(program_tensor.numel(),)](
+                    table, program_tensor, partial, DTYPE=_TL_DTYPES[dtype], ALIGNED=aligned,
+                    CHUNK=self.chunk, BLOCK=self.block, num_warps=self.num_warps)
+            sums.append(partial.sum())
+        if not sums:
+            return None
+        return torch.stack([s.to(sums[0].device) for s in sums]).sum().sqrt()
 
     def _plan(self) -> tuple[list[torch.Tensor], list[tuple]] | None:
         """The step counts to advance and the launches (group, device, dtype, aligned, table, program map)

@@ -94,7 +94,8 @@ class LocalAdamW:
     groups (default: the local norm). Plain CUDA parameters (one GPU) take TritonAdamW, torch's fused AdamW
     with one Triton launch per group for the whole update; DTensor shards, which may span several meshes,
     and CPU runs take foreach. Clipping on one GPU happens inside TritonAdamW's kernel (`grad_coef`), with
-    the numerics of clipping first; elsewhere the gradients are scaled in place before the step."""
+    the numerics of clipping first; elsewhere the gradients are scaled in place before the step. The norm
+    on one GPU is TritonAdamW's own (`grad_norm`: fp32 throughout, over the step's tables)."""
 
     def __init__(
         self,
@@ -126,7 +127,11 @@ class LocalAdamW:
 
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         grads = [p.grad for p in self.params if p.grad is not None]
-        norm = self.grad_norm_fn(grads) if grads else torch.zeros(())
+        norm = None
+        if grads and self.fused and self.grad_norm_fn is _local_grad_norm:
+            norm = self.optimizer.grad_norm()  # one GPU: the step's kernel tables, one fp32 launch per group
+        if norm is None:
+            norm = self.grad_norm_fn(grads) if grads else torch.zeros(())
         coef = clip_coef(norm, self.cfg.clip_grad) if self.cfg.clip_grad > 0 else None
         # an inf/nan gradient would poison the Adam moments for good: such a step's update is dropped
         skipped = ~torch.isfinite(norm)
