@@ -349,16 +349,20 @@ def test_cuda_mhc_product_of_bf16_values_equals_the_fp32_path():
     fn = (torch.randn(24, 4 * 256, generator=gen) * 0.05).bfloat16()
     grad = torch.randn(300, 24, generator=gen)
     results = []
-    for device, dtype in (("cuda", torch.bfloat16), ("cpu", torch.float32)):
+    # eager and compiled on the GPU (compiled, the input's gradient is a fused pass), then the CPU's fp32
+    for device, dtype, fn_ in (("cuda", torch.bfloat16, normed_product),
+                               ("cuda", torch.bfloat16, torch.compile(normed_product)),
+                               ("cpu", torch.float32, normed_product)):
         x, w = (t.to(device, dtype).requires_grad_() for t in (streams, fn))
-        out = normed_product(x, w, 1e-6)
+        out = fn_(x, w, 1e-6)
         out.backward(grad.to(device))
         results.append([out.detach().cpu(), x.grad.float().cpu(), w.grad.float().cpu()])
-    (fast, fast_dx, fast_dw), (exact, exact_dx, exact_dw) = results
-    assert fast.dtype == exact.dtype == torch.float32
-    torch.testing.assert_close(fast, exact, rtol=1e-5, atol=1e-5)
-    for got, want in ((fast_dx, exact_dx), (fast_dw, exact_dw)):
-        assert float((got - want).abs().max() / want.abs().max()) < 1e-2
+    exact, exact_dx, exact_dw = results[-1]
+    for fast, fast_dx, fast_dw in results[:-1]:
+        assert fast.dtype == exact.dtype == torch.float32
+        torch.testing.assert_close(fast, exact, rtol=1e-5, atol=1e-5)
+        for got, want in ((fast_dx, exact_dx), (fast_dw, exact_dw)):
+            assert float((got - want).abs().max() / want.abs().max()) < 1e-2
 
 
 def test_key_set_attention_layouts_agree_with_dense_attention():
