@@ -349,7 +349,7 @@ def test_cuda_mhc_product_of_bf16_values_equals_the_fp32_path():
     fn = (torch.randn(24, 4 * 256, generator=gen) * 0.05).bfloat16()
     grad = torch.randn(300, 24, generator=gen)
     results = []
-    # eager and compiled on the GPU (compiled, the input's gradient is a fused pass), then the CPU's fp32
+    # eager and compiled on the GPU, then the CPU's fp32
     for device, dtype, fn_ in (("cuda", torch.bfloat16, normed_product),
                                ("cuda", torch.bfloat16, torch.compile(normed_product)),
                                ("cpu", torch.float32, normed_product)):
