@@ -64,11 +64,9 @@ def main() -> None:
         limits = block_limits([t], ratio, w, t) if c else None
         reference = run(key_set_attention, cast=torch.float32)
         cores = {"no limits": torch.compile(key_set_attention),
-                 "limits": torch.compile(lambda *a: key_set_attention(*a, entry_limits=limits)),
-                 "limits, 8 runs": torch.compile(
-                     lambda *a: key_set_attention(*a, entry_limits=limits, entry_runs=8))}
+                 "limits": torch.compile(lambda *a: key_set_attention(*a, entry_limits=limits))}
         for name, core in cores.items():
-            if name != "no limits" and limits is None:
+            if name == "limits" and limits is None:
                 continue
             row = {"layer": layer, "core": name}
             try:

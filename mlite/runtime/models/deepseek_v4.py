@@ -46,8 +46,13 @@ from mlite.runtime.models.moe import (
 
 # ---------------------------------------------------------------------------------------------- norms
 # V4 keeps every norm weight in fp32 and scales in fp32: RMSNorm(..., fp32_weight=True) throughout
+def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / rms of each row of x, in fp32: [..., 1]."""
+    return torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
+
+
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return x * rms_scale(x, eps).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------- rotary embeddings
@@ -260,12 +265,13 @@ def key_set_attention(q, kv, window_mask, entries, entry_keys, entry_mask, sinks
         step = -(-blocks // entry_runs)
         runs = [(b, min(b + step, blocks), entry_limits[min(b + step, blocks) - 1])
                 for b in range(0, blocks, step)]
+    chunked = False
     if sum((e - b) * w * h * (2 * w + k) for b, e, k in runs) > budget:  # chunks, each recomputed
-        runs = [(c, min(c + max(1, budget // (w * h * (2 * w + k))), e), k)
-                for b, e, k in runs for c in range(b, e, max(1, budget // (w * h * (2 * w + k))))]
-        chunked = torch.is_grad_enabled()
-    else:
-        chunked = False
+        chunks = []
+        for b, e, k in runs:
+            per_chunk = max(1, budget // (w * h * (2 * w + k)))  # blocks
+            chunks += [(c, min(c + per_chunk, e), k) for c in range(b, e, per_chunk)]
+        runs, chunked = chunks, torch.is_grad_enabled()
     outs = []
     for b, e, k in runs:
         args = (q[b * w: e * w], kv_blocks[b: e + 1], window_mask[b * w: e * w],
@@ -507,12 +513,11 @@ def normed_product(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch
     per row, so it applies after the product: no fp32 copy of the streams is made or kept for backward,
     and on GPUs the product of the bf16 streams and weights runs on the tensor cores."""
     x = streams.flatten(1)
-    scale = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
     if x.is_cuda and x.dtype == fn.dtype == torch.bfloat16:
         product = _Bf16ProductFp32.apply(x, fn)
     else:
         product = F.linear(x.float(), fn.float())
-    return product * scale
+    return product * rms_scale(x, eps)
 
 
 class HyperConnection(nn.Module):
