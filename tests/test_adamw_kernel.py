@@ -305,3 +305,102 @@ def test_gpu_grad_norm_over_the_steps_tables_equals_the_fp64_norm(dtype):
     norm, skipped = local.step()
     assert not skipped
     torch.testing.assert_close(norm.double(), exact, rtol=1e-5, atol=0)
+
+
+# ------------------------------------------------------------------------- the norm during the backward
+def _norm_model(device, dtype):
+    """Three layers and a parameter the last backward does not use: real autograd, real hooks."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    sizes = {"a": (64, 33), "b": (33, 2 * 65536 + 5), "c": (7,), "unused": (5, 5)}
+    return {name: torch.nn.Parameter(torch.randn(s, generator=gen, device=device).to(dtype) * 0.1)
+            for name, s in sizes.items()}
+
+
+def _norm_backward(params, seed, use_unused=False, poison=False):
+    gen = torch.Generator(device=params["a"].device).manual_seed(seed)
+    x = torch.randn(4, 64, generator=gen, device=params["a"].device).to(params["a"].dtype)
+    y = (x @ params["a"]).tanh() @ params["b"]
+    loss = y.float().square().mean() + params["c"].float().sum() * 0.5
+    if use_unused:
+        loss = loss + params["unused"].float().sum()
+    if poison:  # a NaN gradient for `c`
+        loss = loss + (params["c"].float() * float("nan")).sum()
+    loss.backward()
+
+
+def _backward_norm(params, stream=None, flush_elements=None):
+    from mlite.runtime.optim import BackwardGradNorm
+
+    norm = BackwardGradNorm(list(params.values()), kernel.square_sums, stream)
+    if flush_elements is not None:
+        norm.flush_elements = flush_elements
+    return norm
+
+
+def _exact_norm(params):
+    return torch.cat([p.grad.double().flatten() for p in params.values() if p.grad is not None]).norm()
+
+
+@pytest.mark.parametrize("flush_elements", [1, 1 << 26])
+def test_the_norm_summed_during_the_last_backward_equals_the_norm_after_it(flush_elements):
+    """Two micro-batches accumulate; armed before the second, the hooks sum each gradient as autograd
+    lands it (per flush, a launch of chunk sums): the norm of the accumulated gradients, in fp32."""
+    params = _norm_model("cpu", torch.float32)
+    backward_norm = _backward_norm(params, flush_elements=flush_elements)
+    _norm_backward(params, seed=0, use_unused=True)
+    backward_norm.arm()
+    _norm_backward(params, seed=1, use_unused=True)
+    grads = [p.grad for p in params.values()]
+    norm = backward_norm.finish(grads)
+    assert norm is not None and norm.dtype == torch.float32
+    torch.testing.assert_close(norm.double(), _exact_norm(params), rtol=1e-6, atol=0)
+    assert backward_norm.finish(grads) is None  # finish disarms: the next step sums afresh
+
+
+def test_the_norm_during_the_backward_gives_way_where_its_sums_are_incomplete_or_stale():
+    """None (the caller takes the full pass) where the armed backward did not sum exactly the gradients
+    the step reads: a gradient from an earlier backward only, one accumulated twice, or no armed backward."""
+    params = _norm_model("cpu", torch.float32)
+    backward_norm = _backward_norm(params)
+    _norm_backward(params, seed=0, use_unused=True)
+    backward_norm.arm()
+    _norm_backward(params, seed=1)  # `unused` keeps the first backward's gradient, which was never summed
+    assert backward_norm.finish([p.grad for p in params.values()]) is None
+
+    for p in params.values():
+        p.grad = None
+    backward_norm.arm()
+    _norm_backward(params, seed=1)
+    _norm_backward(params, seed=2)  # the same gradients accumulated again after their sums were taken
+    assert backward_norm.finish([p.grad for p in params.values() if p.grad is not None]) is None
+
+    _norm_backward(params, seed=3)  # not armed
+    assert backward_norm.finish([p.grad for p in params.values() if p.grad is not None]) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_local_adamw_sums_the_norm_on_a_side_stream_during_the_last_backward(dtype):
+    """On one GPU LocalAdamW's norm comes from the side stream's sums, taken while the last backward ran:
+    the fp64 norm of the accumulated gradients within fp32 rounding; a NaN gradient skips the step."""
+    from mlite.config.schema import OptimizerConfig
+    from mlite.runtime.optim import LocalAdamW
+
+    params = _norm_model("cuda", dtype)
+    local = LocalAdamW(list(params.values()), OptimizerConfig(weight_decay=0.1, clip_grad=1.0))
+    assert local.backward_norm is not None and local.backward_norm.stream is not None
+    local.backward_norm.flush_elements = 1 << 16  # several launches over the side stream
+    for step in range(2):
+        _norm_backward(params, seed=10 * step, use_unused=True)
+        local.before_last_backward()
+        _norm_backward(params, seed=10 * step + 1, use_unused=True)
+        assert local.backward_norm.cursor > 0, "nothing was summed during the backward"
+        exact = _exact_norm(params)
+        norm, skipped = local.step()
+        assert not skipped and local.backward_norm.cursor == 0
+        torch.testing.assert_close(norm.double(), exact, rtol=1e-5, atol=0)
+        local.zero_grad()
+    local.before_last_backward()
+    _norm_backward(params, seed=5, use_unused=True, poison=True)
+    norm, skipped = local.step()
+    assert torch.isnan(norm) and bool(skipped)
