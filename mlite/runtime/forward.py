@@ -97,8 +97,6 @@ def _one(rt, full, share, loss_fn, forward_only, with_entropy, temperature, aux_
     aux = _aux_share(rt, out.aux_loss) * aux_weight
     loss, metrics = loss_fn(share, logprobs, entropy, aux) if loss_fn else (None, {})
     if not forward_only:
-        if last:
-            rt.optim.before_last_backward()  # the step's gradients are final as this backward writes them
         loss.backward()
     return loss.detach() if loss is not None else None, metrics, logprobs, entropy
 

@@ -343,9 +343,11 @@ class TritonAdamW(torch.optim.AdamW):
             counts = [-(-numel // self.chunk) for *_, numel in kind_rows]  # programs per tensor
             if sum(counts) == 0:
                 continue
-            firsts, program_tensor = _program_map(counts)
+            firsts = [0, *itertools.accumulate(counts)][:-1]
             table = torch.tensor([(*row, first, 0) for row, first in zip(kind_rows, firsts)],
                                  dtype=torch.int64)
+            program_tensor = torch.repeat_interleave(torch.arange(len(kind_rows), dtype=torch.int32),
+                                                     torch.tensor(counts))
             launches.append((device, dtype, aligned, _to_device(table, device),
                              _to_device(program_tensor, device)))
             grad_rows.append((indices, [row[1] for row in kind_rows]))
@@ -374,45 +376,6 @@ def _servable(p, g, m, v, s) -> bool:
         and p.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous()
         and g.shape == p.shape and m.shape == p.shape and v.shape == p.shape
     )
-
-
-def chunk_slots(numel: int, chunk: int = TritonAdamW.chunk) -> int:
-    """How many partial sums `square_sums` writes for a tensor of `numel` elements: one per chunk."""
-    return -(-numel // chunk)
-
-
-def square_sums(grads: list[torch.Tensor], out: torch.Tensor) -> None:
-    """The fp32 sum of squares of each CHUNK-element chunk of each tensor (contiguous, one dtype and
-    device), written in order into `out` (fp32, `sum(chunk_slots(g.numel()))` elements) by one launch of
-    `_square_sum_kernel` on the current stream: the same per-chunk sums `TritonAdamW.grad_norm` adds up,
-    for tensors that arrive a few at a time (mlite.runtime.optim.BackwardGradNorm). CPU tensors, or no
-    Triton: torch's sums (one per tensor, the tensor's other slots zero)."""
-    counts = [chunk_slots(g.numel()) for g in grads]
-    if triton is None or not grads[0].is_cuda:
-        first = 0
-        for g, count in zip(grads, counts):
-            out[first] = g.detach().float().square().sum()
-            out[first + 1: first + count].zero_()
-            first += count
-        return
-    device, dtype = grads[0].device, grads[0].dtype
-    aligned = all(g.data_ptr() % 16 == 0 for g in grads)
-    firsts, program_tensor = _program_map(counts)
-    # the AdamW tables' rows (param, grad, exp_avg, exp_avg_sq, step, numel, first program, pad): the kernel
-    # reads only the gradient, its size and its first program
-    table = torch.tensor([(0, g.data_ptr(), 0, 0, 0, g.numel(), first, 0) for g, first in zip(grads, firsts)],
-                         dtype=torch.int64)
-    with torch.cuda.device(device):
-        _square_sum_kernel[(program_tensor.numel(),)](
-            _to_device(table, device), _to_device(program_tensor, device), out, DTYPE=_TL_DTYPES[dtype],
-            ALIGNED=aligned, CHUNK=TritonAdamW.chunk, BLOCK=TritonAdamW.block,
-            num_warps=TritonAdamW.num_warps)
-
-
-def _program_map(counts: list[int]) -> tuple[list[int], torch.Tensor]:
-    """Each tensor's first program, and the program -> tensor map, for tensors of `counts` programs."""
-    firsts = [0, *itertools.accumulate(counts)][:-1]
-    return firsts, torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts))
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

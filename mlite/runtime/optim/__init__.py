@@ -124,23 +124,11 @@ class LocalAdamW:
             self.optimizer = torch.optim.AdamW(groups, foreach=True, **options)
         self.grad_norm_fn = grad_norm_fn or _local_grad_norm
         self.skipped_steps = 0
-        # one GPU: the norm is summed on a side stream while the backward still runs (BackwardGradNorm)
-        self.backward_norm = None
-        if fused and self.grad_norm_fn is _local_grad_norm:
-            from mlite.runtime.kernels.adamw import square_sums
-
-            self.backward_norm = BackwardGradNorm(self.params, square_sums, torch.cuda.Stream())
-
-    def before_last_backward(self) -> None:
-        """The next backward is the step's last: its gradients are final as they land, so their norm can
-        be summed while the rest of the backward runs."""
-        if self.backward_norm is not None:
-            self.backward_norm.arm()
 
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         grads = [p.grad for p in self.params if p.grad is not None]
-        norm = self.backward_norm.finish(grads) if self.backward_norm is not None else None
-        if norm is None and grads and self.fused and self.grad_norm_fn is _local_grad_norm:
+        norm = None
+        if grads and self.fused and self.grad_norm_fn is _local_grad_norm:
             norm = self.optimizer.grad_norm()  # one GPU: the step's kernel tables, one fp32 launch per group
         if norm is None:
             norm = self.grad_norm_fn(grads) if grads else torch.zeros(())
@@ -163,96 +151,8 @@ class LocalAdamW:
         return norm, skipped
 
     def zero_grad(self) -> None:
-        if self.backward_norm is not None:
-            self.backward_norm.finish([])  # the side stream may still read gradients about to be freed
         self.optimizer.zero_grad(set_to_none=True)
 
-
-class BackwardGradNorm:
-    """The L2 norm of the gradients, summed while the backward runs instead of after it.
-
-    On one GPU the norm is a pass over every gradient (4.8B bf16 gradients: 3-4.5 ms) between the backward
-    and the optimizer step, which must wait for it (clipping). But each gradient is final as soon as
-    autograd accumulates it in the step's last backward. Armed for that backward (`arm`), a post-accumulate
-    hook collects each gradient as it lands; every `flush_elements` elements, `square_sums` sums the
-    squares of the collected ones per chunk, on a side stream that waits only for them, so the pass runs
-    beside the rest of the backward (mostly matmuls). `finish` makes the current stream wait for the side
-    stream and adds up the partial sums: the same chunk sums `TritonAdamW.grad_norm` adds, in fp32.
-
-    `finish` returns None (the caller takes the full pass) unless the armed backward summed every gradient
-    the step reads exactly once: a parameter whose gradient came from an earlier backward only, or one
-    accumulated twice (reentrant checkpointing), leaves the partial sums incomplete or stale."""
-
-    flush_elements = 1 << 26  # ~64M elements a launch: tens of launches for a 4B-parameter model
-
-    def __init__(self, params: list[torch.nn.Parameter],
-                 square_sums: Callable[[list[torch.Tensor], torch.Tensor], None],
-                 stream: torch.cuda.Stream | None = None):
-        from mlite.runtime.kernels.adamw import chunk_slots
-
-        self.square_sums, self.stream, self.chunk_slots = square_sums, stream, chunk_slots
-        self.params = set(params)
-        self.partial: torch.Tensor | None = None  # fp32 chunk sums, reused every step
-        self.armed = False
-        self.seen: set[torch.nn.Parameter] = set()
-        self.pending: list[torch.Tensor] = []
-        self.pending_elements = self.cursor = 0
-        self.valid = True
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._landed)
-
-    def arm(self) -> None:
-        self.finish([])  # drop what an earlier armed backward summed (its gradients may have changed since)
-        if self.partial is None:
-            device = next(iter(self.params)).device
-            slots = sum(self.chunk_slots(p.numel()) for p in self.params)
-            self.partial = torch.zeros(slots, dtype=torch.float32, device=device)
-        self.armed, self.valid = True, True
-
-    def finish(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
-        """The norm of `grads` (the gradients the step reads) if the armed backward summed each of them,
-        else None. Disarms; the current stream waits for the side stream either way."""
-        if not self.armed:
-            return None
-        self._flush()
-        if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)
-        complete = self.valid and len(self.seen) == len(grads) and \
-            {id(p.grad) for p in self.seen} == {id(g) for g in grads}
-        norm = self.partial[: self.cursor].sum().sqrt() if complete and grads else None
-        self.armed, self.seen, self.cursor = False, set(), 0
-        return norm
-
-    def _landed(self, p: torch.nn.Parameter) -> None:
-        if not self.armed:
-            return
-        if p in self.seen or p.grad is None or p not in self.params:
-            self.valid = False
-            return
-        self.seen.add(p)
-        self.pending.append(p.grad)
-        self.pending_elements += p.numel()
-        if self.pending_elements >= self.flush_elements:
-            self._flush()
-
-    def _flush(self) -> None:
-        by_kind: dict[tuple, list[torch.Tensor]] = {}
-        for g in self.pending:
-            by_kind.setdefault((g.dtype, g.is_contiguous()), []).append(g)
-        self.pending, self.pending_elements = [], 0
-        for (_dtype, contiguous), grads in by_kind.items():
-            if not contiguous:
-                self.valid = False
-                continue
-            count = sum(self.chunk_slots(g.numel()) for g in grads)
-            out = self.partial[self.cursor: self.cursor + count]
-            self.cursor += count
-            if self.stream is None:
-                self.square_sums(grads, out)
-                continue
-            self.stream.wait_stream(torch.cuda.current_stream())  # the gradients so far are written
-            with torch.cuda.stream(self.stream):
-                self.square_sums(grads, out)
 
 def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """torch's clip_grads_with_norm_ factor: min(1, max_norm / (norm + 1e-6)), left on the device."""
