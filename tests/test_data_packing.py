@@ -62,6 +62,8 @@ def test_dynamic_batches_respect_budget_cover_each_sample_once_and_balance_ranks
         worst = max(worst, max(tokens) / (sum(tokens) / dp))
     assert sorted(seen) == list(range(96)), "one epoch must use every sample exactly once"
     assert batchers[0].last_imbalance <= worst
+    # every rank knows the step's tokens over all ranks (the SFT step's metric, with no collective)
+    assert {b.last_tokens for b in batchers} == {sum(b.num_tokens for micro, _ in steps[-1] for b in micro)}
     print(f"dp={dp}: worst rank imbalance (max/mean tokens) over 3 steps = {worst:.4f}")
     assert worst < 1.05  # 32 sequences of 8-128 tokens balance to within a few percent
 

@@ -298,3 +298,38 @@ def test_step_outputs_stay_tensors_until_read_and_equal_the_read_values():
     assert all(isinstance(x, torch.Tensor) and x.dim() == 0 for x in (out["loss"], norm, skipped))
     assert isinstance(out["num_tokens"], int) and out["num_tokens"] == 13
     assert not bool(skipped) and math.isfinite(float(norm)) and float(out["loss"]) > 0
+
+
+def _sum_and_stop_worker(rank, world):
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from mlite.trainers.common import StopRequest
+
+    rt = Runtime(job_from_dict({
+        "model": {"name": "tiny-qwen3"}, "precision": {"compute": "fp32"}, "data": {"seq_len": 512},
+        "cluster": {"gpu": "cpu"}, "trainer": {"device": "cpu", "seed": 7},  # dp 2: the world
+    }))
+    assert rt.placement.loss_group is not None
+    total = rt.global_sum(torch.tensor(float(rank + 1)))  # a step's loss: summed on the device, not read
+    assert isinstance(total, torch.Tensor) and total.dim() == 0 and float(total) == 3.0
+    assert rt.global_sum(rank + 1) == 3.0  # a host count comes back as a number
+    with StopRequest() as stop:
+        assert dist.get_backend(stop._group) == "gloo"  # over the host, on NCCL jobs too
+        assert stop.should_stop() is False
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.should_stop() is True
+        assert stop.received == ("SIGUSR1" if rank == 1 else "a signal on another rank")
+    assert stop._group is None
+
+
+def test_ranks_sum_a_loss_on_the_device_and_agree_on_a_stop_over_the_host():
+    """Two data-parallel ranks: a tensor summed over the loss group stays a 0-dim tensor (the SFT step's
+    loss, read by the loop after the next step is queued); a signal on one rank stops both at the same
+    step, through the stop request's own gloo group rather than a device all-reduce read back."""
+    from parallel_harness import launch
+
+    launch(2, _sum_and_stop_worker)

@@ -92,11 +92,17 @@ class Runtime:
         """The rank whose outputs (log-probs, metrics) are the step's: last pipeline stage, tp/cp rank 0."""
         return self.placement.is_output_rank
 
-    def global_sum(self, value: float) -> float:
-        """Sum a count (e.g. target tokens) over the loss group: the normaliser of an exact global mean."""
+    def global_sum(self, value: float | torch.Tensor) -> float | torch.Tensor:
+        """Sum a count (e.g. target tokens) or a step's loss over the loss group. A number comes back as a
+        number (read back from the device); a tensor as a 0-dim fp64 tensor on the device, not read, so
+        the host can queue the next step before this one ends (the loop reads it when it logs)."""
         group = self.placement.loss_group
         if group is None:
             return value
+        if isinstance(value, torch.Tensor):
+            t = value.detach().to(self.device, torch.float64, copy=True)
+            torch.distributed.all_reduce(t, group=group)
+            return t
         t = torch.tensor(float(value), dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(t, group=group)
         return t.item()

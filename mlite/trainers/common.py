@@ -23,32 +23,42 @@ class StopRequest:
     """Turns SIGTERM/SIGUSR1 into a flag the loop reads at the next step boundary (save, then exit cleanly).
 
     A handler only sets the flag: saving inside a signal handler could interrupt a half-done optimizer
-    step. Use as a context manager; the previous handlers come back on exit."""
+    step. Use as a context manager (on every rank at once: entering makes a process group); the previous
+    handlers come back on exit.
+
+    Ranks agree on the flag every step through a gloo group of their own, over the host: on an NCCL job a
+    device all-reduce read back with .item() would make the host wait for the whole step's GPU work, so the
+    next step could not be queued behind it."""
 
     def __init__(self, signals=STOP_SIGNALS):
         self.signals = signals
         self.received: str | None = None
         self._previous = {}
+        self._group = None
 
     def __enter__(self) -> StopRequest:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
 
     def _handle(self, signum, frame) -> None:
         self.received = signal.Signals(signum).name
 
-    def should_stop(self, device: torch.device | str = "cpu") -> bool:
-        """True on every rank when any rank got a signal (ranks must stop at the same step to save together).
-        `device`: where the collective's tensor lives (the runtime's device: NCCL needs CUDA tensors)."""
+    def should_stop(self) -> bool:
+        """True on every rank when any rank got a signal (ranks stop at the same step, to save together)."""
         flag = self.received is not None
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([int(flag)], device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if self._group is not None:
+            t = torch.tensor([int(flag)])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
             flag = bool(t.item())
             if flag and self.received is None:
                 self.received = "a signal on another rank"

@@ -171,7 +171,7 @@ def _run(job, runtime, trainer, console, show_progress) -> RunResult:
             evaluated = {}
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == total:
                 evaluated = evaluate(step)
-            stopped = stop.should_stop(runtime.device)
+            stopped = stop.should_stop()
             save = stopped or step == total or (cfg.save_every and step % cfg.save_every == 0)
             if evaluated or save or not _unread(result):
                 publish(step, result, began, evaluated)

@@ -50,10 +50,12 @@ class SFTTrainer:
         grad_norm, skipped = rt.optimizer_step()
         lr = rt.lr  # the lr this step used
         rt.lr_scheduler_step()
-        tokens = rt.global_sum(sum(o["num_tokens"] for o in outs))
+        # nothing here reads the device: the step's tokens come from the data plan, and the loss is summed
+        # over the ranks on the device, so the loop can queue the next step before this one ends
+        tokens = self.data.step_tokens
         loss = rt.global_sum(sum(o["loss"] for o in outs))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped_steps": rt.skipped_steps,
-                   "tokens": int(tokens), "target_tokens": int(global_targets), "epoch": self.data.epoch}
+                   "tokens": tokens, "target_tokens": int(global_targets), "epoch": self.data.epoch}
         return loop.StepResult(metrics, tokens, ("loss", loss), skipped=skipped)
 
     def evaluate(self) -> dict[str, float]:

@@ -198,6 +198,7 @@ class StepBatcher:
         self.max_tokens, self.micro_batch_size, self.pad_id = max_tokens, micro_batch_size, pad_id
         self.sampler = GlobalBatchSampler(len(samples), global_batch_size, seed, shuffle)
         self.last_imbalance = 1.0  # of the step returned last; for metrics
+        self.last_tokens = 0  # every rank's tokens in the step returned last (the plan knows them all)
 
     def batches_for(self, indices: Sequence[int]) -> tuple[list[PackedBatch], int]:
         """Plan these samples over the ranks; this rank's micro-batches and the global target-token count."""
@@ -205,6 +206,7 @@ class StepBatcher:
         lengths = [len(s) for s in chosen]
         plan = plan_step(lengths, self.dp_size, self.max_tokens, self.micro_batch_size)
         self.last_imbalance = imbalance(lengths, plan)
+        self.last_tokens = sum(lengths)
         micro_batches = [self._pack([chosen[i] for i in micro]) for micro in plan[self.dp_rank]]
         return micro_batches, sum(s.num_targets for s in chosen)
 

@@ -213,6 +213,11 @@ class SFTData:
     def next_step(self) -> tuple[list[PackedBatch], int]:
         return self.train.next_step()
 
+    @property
+    def step_tokens(self) -> int:
+        """The tokens of the step `next_step` returned last, over every data-parallel rank."""
+        return self.train.last_tokens
+
     def validation_steps(self) -> Iterator[tuple[list[PackedBatch], int]]:
         """The whole validation set once, in file order, one global batch at a time (the last may be
         short)."""
