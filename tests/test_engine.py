@@ -333,3 +333,36 @@ def test_ranks_sum_a_loss_on_the_device_and_agree_on_a_stop_over_the_host():
     from parallel_harness import launch
 
     launch(2, _sum_and_stop_worker)
+
+
+def test_fsdp_one_rank_runs_the_sharded_path_on_one_process_with_the_plain_numbers():
+    """parallel.fsdp_one_rank: one process shards with FSDP2 over a one-rank mesh (DTensor parameters, the
+    sharded step and its grad norm over the mesh) and trains as the plain model does, within float
+    rounding; closing the runtime ends the process group it started."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    def run(one_rank: bool):
+        job = job_from_dict({
+            "model": {"name": "tiny-qwen3-moe"}, "precision": {"compute": "fp32"}, "data": {"seq_len": 512},
+            "parallel": {"fsdp_one_rank": one_rank}, "optimizer": {"lr": 1e-3, "clip_grad": 1.0},
+            "trainer": {"device": "cpu", "seed": 7},
+        })
+        rt = Runtime(job)
+        sharded = all(isinstance(p, DTensor) for p in rt.model.parameters())
+        assert dist.is_initialized() == one_rank and (rt.mesh is not None) == one_rank
+        batch = PackedBatch.from_sequences(sequences([30, 17]))
+        numbers = []
+        for _ in range(3):
+            rt.zero_grad()
+            (out,) = rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
+            norm, _ = rt.optimizer_step()
+            numbers.append((float(out["loss"]), float(norm)))
+        rt.close()
+        assert not dist.is_initialized()
+        return sharded, numbers
+
+    plain_sharded, plain = run(False)
+    sharded, numbers = run(True)
+    assert sharded and not plain_sharded
+    torch.testing.assert_close(numbers, plain, rtol=1e-5, atol=0)

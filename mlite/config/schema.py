@@ -97,6 +97,9 @@ class ParallelConfig(Section):
     sequence_parallel: bool | None = None  # None: on exactly when tp > 1
     pp_first_stage_layers: int | None = Field(None, ge=0)
     pp_last_stage_layers: int | None = Field(None, ge=0)
+    # one process: shard with FSDP2 over a mesh of one rank instead of the plain model, so the multi-GPU
+    # path (DTensor parameters, FSDP2's hooks, the sharded step) runs, and offload.* works, on one GPU
+    fsdp_one_rank: bool = False
 
     @model_validator(mode="after")
     def _consistent(self):

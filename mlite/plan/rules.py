@@ -474,6 +474,7 @@ def check_runtime_keys(
     """The refusals no choice of parallel degrees changes (`recommend` asks these once, before its search)."""
     check_model_built(arch)
     check_model_losses(job, arch)
+    check_fsdp_one_rank(job, world_size)
     check_backend_trained(job, device_type, has_megatron)
     check_precision(job, world_size, device_type)
     check_offload(job, world_size, device_type)
@@ -610,6 +611,22 @@ def check_precision(job: JobConfig, world_size: int, device_type: str) -> None:
         )
 
 
+def check_fsdp_one_rank(job: JobConfig, world_size: int) -> None:
+    """parallel.fsdp_one_rank: FSDP2 over a one-rank mesh, for one process only."""
+    if not job.parallel.fsdp_one_rank:
+        return
+    if world_size > 1:
+        raise MliteError(
+            f"parallel.fsdp_one_rank applies to one process, and this job has {world_size} ranks (which "
+            "shard with FSDP2 already); remove parallel.fsdp_one_rank"
+        )
+    if job.optimizer.backend != "fsdp2":
+        raise MliteError(
+            f"parallel.fsdp_one_rank shards with FSDP2, and optimizer.backend is {job.optimizer.backend}; "
+            "use optimizer.backend fsdp2, or remove parallel.fsdp_one_rank"
+        )
+
+
 def check_offload(job: JobConfig, world_size: int, device_type: str) -> None:
     offload = job.offload
     if not (offload.params or offload.grads or offload.optimizer):
@@ -618,10 +635,10 @@ def check_offload(job: JobConfig, world_size: int, device_type: str) -> None:
         raise MliteError(
             "offload.* moves GPU state to host memory, but this run is on the CPU; remove offload"
         )
-    if world_size == 1:
+    if world_size == 1 and not job.parallel.fsdp_one_rank:
         raise MliteError(
-            "offload.* runs through FSDP2's CPUOffloadPolicy, which needs several ranks; start them "
-            "with torchrun, or remove offload"
+            "offload.* runs through FSDP2's CPUOffloadPolicy, which needs FSDP2; start several ranks "
+            "with torchrun, set parallel.fsdp_one_rank: true on one GPU, or remove offload"
         )
     everything = offload.params and offload.grads and offload.optimizer and offload.optimizer_fraction == 1.0
     if (offload.params or offload.grads) and not everything:

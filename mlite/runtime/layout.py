@@ -110,11 +110,16 @@ def place(job: JobConfig, arch: ModelArch) -> Placement:
     device = pick_device(job.trainer.device)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     check_job(job, arch, world, device.type, megatron_installed())
-    owns = not dist.is_initialized() and world > 1
+    sharded = world > 1 or job.parallel.fsdp_one_rank  # one rank: FSDP2 over a mesh of one (rule book)
+    owns = not dist.is_initialized() and sharded
     if owns:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if world > 1:
+            dist.init_process_group(backend)
+        else:  # no launcher's rendezvous to join: a store in this process
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     dims = ParallelDims.from_job(job, world)
-    mesh = dims.build(device.type) if world > 1 else None
+    mesh = dims.build(device.type) if sharded else None
     return Placement(device, dims, mesh, owns)
 
 
