@@ -284,8 +284,10 @@ def test_the_runtime_on_a_gpu_computes_with_the_gpu_attention_backend():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["tiny-cpu", "tiny-cpu-dp2"], ids=["moe", "dense"])
-def test_the_runtimes_gpu_step_never_waits_for_the_gpu(name):
+@pytest.mark.parametrize("name, overrides", [("tiny-cpu", []), ("tiny-cpu-dp2", []),
+                                             ("tiny-cpu", ["parallel.fsdp_one_rank=true"])],
+                         ids=["moe", "dense", "moe-fsdp-one-rank"])
+def test_the_runtimes_gpu_step_never_waits_for_the_gpu(name, overrides):
     """The trainers' step on one GPU (batch copy, compiled forward and backward, loss, grad norm, the
     non-finite check, clipping and the update) runs under CUDA's sync debug mode set to raise: the host
     queues it all and could queue the next step before it ends (the loop reads a step's numbers after the
@@ -294,7 +296,7 @@ def test_the_runtimes_gpu_step_never_waits_for_the_gpu(name):
 
     case = bench.CASES[name]
     sequences = bench.random_sequences(bench.case_seq_lens(case), bench.case_arch(case).vocab, seed=0)
-    step, runtime, last = bench.runtime_step_fn(case, sequences, "cuda", one_gpu=True)
+    step, runtime, last = bench.runtime_step_fn(case, sequences, "cuda", one_gpu=True, overrides=overrides)
     for _ in range(2):  # compile, build the optimizer's state and tables
         step()
     torch.cuda.synchronize()
@@ -304,3 +306,4 @@ def test_the_runtimes_gpu_step_never_waits_for_the_gpu(name):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert math.isfinite(float(last["loss"])) and math.isfinite(float(last["grad_norm"]))
+    runtime.close()  # fsdp_one_rank started a process group of one

@@ -204,6 +204,40 @@ def test_sft_on_two_gpus_in_bf16_matches_one_gpu(assets, tmp_path, overrides):
 
 
 @pytest.mark.gpu
+def test_fsdp_one_rank_on_one_gpu_matches_the_plain_run_and_its_step_runs_the_kernel(assets, tmp_path):
+    """parallel.fsdp_one_rank on one GPU: the multi-GPU path (FSDP2 DTensor shards) trains as the plain
+    model does in bf16, and its update is TritonAdamW's kernel over the local shards (clipping and the
+    non-finite skip inside it), not torch's foreach step."""
+    from torch.distributed.tensor import DTensor
+
+    from mlite.runtime.data.sft import build_sft_data
+    from mlite.runtime.engine import Runtime
+    from mlite.runtime.loss import sft_loss
+
+    if not torch.cuda.is_available():
+        pytest.fail("this test needs a CUDA GPU, none visible")
+    gpu = {"cluster": {"gpu": "h100"}, "precision": {"compute": "bf16"}, "trainer": {"device": "cuda"}}
+    job = job_dict(assets, "dense", tmp_path / "direct", **gpu)
+    job["parallel"] = {"fsdp_one_rank": True}
+    rt = Runtime(job_from_dict(job))
+    micro_batches, targets = build_sft_data(job_from_dict(job)).next_step()
+    rt.forward_backward(micro_batches, sft_loss(targets))
+    assert all(isinstance(p, DTensor) for p in rt.model.parameters()) and rt.optim.fused
+    assert rt.optim.optimizer._plan() is not None, "the kernel does not serve the shards"
+    norm, skipped = rt.optimizer_step()
+    assert not bool(skipped) and float(norm) > 0
+    rt.close()
+
+    one = tmp_path / "one"
+    done = mlite_cli(tmp_path, job_dict(assets, "dense", one, **gpu), 1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sharded = tmp_path / "sharded"
+    done = mlite_cli(tmp_path, job_dict(assets, "dense", sharded, **gpu), 1, "parallel.fsdp_one_rank=true")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_curve(records(sharded), records(one), rtol=2e-2)
+
+
+@pytest.mark.gpu
 def test_bf16_master_weights_on_gpu_keep_parameters_and_adam_state_in_bf16(assets, tmp_path):
     from mlite.runtime.data.sft import build_sft_data
     from mlite.runtime.engine import Runtime

@@ -35,6 +35,7 @@ import itertools
 import os
 
 import torch
+from torch.distributed.tensor import DTensor
 
 try:
     import triton
@@ -205,10 +206,17 @@ class TritonAdamW(torch.optim.AdamW):
                 loss = closure()
         plan = self._plan()
         if plan is None:
+            params = [p for group in self.param_groups for p in group["params"]]
             if grad_coef is not None:
                 from mlite.runtime.optim import scale_grads_
 
-                scale_grads_([p for group in self.param_groups for p in group["params"]], grad_coef)
+                scale_grads_(params, grad_coef)
+            if any(isinstance(p, DTensor) for p in params):
+                # shards of several meshes (dense, experts), which one fused call cannot take: torch's
+                # foreach step, the skip decided on the host
+                if found_inf is None or not bool(found_inf):
+                    self._torch_step(None, foreach=True)
+                return loss
             self.found_inf = found_inf  # torch's fused step skips on it (and takes the step count back)
             try:
                 self._torch_step(None)
@@ -289,6 +297,13 @@ class TritonAdamW(torch.optim.AdamW):
                 if not state:  # lazy state init, as torch's step does it (fused layout: fp32 step on device)
                     self._init_group(group, [], [], [], [], [], [])
                 m, v, s = state["exp_avg"], state["exp_avg_sq"], state["step"]
+                if isinstance(p, DTensor):
+                    # FSDP2's shards: the update is elementwise, so this rank updates its local shards (the
+                    # clipping factor and the skip flag come from the norm over every rank)
+                    if not all(isinstance(t, DTensor) and t.placements == p.placements and
+                               t.device_mesh == p.device_mesh for t in (g, m, v)):
+                        return None
+                    p, g, m, v = p.to_local(), g.to_local(), m.to_local(), v.to_local()
                 if type(p) not in _PLAIN or type(g) is not torch.Tensor or g.layout != torch.strided or \
                         not g.is_contiguous():
                     return None  # DTensor or other subclass, a sparse or strided gradient: torch's step
@@ -353,12 +368,21 @@ class TritonAdamW(torch.optim.AdamW):
             grad_rows.append((indices, [row[1] for row in kind_rows]))
         return launches, grad_rows
 
-    def _torch_step(self, closure):
+    def _torch_step(self, closure, foreach: bool = False):
         # torch.optim.AdamW.step without the profiling/hook wrapper Optimizer may have put on it: ours
-        # already ran the hooks
+        # already ran the hooks. `foreach`: its foreach implementation over the same (fused-layout) state
         step = torch.optim.AdamW.step
         step = step.__wrapped__ if getattr(step, "hooked", False) else step
-        return step(self, closure)
+        if not foreach:
+            return step(self, closure)
+        flags = [(group["fused"], group["foreach"]) for group in self.param_groups]
+        for group in self.param_groups:
+            group["fused"], group["foreach"] = False, True
+        try:
+            return step(self, closure)
+        finally:
+            for group, (fused, foreach_flag) in zip(self.param_groups, flags):
+                group["fused"], group["foreach"] = fused, foreach_flag
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -91,11 +91,12 @@ class LocalAdamW:
     The parameters are the master weights, in precision.master's dtype (fp32, or bf16 on GPUs); bf16
     compute happens under autocast or in FSDP2's parameter cast, so there is no separate master copy to keep
     in sync. `grad_norm_fn` lets a layout that shards or replicates parameters reduce the norm over its
-    groups (default: the local norm). Plain CUDA parameters (one GPU) take TritonAdamW, torch's fused AdamW
-    with one Triton launch per group for the whole update; DTensor shards, which may span several meshes,
-    and CPU runs take foreach. Clipping on one GPU happens inside TritonAdamW's kernel (`grad_coef`), with
-    the numerics of clipping first; elsewhere the gradients are scaled in place before the step. The norm
-    on one GPU is TritonAdamW's own (`grad_norm`: fp32 throughout, over the step's tables)."""
+    groups (default: the local norm). Parameters on GPUs, plain (one GPU) or FSDP2's DTensor shards, take
+    TritonAdamW: torch's fused AdamW with one Triton launch per group for the whole update, each rank over
+    its local shards; CPU runs (and host-offloaded shards) take foreach. On GPUs clipping happens inside the
+    kernel (`grad_coef`), with the numerics of clipping first, and a non-finite norm skips the update there,
+    so the host never waits; elsewhere the gradients are scaled in place before the step. The norm on one
+    GPU is TritonAdamW's own (`grad_norm`: fp32 throughout, over the step's tables)."""
 
     def __init__(
         self,
@@ -112,7 +113,7 @@ class LocalAdamW:
         # fused: on MoE layers the optimizer step moves more bytes than anything else (docs/PERFORMANCE.md).
         # TritonAdamW is torch's fused AdamW (same numerics and state) with a kernel that streams closer to
         # the bandwidth floor (mlite.runtime.kernels.adamw; torch's own step where Triton is missing)
-        fused = bool(self.params) and all(p.is_cuda and not isinstance(p, DTensor) for p in self.params)
+        fused = bool(self.params) and all(p.is_cuda for p in self.params)
         groups = [g for g in groups if g["params"]]
         options = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps}
         self.fused = fused
@@ -141,7 +142,7 @@ class LocalAdamW:
             self.optimizer.step(grad_coef=coef, found_inf=skipped.float())
             self.skipped_steps = self.skipped_steps + skipped.long()
             return norm, skipped
-        if skipped:  # foreach steps (CPU, DTensor shards) decide on the host
+        if skipped:  # foreach steps (CPU, host-offloaded shards) decide on the host
             self.skipped_steps += 1
             self.zero_grad()
             return norm, skipped

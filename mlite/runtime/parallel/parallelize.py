@@ -216,14 +216,20 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     # (NCCL reduces CUDA tensors only)
     kinds = {g.device_mesh.device_type if isinstance(g, DTensor) else g.device.type for g in grads}
     device = torch.device("cuda", torch.cuda.current_device()) if "cuda" in kinds else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    # each tensor's fp32 norm in one foreach launch per (device, dtype, copies), their squares summed in
+    # fp64: a per-tensor fp64 copy of every gradient cost 20 ms a step on 1.7B parameters
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for grad in grads:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         copies = 1
         if isinstance(grad, DTensor):
             for size, placement in zip(grad.device_mesh.shape, grad.placements):
                 copies *= size if placement.is_replicate() else 1
-        total += (local.double().pow(2).sum() / copies).to(device)
+        groups.setdefault((local.device, local.dtype, copies), []).append(local)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for (_device, _dtype, copies), locals_ in groups.items():
+        norms = torch._foreach_norm(locals_, 2, dtype=torch.float32)
+        total += (torch.stack(norms).double().square().sum() / copies).to(device)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
     return total.sqrt().float()
