@@ -342,9 +342,10 @@ def test_fsdp_one_rank_runs_the_sharded_path_on_one_process_with_the_plain_numbe
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    def run(one_rank: bool):
+    def run(one_rank: bool, grad_reduce: str = "fp32"):
         job = job_from_dict({
-            "model": {"name": "tiny-qwen3-moe"}, "precision": {"compute": "fp32"}, "data": {"seq_len": 512},
+            "model": {"name": "tiny-qwen3-moe"}, "precision": {"compute": "fp32", "grad_reduce": grad_reduce},
+            "data": {"seq_len": 512},
             "parallel": {"fsdp_one_rank": one_rank}, "optimizer": {"lr": 1e-3, "clip_grad": 1.0},
             "trainer": {"device": "cpu", "seed": 7},
         })
@@ -366,3 +367,7 @@ def test_fsdp_one_rank_runs_the_sharded_path_on_one_process_with_the_plain_numbe
     sharded, numbers = run(True)
     assert sharded and not plain_sharded
     torch.testing.assert_close(numbers, plain, rtol=1e-5, atol=0)
+    # precision.grad_reduce applies to the one-rank reduction too: bf16 rounds the gradients
+    _, rounded = run(True, "bf16")
+    torch.testing.assert_close(rounded, plain, rtol=2e-2, atol=0)
+    assert rounded[1:] != plain[1:]

@@ -604,10 +604,11 @@ def check_precision(job: JobConfig, world_size: int, device_type: str) -> None:
             "precision.master: bf16 keeps parameters and Adam state in bf16 on GPUs, but this run "
             "computes in fp32 on the CPU; set precision.master: fp32 (or run on GPUs)"
         )
-    if precision.grad_reduce != "fp32" and world_size == 1:
+    if precision.grad_reduce != "fp32" and world_size == 1 and not job.parallel.fsdp_one_rank:
         raise MliteError(
             f"precision.grad_reduce: {precision.grad_reduce} sets the dtype of the gradient reduction "
-            "across ranks, and this run has one process; remove it or start several ranks (torchrun)"
+            "across ranks, and this run has one process; remove it, start several ranks (torchrun), or "
+            "shard one rank with FSDP2 (parallel.fsdp_one_rank: true)"
         )
 
 
