@@ -337,10 +337,12 @@ def test_ranks_sum_a_loss_on_the_device_and_agree_on_a_stop_over_the_host():
 
 def test_fsdp_one_rank_runs_the_sharded_path_on_one_process_with_the_plain_numbers():
     """parallel.fsdp_one_rank: one process shards with FSDP2 over a one-rank mesh (DTensor parameters, the
-    sharded step and its grad norm over the mesh) and trains as the plain model does, within float
-    rounding; closing the runtime ends the process group it started."""
+    sharded step and its grad norm over the mesh, the FSDP2 head gathered for the LM-head kernel) and trains
+    as the plain model does, within float rounding; closing the runtime ends the process group it started."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
+
+    from mlite.runtime.loss import linear_head_weight, release_head
 
     def run(one_rank: bool, grad_reduce: str = "fp32"):
         job = job_from_dict({
@@ -358,7 +360,13 @@ def test_fsdp_one_rank_runs_the_sharded_path_on_one_process_with_the_plain_numbe
             rt.zero_grad()
             (out,) = rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
             norm, _ = rt.optimizer_step()
-            numbers.append((float(out["loss"]), float(norm)))
+            # a pass without backward between updates: the FSDP2 head it gathers must not go stale
+            (after,) = rt.forward_backward([batch], None, forward_only=True)
+            numbers.append((float(out["loss"]), float(norm), float(after["logprobs"].sum())))
+        if one_rank:  # the head went through the LM-head kernel, gathered, and was resharded after
+            assert linear_head_weight(rt.model.compute_logits) is not None
+            release_head(rt.model.compute_logits)
+            assert isinstance(rt.model.output.weight, DTensor)
         rt.close()
         assert not dist.is_initialized()
         return sharded, numbers

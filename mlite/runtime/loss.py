@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -44,17 +45,32 @@ def _chunk_logprobs(hidden, labels, compute_logits, temperature: float, with_ent
 def linear_head_weight(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
     """W when `compute_logits(h)` is exactly `h @ W^T` with W whole on this rank: a bias-free nn.Linear, or a
     model's `compute_logits` over such a head (mlite's models). None for anything else, so the caller keeps
-    the autograd path: a DTensor weight (FSDP2 or tp shards), hooks on the head (FSDP2 gathers there), a
-    bias."""
+    the autograd path: tp shards (a DTensor weight), other hooks on the head, a bias.
+
+    An FSDP2 head is gathered here (`unshard`), since the kernel's path never calls the forward in whose
+    hooks FSDP2 would gather it. With gradients on, FSDP2's end-of-backward callback reduce-scatters the
+    gathered weight's gradient and reshards it (the path it takes for any unit whose forward did not run
+    in the backward); without, call `release_head` once the log-probs are computed."""
     owner = getattr(compute_logits, "__self__", None)
     if isinstance(owner, PLAIN_HEAD_MODELS) and compute_logits.__func__ is type(owner).compute_logits:
         compute_logits = owner.output
     if not isinstance(compute_logits, torch.nn.Linear) or compute_logits.bias is not None:
         return None
-    if compute_logits._forward_hooks or compute_logits._forward_pre_hooks:
+    if isinstance(compute_logits, FSDPModule):
+        compute_logits.unshard()
+    elif compute_logits._forward_hooks or compute_logits._forward_pre_hooks:
         return None
     weight = compute_logits.weight
     return None if isinstance(weight, DTensor) else weight
+
+
+def release_head(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Reshard an FSDP2 head that `linear_head_weight` gathered for a pass without backward: left gathered,
+    it would keep its weights of before the next update."""
+    owner = getattr(compute_logits, "__self__", None)
+    head = owner.output if isinstance(owner, PLAIN_HEAD_MODELS) else compute_logits
+    if isinstance(head, FSDPModule):
+        head.reshard()
 
 
 def _head_logprobs(hidden, labels, weight, temperature: float, chunk_tokens: int) -> torch.Tensor:
@@ -85,7 +101,10 @@ def token_logprobs(
     chunked autograd; both take the log-softmax in fp32 and agree to the compute dtype's rounding."""
     weight = None if with_entropy else linear_head_weight(compute_logits)
     if weight is not None:
-        return _head_logprobs(hidden, labels, weight, temperature, chunk_tokens), None
+        logp = _head_logprobs(hidden, labels, weight, temperature, chunk_tokens)
+        if not (torch.is_grad_enabled() and hidden.requires_grad):
+            release_head(compute_logits)
+        return logp, None
     recompute = torch.is_grad_enabled() and hidden.requires_grad
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
