@@ -363,7 +363,7 @@ def test_fsdp_one_rank_runs_the_sharded_path_on_one_process_with_the_plain_numbe
             # a pass without backward between updates: the FSDP2 head it gathers must not go stale
             (after,) = rt.forward_backward([batch], None, forward_only=True)
             numbers.append((float(out["loss"]), float(norm), float(after["logprobs"].sum())))
-        if one_rank:  # the head went through the LM-head kernel, gathered, and was resharded after
+        if one_rank:  # the (untied) head went through the LM-head kernel, gathered, and was resharded after
             assert linear_head_weight(rt.model.compute_logits) is not None
             release_head(rt.model.compute_logits)
             assert isinstance(rt.model.output.weight, DTensor)

@@ -47,16 +47,21 @@ def linear_head_weight(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -
     model's `compute_logits` over such a head (mlite's models). None for anything else, so the caller keeps
     the autograd path: tp shards (a DTensor weight), other hooks on the head, a bias.
 
-    An FSDP2 head is gathered here (`unshard`), since the kernel's path never calls the forward in whose
-    hooks FSDP2 would gather it. With gradients on, FSDP2's end-of-backward callback reduce-scatters the
-    gathered weight's gradient and reshards it (the path it takes for any unit whose forward did not run
-    in the backward); without, call `release_head` once the log-probs are computed."""
+    An untied FSDP2 head, a unit of its own, is gathered here (`unshard`), since the kernel's path never
+    calls the forward in whose hooks FSDP2 would gather it. With gradients on, FSDP2's end-of-backward
+    callback reduce-scatters the gathered weight's gradient and reshards it (the path it takes for any unit
+    whose forward did not run in the backward); without, call `release_head` once the log-probs are
+    computed. A tied head shares its unit with the embedding, whose own backward hooks reduce it: it keeps
+    the autograd path."""
     owner = getattr(compute_logits, "__self__", None)
     if isinstance(owner, PLAIN_HEAD_MODELS) and compute_logits.__func__ is type(owner).compute_logits:
         compute_logits = owner.output
     if not isinstance(compute_logits, torch.nn.Linear) or compute_logits.bias is not None:
         return None
     if isinstance(compute_logits, FSDPModule):
+        embed = getattr(owner, "embed", None)
+        if embed is None or embed.weight is compute_logits.weight:
+            return None  # tied, or a head handed over without its model: the autograd path
         compute_logits.unshard()
     elif compute_logits._forward_hooks or compute_logits._forward_pre_hooks:
         return None
