@@ -379,3 +379,36 @@ def test_fsdp_one_rank_runs_the_sharded_path_on_one_process_with_the_plain_numbe
     _, rounded = run(True, "bf16")
     torch.testing.assert_close(rounded, plain, rtol=2e-2, atol=0)
     assert rounded[1:] != plain[1:]
+
+
+def test_a_moe_block_is_one_fsdp2_unit_where_its_experts_share_the_layers_ranks():
+    """Without ep, etp or tp the experts and the router live on the layer's ranks, so a MoE block is one
+    FSDP2 unit: the compiled block then has no graph break at FSDP2's hooks (which a unit inside it would
+    add, three per block), and it trains as before."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.distributed.fsdp import FSDPModule
+
+    from mlite.runtime.parallel.parallelize import blocks
+
+    torch._dynamo.reset()
+    counters.clear()
+    rt = Runtime(job_from_dict({
+        "model": {"name": "tiny-qwen3-moe", "compile": True}, "precision": {"compute": "fp32"},
+        "data": {"seq_len": 512}, "parallel": {"fsdp_one_rank": True},
+        "trainer": {"device": "cpu", "seed": 7},
+    }))
+    try:
+        layers = blocks(rt.model)
+        assert all(isinstance(layer, FSDPModule) for layer in layers)
+        assert not any(isinstance(layer.mlp, FSDPModule) or isinstance(layer.mlp.experts, FSDPModule)
+                       for layer in layers)
+        batch = PackedBatch.from_sequences(sequences([30, 17]))
+        (out,) = rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
+        rt.optimizer_step()
+        assert math.isfinite(float(out["loss"]))
+        hooks = [reason for reason in counters["graph_break"] if "marked as skipped" in reason]
+        assert not hooks, hooks
+    finally:
+        rt.close()
+        torch._dynamo.reset()

@@ -146,7 +146,8 @@ def apply_fsdp(
     """FSDP2: sharded parameters (the master copy, so the optimizer state is sharded too), gathered in
     `compute_dtype` for compute, gradients reduced in `reduce_dtype` (precision.grad_reduce). Dense
     parameters shard over dp_cp, experts over edp, a MoE block's router over all the ranks of a stage (each
-    sees different tokens). A tied LM head and its embedding are one unit (one shared matrix).
+    sees different tokens); without ep, etp or tp those are the layer's ranks, and a MoE block is one unit.
+    A tied LM head and its embedding are one unit (one shared matrix).
 
     `offload_fraction`: the share of layers whose sharded parameters, gradients and therefore optimizer
     state (and step) live on the host (FSDP2's CPUOffloadPolicy per layer unit); 1.0 offloads everything."""
@@ -160,10 +161,14 @@ def apply_fsdp(
             module, mesh=mesh[mesh_name], mp_policy=policy, reshard_after_forward=True, **extra
         )
 
+    # experts over edp and the router over dp_cp_tp are units of their own only where those meshes are not
+    # the layer's (ep, etp or tp > 1): FSDP2's hooks on a unit inside a compiled block break its graph
+    # (three breaks per MoE block, measured: docs/PERFORMANCE.md), so otherwise the block is one unit
+    own_units = mesh.dims.ep * mesh.dims.etp * mesh.dims.tp > 1
     groups = []
     for i, layer in enumerate(layers):
         offload = i < offloaded
-        if is_moe(layer):
+        if is_moe(layer) and own_units:
             groups.append(shard(layer.mlp.experts, "edp", offload))
             groups.append(shard(layer.mlp, "dp_cp_tp", offload))  # the router
         groups.append(shard(layer, "dp_cp", offload))
