@@ -388,7 +388,6 @@ def test_a_moe_block_is_one_fsdp2_unit_where_its_experts_share_the_layers_ranks(
     import torch._dynamo
     from torch._dynamo.utils import counters
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
 
     from mlite.runtime.parallel.parallelize import blocks
 
@@ -410,13 +409,6 @@ def test_a_moe_block_is_one_fsdp2_unit_where_its_experts_share_the_layers_ranks(
         assert math.isfinite(float(out["loss"]))
         hooks = [reason for reason in counters["graph_break"] if "marked as skipped" in reason]
         assert not hooks, hooks
-        # between forward and backward every block but the last is resharded; the last, whose backward
-        # comes first, stays gathered (one all-gather less per step)
-        hidden = rt.model(batch).hidden
-        assert [all(isinstance(p, DTensor) for p in layer.parameters()) for layer in layers] == \
-            [True] * (len(layers) - 1) + [False]
-        hidden.float().sum().backward()
-        assert all(isinstance(p, DTensor) for p in rt.model.parameters())
     finally:
         rt.close()
         torch._dynamo.reset()

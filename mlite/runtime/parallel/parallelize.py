@@ -155,10 +155,10 @@ def apply_fsdp(
     layers = blocks(model)
     offloaded = round(offload_fraction * len(layers))
 
-    def shard(module, mesh_name, offload, reshard=True):
+    def shard(module, mesh_name, offload):
         extra = {"offload_policy": CPUOffloadPolicy()} if offload else {}
         return fully_shard(
-            module, mesh=mesh[mesh_name], mp_policy=policy, reshard_after_forward=reshard, **extra
+            module, mesh=mesh[mesh_name], mp_policy=policy, reshard_after_forward=True, **extra
         )
 
     # experts over edp and the router over dp_cp_tp are units of their own only where those meshes are not
@@ -168,13 +168,10 @@ def apply_fsdp(
     groups = []
     for i, layer in enumerate(layers):
         offload = i < offloaded
-        # the last block's backward follows its forward at once (no pipeline): keep it gathered in between
-        # rather than free it and gather it again
-        reshard = i < len(layers) - 1 or mesh.dims.pp > 1
         if is_moe(layer) and own_units:
-            groups.append(shard(layer.mlp.experts, "edp", offload, reshard))
-            groups.append(shard(layer.mlp, "dp_cp_tp", offload, reshard))  # the router
-        groups.append(shard(layer, "dp_cp", offload, reshard))
+            groups.append(shard(layer.mlp.experts, "edp", offload))
+            groups.append(shard(layer.mlp, "dp_cp_tp", offload))  # the router
+        groups.append(shard(layer, "dp_cp", offload))
     everything = offload_fraction >= 1.0
     tied = model.output is not None and model.embed is not None and model.output.weight is model.embed.weight
     if tied:  # one unit over both modules of the shared matrix: gathered for either one's forward
