@@ -305,3 +305,41 @@ def test_gpu_grad_norm_over_the_steps_tables_equals_the_fp64_norm(dtype):
     norm, skipped = local.step()
     assert not skipped
     torch.testing.assert_close(norm.double(), exact, rtol=1e-5, atol=0)
+
+
+@pytest.mark.skipif(kernel._INTERPRET, reason="under TRITON_INTERPRET=1 the kernel serves CPU tensors")
+def test_dtensor_shards_the_kernel_cannot_serve_take_torchs_foreach_step_with_the_clip_and_the_skip():
+    """FSDP2 shards of several meshes (dense and experts) where the kernel does not serve the step (here:
+    no GPU): torch's foreach step over the same fused-layout state, with the clipping factor applied and a
+    non-finite flag skipping the update, decided on the host."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        meshes = [init_device_mesh("cpu", (1,), mesh_dim_names=(name,)) for name in ("dense", "experts")]
+        plain = _params(torch.float32, "cpu", CPU_SIZES)
+        sharded = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), meshes[i % 2],
+                                                        [Shard(0) if p.ndim else Replicate()]))
+                   for i, p in enumerate(plain)]
+        ours = TritonAdamW(_groups(sharded), lr=1e-3, betas=BETAS, eps=EPS, fused=True)
+        theirs = torch.optim.AdamW(_groups(plain), lr=1e-3, betas=BETAS, eps=EPS, foreach=True)
+        coef = torch.tensor(0.5)
+        for step, found_inf in ((0, 0.0), (1, 1.0), (2, 0.0)):
+            _set_grads(step, plain)
+            for s, p in zip(sharded, plain):
+                s.grad = distribute_tensor(p.grad.clone(), s.device_mesh, s.placements)
+            before = [s.to_local().clone() for s in sharded]
+            ours.step(grad_coef=coef, found_inf=torch.tensor(found_inf))
+            if found_inf:
+                assert all(torch.equal(s.to_local(), b) for s, b in zip(sharded, before)), "a skip wrote"
+                continue
+            for p in plain:
+                p.grad.mul_(coef)
+            theirs.step()
+            for s, p in zip(sharded, plain):
+                assert isinstance(s, DTensor)
+                torch.testing.assert_close(s.to_local(), p.detach(), rtol=1e-6, atol=1e-7)
+    finally:
+        dist.destroy_process_group()

@@ -99,13 +99,11 @@ class Runtime:
         group = self.placement.loss_group
         if group is None:
             return value
-        if isinstance(value, torch.Tensor):
-            t = value.detach().to(self.device, torch.float64, copy=True)
-            torch.distributed.all_reduce(t, group=group)
-            return t
-        t = torch.tensor(float(value), dtype=torch.float64, device=self.device)
+        tensor = isinstance(value, torch.Tensor)
+        t = (value.detach().to(self.device, torch.float64, copy=True) if tensor
+             else torch.tensor(float(value), dtype=torch.float64, device=self.device))
         torch.distributed.all_reduce(t, group=group)
-        return t.item()
+        return t if tensor else t.item()
 
     def close(self, clean: bool = True) -> None:
         """End the process group if this runtime started it (a no-op for one process); `clean=False`

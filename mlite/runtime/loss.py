@@ -53,29 +53,34 @@ def linear_head_weight(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -
     whose forward did not run in the backward); without, call `release_head` once the log-probs are
     computed. A tied head shares its unit with the embedding, whose own backward hooks reduce it: it keeps
     the autograd path."""
-    owner = getattr(compute_logits, "__self__", None)
-    if isinstance(owner, PLAIN_HEAD_MODELS) and compute_logits.__func__ is type(owner).compute_logits:
-        compute_logits = owner.output
-    if not isinstance(compute_logits, torch.nn.Linear) or compute_logits.bias is not None:
+    owner, head = _head(compute_logits)
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         return None
-    if isinstance(compute_logits, FSDPModule):
+    if isinstance(head, FSDPModule):
         embed = getattr(owner, "embed", None)
-        if embed is None or embed.weight is compute_logits.weight:
+        if embed is None or embed.weight is head.weight:
             return None  # tied, or a head handed over without its model: the autograd path
-        compute_logits.unshard()
-    elif compute_logits._forward_hooks or compute_logits._forward_pre_hooks:
+        head.unshard()
+    elif head._forward_hooks or head._forward_pre_hooks:
         return None
-    weight = compute_logits.weight
+    weight = head.weight
     return None if isinstance(weight, DTensor) else weight
 
 
 def release_head(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Reshard an FSDP2 head that `linear_head_weight` gathered for a pass without backward: left gathered,
     it would keep its weights of before the next update."""
-    owner = getattr(compute_logits, "__self__", None)
-    head = owner.output if isinstance(owner, PLAIN_HEAD_MODELS) else compute_logits
+    _, head = _head(compute_logits)
     if isinstance(head, FSDPModule):
         head.reshard()
+
+
+def _head(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> tuple[object, Callable]:
+    """(the model that owns `compute_logits` or None, the head module it applies, else compute_logits)."""
+    owner = getattr(compute_logits, "__self__", None)
+    if isinstance(owner, PLAIN_HEAD_MODELS) and compute_logits.__func__ is type(owner).compute_logits:
+        return owner, owner.output
+    return owner, compute_logits
 
 
 def _head_logprobs(hidden, labels, weight, temperature: float, chunk_tokens: int) -> torch.Tensor:
@@ -104,17 +109,17 @@ def token_logprobs(
     Position t's label is the next token, so log-probs line up with the inputs (what verl's losses read).
     Without entropy and with a plain linear head (`linear_head_weight`) this is the LM-head kernel, else
     chunked autograd; both take the log-softmax in fp32 and agree to the compute dtype's rounding."""
+    backward = torch.is_grad_enabled() and hidden.requires_grad
     weight = None if with_entropy else linear_head_weight(compute_logits)
     if weight is not None:
         logp = _head_logprobs(hidden, labels, weight, temperature, chunk_tokens)
-        if not (torch.is_grad_enabled() and hidden.requires_grad):
+        if not backward:
             release_head(compute_logits)
         return logp, None
-    recompute = torch.is_grad_enabled() and hidden.requires_grad
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, y = hidden[start : start + chunk_tokens], labels[start : start + chunk_tokens]
-        if recompute:
+        if backward:  # recomputed in the backward: no chunk's logits are kept
             lp, ent = checkpoint(
                 _chunk_logprobs, h, y, compute_logits, temperature, with_entropy, use_reentrant=False
             )

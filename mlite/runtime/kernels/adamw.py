@@ -117,7 +117,7 @@ if triton is not None:
         beta1, beta2, eps = tl.load(hyper_ptr + 2), tl.load(hyper_ptr + 3), tl.load(hyper_ptr + 4)
         grad_coef = tl.load(grad_coef_ptr) if SCALE else 1.0  # the clipping factor, computed on the device
         pid = tl.program_id(0)
-        row = table_ptr + tl.load(program_tensor_ptr + pid).to(tl.int64) * 8  # 8 int64 columns (_table)
+        row = table_ptr + tl.load(program_tensor_ptr + pid).to(tl.int64) * 8  # rows of _build_launches
         p_ptr = tl.load(row + 0).to(tl.pointer_type(DTYPE))
         g_ptr = tl.load(row + 1).to(tl.pointer_type(DTYPE))
         m_ptr = tl.load(row + 2).to(tl.pointer_type(DTYPE))
@@ -152,7 +152,7 @@ if triton is not None:
                            ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         # the sum of squares of one chunk of one gradient, in fp32, over the AdamW launch's own tables
         pid = tl.program_id(0)
-        row = table_ptr + tl.load(program_tensor_ptr + pid).to(tl.int64) * 8  # 8 int64 columns (_table)
+        row = table_ptr + tl.load(program_tensor_ptr + pid).to(tl.int64) * 8  # rows of _build_launches
         g_ptr = tl.load(row + 1).to(tl.pointer_type(DTYPE))
         if ALIGNED:
             g_ptr = tl.multiple_of(g_ptr, 16)
