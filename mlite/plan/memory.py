@@ -210,7 +210,11 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout,
         put("gradients", sharded * mb + sp.largest_unit * w,
             f"{master} shards + one unsharded layer being reduced",
             (sharded * mb / (sharded * mb + sp.largest_unit * w)) if off.grads else 0.0)
-        put("optimizer state", sharded * 2 * mb, f"Adam m, v {master}, sharded; {frac:.0%} offloaded", frac)
+        if job.precision.optimizer_state == "fp8":  # e4m3 moments and an fp32 scale per 128 of each
+            put("optimizer state", sharded * 2 * (1 + 4 / 128), "Adam m, v e4m3 with block scales", frac)
+        else:
+            put("optimizer state", sharded * 2 * mb, f"Adam m, v {master}, sharded; {frac:.0%} offloaded",
+                frac)
     resident = list(items)
 
     tokens = layout.tokens_per_micro_batch / layout.cp / layout.tp  # SP splits every token-wise activation

@@ -71,7 +71,8 @@ class Runtime:
                                                                       master, weights)
         self._rollout_replica = None  # built on the first rollout_model() of a parallelized model
         self.optim = LocalAdamW(self.model.parameters(), job.optimizer,
-                                grad_norm_fn=grad_norm if self.mesh is not None else None)
+                                grad_norm_fn=grad_norm if self.mesh is not None else None,
+                                state=job.precision.optimizer_state, seed=job.trainer.seed)
         self.schedule = LRSchedule(self.optim.optimizer, job.optimizer, total_steps or job.trainer.steps)
 
     # ------------------------------------------------------------------------------------- layout

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 
 import torch
@@ -110,14 +111,14 @@ if triton is not None:
     def _adamw_kernel(table_ptr, program_tensor_ptr, hyper_ptr, grad_coef_ptr, found_inf_ptr,
                       DTYPE: tl.constexpr, DECAY: tl.constexpr, SCALE: tl.constexpr, SKIP: tl.constexpr,
                       ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                      INTERPRET: tl.constexpr):
+                      INTERPRET: tl.constexpr, ROW: tl.constexpr = 8):
         # the hyper-parameters, cast to fp32 as torch's kernel does, from device memory (no recompilation
         # or argument specialisation when the lr changes)
         lr, weight_decay = tl.load(hyper_ptr + 0), tl.load(hyper_ptr + 1)
         beta1, beta2, eps = tl.load(hyper_ptr + 2), tl.load(hyper_ptr + 3), tl.load(hyper_ptr + 4)
         grad_coef = tl.load(grad_coef_ptr) if SCALE else 1.0  # the clipping factor, computed on the device
         pid = tl.program_id(0)
-        row = table_ptr + tl.load(program_tensor_ptr + pid).to(tl.int64) * 8  # rows of _build_launches
+        row = table_ptr + tl.load(program_tensor_ptr + pid).to(tl.int64) * ROW  # rows of _build_launches
         p_ptr = tl.load(row + 0).to(tl.pointer_type(DTYPE))
         g_ptr = tl.load(row + 1).to(tl.pointer_type(DTYPE))
         m_ptr = tl.load(row + 2).to(tl.pointer_type(DTYPE))
@@ -149,10 +150,11 @@ if triton is not None:
 
     @triton.jit
     def _square_sum_kernel(table_ptr, program_tensor_ptr, out_ptr, DTYPE: tl.constexpr,
-                           ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                           ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                           ROW: tl.constexpr):
         # the sum of squares of one chunk of one gradient, in fp32, over the AdamW launch's own tables
         pid = tl.program_id(0)
-        row = table_ptr + tl.load(program_tensor_ptr + pid).to(tl.int64) * 8  # rows of _build_launches
+        row = table_ptr + tl.load(program_tensor_ptr + pid).to(tl.int64) * ROW  # rows of _build_launches
         g_ptr = tl.load(row + 1).to(tl.pointer_type(DTYPE))
         if ALIGNED:
             g_ptr = tl.multiple_of(g_ptr, 16)
@@ -206,22 +208,7 @@ class TritonAdamW(torch.optim.AdamW):
                 loss = closure()
         plan = self._plan()
         if plan is None:
-            params = [p for group in self.param_groups for p in group["params"]]
-            if grad_coef is not None:
-                from mlite.runtime.optim import scale_grads_
-
-                scale_grads_(params, grad_coef)
-            if any(isinstance(p, DTensor) for p in params):
-                # shards of several meshes (dense, experts), which one fused call cannot take: torch's
-                # foreach step, the skip decided on the host
-                if found_inf is None or not bool(found_inf):
-                    self._torch_step(None, foreach=True)
-                return loss
-            self.found_inf = found_inf  # torch's fused step skips on it (and takes the step count back)
-            try:
-                self._torch_step(None)
-            finally:
-                self.found_inf = None
+            self._fallback_step(grad_coef, found_inf)
             return loss
         steps, launches = plan
         if steps:
@@ -235,15 +222,37 @@ class TritonAdamW(torch.optim.AdamW):
             coef = hyper if grad_coef is None else grad_coef.to(device, torch.float32)
             skip = hyper if found_inf is None else found_inf.to(device, torch.float32)
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                _adamw_kernel[(program_tensor.numel(),)](
-                    table, program_tensor, hyper, coef, skip, DTYPE=_TL_DTYPES[dtype],
-                    DECAY=group["weight_decay"] != 0, SCALE=grad_coef is not None,
-                    SKIP=found_inf is not None, ALIGNED=aligned,
-                    CHUNK=self.chunk, BLOCK=self.block,
-                    INTERPRET=_INTERPRET, num_warps=self.num_warps,
-                    enable_fp_fusion=True,  # mul + add -> fma, as nvcc compiles torch's kernel
-                )
+                self._launch(group, dtype, aligned, table, program_tensor, hyper, coef, skip,
+                             scale=grad_coef is not None, skip_on_inf=found_inf is not None)
         return loss
+
+    def _launch(self, group, dtype, aligned, table, program_tensor, hyper, coef, skip, scale: bool,
+                skip_on_inf: bool) -> None:
+        _adamw_kernel[(program_tensor.numel(),)](
+            table, program_tensor, hyper, coef, skip, DTYPE=_TL_DTYPES[dtype],
+            DECAY=group["weight_decay"] != 0, SCALE=scale, SKIP=skip_on_inf, ALIGNED=aligned,
+            CHUNK=self.chunk, BLOCK=self.block, INTERPRET=_INTERPRET, num_warps=self.num_warps,
+            enable_fp_fusion=True,  # mul + add -> fma, as nvcc compiles torch's kernel
+        )
+
+    def _fallback_step(self, grad_coef: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        """The step where the kernel does not serve it: torch's own."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        if grad_coef is not None:
+            from mlite.runtime.optim import scale_grads_
+
+            scale_grads_(params, grad_coef)
+        if any(isinstance(p, DTensor) for p in params):
+            # shards of several meshes (dense, experts), which one fused call cannot take: torch's
+            # foreach step, the skip decided on the host
+            if found_inf is None or not bool(found_inf):
+                self._torch_step(None, foreach=True)
+            return
+        self.found_inf = found_inf  # torch's fused step skips on it (and takes the step count back)
+        try:
+            self._torch_step(None)
+        finally:
+            self.found_inf = None
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor | None:
@@ -262,7 +271,7 @@ class TritonAdamW(torch.optim.AdamW):
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 _square_sum_kernel[(program_tensor.numel(),)](
                     table, program_tensor, partial, DTYPE=_TL_DTYPES[dtype], ALIGNED=aligned,
-                    CHUNK=self.chunk, BLOCK=self.block, num_warps=self.num_warps)
+                    CHUNK=self.chunk, BLOCK=self.block, ROW=table.shape[1], num_warps=self.num_warps)
             sums.append(partial.sum())
         if not sums:
             return None
@@ -294,9 +303,10 @@ class TritonAdamW(torch.optim.AdamW):
                 if g is None:
                     continue
                 state = self.state[p]
-                if not state:  # lazy state init, as torch's step does it (fused layout: fp32 step on device)
-                    self._init_group(group, [], [], [], [], [], [])
+                if not state:  # lazy state init, as torch's step does it
+                    self._init_state(group)
                 m, v, s = state["exp_avg"], state["exp_avg_sq"], state["step"]
+                extra = self._extra_state(state)
                 if isinstance(p, DTensor):
                     # FSDP2's shards: the update is elementwise, so this rank updates its local shards (the
                     # clipping factor and the skip flag come from the norm over every rank)
@@ -307,8 +317,9 @@ class TritonAdamW(torch.optim.AdamW):
                 if type(p) not in _PLAIN or type(g) is not torch.Tensor or g.layout != torch.strided or \
                         not g.is_contiguous():
                     return None  # DTensor or other subclass, a sparse or strided gradient: torch's step
-                tensors.append((p, g, m, v, s))
-                rows.append((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), s.data_ptr(), p.numel()))
+                tensors.append((p, g, m, v, s, *extra))
+                rows.append((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), s.data_ptr(), p.numel(),
+                             *(t.data_ptr() for t in extra)))
             group_launches = self._launches(tensors, rows)
             if group_launches is None:
                 return None
@@ -344,7 +355,7 @@ class TritonAdamW(torch.optim.AdamW):
 
     def _build_launches(self, tensors: list[tuple], rows: list[tuple]) -> tuple[list, list] | None:
         """(launches, per launch: its rows' indices and the gradient addresses its table holds)."""
-        if not all(_servable(*t) for t in tensors):
+        if not all(self._servable(*t) for t in tensors):
             return None
         kinds: dict[tuple, list[int]] = {}
         for i, ((p, *_), row) in enumerate(zip(tensors, rows)):
@@ -359,7 +370,8 @@ class TritonAdamW(torch.optim.AdamW):
             if sum(counts) == 0:
                 continue
             firsts = [0, *itertools.accumulate(counts)][:-1]
-            table = torch.tensor([(*row, first, 0) for row, first in zip(kind_rows, firsts)],
+            # a row: param, grad, exp_avg, exp_avg_sq, step, numel, first program, any extra state, 0
+            table = torch.tensor([(*row[:6], first, *row[6:], 0) for row, first in zip(kind_rows, firsts)],
                                  dtype=torch.int64)
             program_tensor = torch.repeat_interleave(torch.arange(len(kind_rows), dtype=torch.int32),
                                                      torch.tensor(counts))
@@ -367,6 +379,19 @@ class TritonAdamW(torch.optim.AdamW):
                              _to_device(program_tensor, device)))
             grad_rows.append((indices, [row[1] for row in kind_rows]))
         return launches, grad_rows
+
+    def _init_state(self, group: dict) -> None:
+        """The group's state, as torch's fused step creates it (moments like the parameter, an fp32 step on
+        its device)."""
+        self._init_group(group, [], [], [], [], [], [])
+
+    def _extra_state(self, state: dict) -> tuple[torch.Tensor, ...]:
+        """State tensors beyond the moments and the step that the kernel reads (their addresses follow the
+        first program's in each table row)."""
+        return ()
+
+    def _servable(self, p, g, m, v, s, *extra) -> bool:
+        return _servable(p, g, m, v, s)
 
     def _torch_step(self, closure, foreach: bool = False):
         # torch.optim.AdamW.step without the profiling/hook wrapper Optimizer may have put on it: ours
@@ -407,3 +432,336 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         return t
     # through pinned memory: an asynchronous copy, no host sync in the step
     return t.pin_memory().to(device, non_blocking=True)
+
+
+# ---------------------------------------------------------------------------------- fp8 optimizer state
+# precision.optimizer_state: fp8 keeps both Adam moments as float8 e4m3 with one power-of-two scale per
+# block of FP8_BLOCK consecutive elements (2 bytes of state per parameter instead of 4 in bf16 or 8 in fp32;
+# the idea of torchao's AdamWFp8 and MindSpeed's quantised states). What is stored:
+#
+# - exp_avg: m / scale, and exp_avg_sq: sqrt(v) / scale. The square root halves v's dynamic range in
+#   binades (a block holds gradients 2e5 apart in size where v itself would flush the small ones to zero,
+#   and a zero denominator turns a tiny moment into a huge update);
+# - each block's scale is the smallest power of two that brings its largest magnitude under 448 (e4m3's
+#   largest finite value): exact to apply and undo, so decoding is exact and a checkpoint's dequantised
+#   moments quantise back to the same values;
+# - rounding is stochastic (unbiased): e4m3 has 3 mantissa bits, and the moments' per-step change
+#   ((1 - beta2) g^2 on v, 5% at beta2 0.95) is below half a unit in the last place, so round-to-nearest
+#   would freeze v wherever gradients shrink. The random bits come from the step count, the tensor and the
+#   element, so a resumed run draws what the uninterrupted one drew.
+#
+# The update itself is AdamW's, in fp32, on the decoded moments; only storage rounds. `fp8_adamw_reference`
+# is the pure-torch step (CPU runs, and the GPU kernel's reference); `_adamw_fp8_kernel` is the same step as
+# one Triton launch per (group, dtype), over TritonAdamW's tables.
+FP8_BLOCK = 128
+FP8_MAX = 448.0
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def _exp2i(k: torch.Tensor) -> torch.Tensor:
+    """2**k for integer k in [-126, 127], exactly, from the fp32 bits."""
+    return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def fp8_scale_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest k with amax <= 448 * 2**k (int32), read off amax's bits: amax = M * 2**E with M in [1, 2)
+    needs k = E - 8, or E - 7 when M > 1.75 (448 = 1.75 * 2**8). Zero blocks get k = 0."""
+    bits = amax.view(torch.int32)
+    k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    return torch.where(amax > 0, k, 0).clamp(-126, 127)
+
+
+def fp8_round(x: torch.Tensor, noise: torch.Tensor | float) -> torch.Tensor:
+    """x (fp32, |x| <= 448) rounded onto e4m3's grid: floor(|x| / ulp + noise) * ulp with the sign, where ulp
+    is e4m3's spacing at |x| (2**(e - 3), at least 2**-9 in its subnormal range). noise uniform in [0, 1):
+    stochastic rounding; 0.5: round half up (tests compare the kernel with this). The result is exact in
+    e4m3, so the cast that follows does not round again."""
+    a = x.abs()
+    u = ((((a.view(torch.int32) >> 23) & 0xFF) - 127) - 3).clamp(min=-9)
+    q = torch.floor(a * _exp2i(-u) + noise) * _exp2i(u)
+    return torch.copysign(q.clamp(max=FP8_MAX), x)
+
+
+def fp8_encode(x: torch.Tensor, noise: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (any shape, fp32) -> (e4m3 values shaped like x, fp32 scales [ceil(numel / FP8_BLOCK)])."""
+    n = x.numel()
+    blocks = -(-n // FP8_BLOCK)
+    flat = torch.nn.functional.pad(x.reshape(-1).float(), (0, blocks * FP8_BLOCK - n)).view(blocks, FP8_BLOCK)
+    k = fp8_scale_exponent(flat.abs().amax(dim=1))
+    if isinstance(noise, torch.Tensor):
+        noise = torch.nn.functional.pad(noise.reshape(-1), (0, blocks * FP8_BLOCK - n)).view_as(flat)
+    q = fp8_round(flat * _exp2i(-k)[:, None], noise)
+    return q.reshape(-1)[:n].view(x.shape).to(FP8_DTYPE), _exp2i(k)
+
+
+def fp8_decode(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(e4m3 values, block scales) -> fp32 shaped like q."""
+    n = q.numel()
+    blocks = scale.numel()
+    flat = torch.nn.functional.pad(q.reshape(-1).float(), (0, blocks * FP8_BLOCK - n)).view(blocks, FP8_BLOCK)
+    return (flat * scale[:, None]).reshape(-1)[:n].view(q.shape)
+
+
+def fp8_noise(like: torch.Tensor, seed: int, step: int, index: int) -> torch.Tensor:
+    """Uniform [0, 1) fp32 noise shaped like `like`, a function of (seed, step, tensor index) alone."""
+    generator = torch.Generator(device=like.device)
+    generator.manual_seed((seed * 1_000_003 + step * 65_537 + index) % 2**63)
+    return torch.rand(like.shape, generator=generator, device=like.device, dtype=torch.float32)
+
+
+def fp8_adamw_reference(p, g, state: dict, *, lr: float, beta1: float, beta2: float, eps: float,
+                        weight_decay: float, noise: tuple[torch.Tensor, torch.Tensor] | float) -> None:
+    """One AdamW step of parameter p (in place) with the fp8 moments in `state` (its step count already
+    advanced): decode, update in fp32 exactly as AdamW, encode the new moments with `noise` (a pair of
+    noise tensors, or 0.5 for round half up)."""
+    step = float(state["step"])
+    noise_m, noise_v = noise if isinstance(noise, tuple) else (noise, noise)
+    pf, gf = p.float(), g.float()
+    m = fp8_decode(state["exp_avg"], state["exp_avg_scale"])
+    v = fp8_decode(state["exp_avg_sq"], state["exp_avg_sq_scale"]).square()
+    if weight_decay:
+        pf = pf * (1 - lr * weight_decay)
+    m = beta1 * m + (1 - beta1) * gf
+    v = beta2 * v + (1 - beta2) * gf * gf
+    step_size = lr / (1 - beta1**step)
+    bc2_sqrt = math.sqrt(1 - beta2**step)
+    root = v.sqrt()
+    p.copy_(pf - step_size * m / (root / bc2_sqrt + eps))
+    state["exp_avg"], state["exp_avg_scale"] = fp8_encode(m, noise_m)
+    state["exp_avg_sq"], state["exp_avg_sq_scale"] = fp8_encode(root, noise_v)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _exp2i_tl(k):
+        return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _fp8_round_tl(x, noise):  # fp8_round
+        a = tl.abs(x)
+        u = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 3, -9)
+        q = tl.minimum(tl.floor(a * _exp2i_tl(-u) + noise) * _exp2i_tl(u), 448.0)
+        return tl.where(x < 0, -q, q)
+
+    @triton.jit
+    def _fp8_exponent_tl(amax):  # fp8_scale_exponent over a block's largest magnitude
+        bits = amax.to(tl.int32, bitcast=True)
+        k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        return tl.minimum(tl.maximum(tl.where(amax > 0, k, 0), -126), 127)
+
+    @triton.jit
+    def _uniform_tl(bits):  # uint32 -> fp32 in [0, 1), 24 random bits
+        return (bits >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+    @triton.jit
+    def _adamw_fp8_tile(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, tile, start, size, seed, lr,
+                        weight_decay, beta1, beta2, eps, step_size, bc2_sqrt, grad_coef,
+                        DECAY: tl.constexpr, SCALE: tl.constexpr, STOCHASTIC: tl.constexpr,
+                        MASKED: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr,
+                        INTERPRET: tl.constexpr):
+        # a [ROWS, QB] tile: one row per scale block
+        blocks = tile // QB + tl.arange(0, ROWS)
+        offs = blocks[:, None] * QB + tl.arange(0, QB)[None, :]
+        dtype: tl.constexpr = p_ptr.dtype.element_ty
+        if MASKED:
+            mask = offs < size
+            block_mask = blocks * QB < size
+            p = tl.load(p_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            mq = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            vq = tl.load(v_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            ms = tl.load(ms_ptr + blocks, mask=block_mask, other=1.0)
+            vs = tl.load(vs_ptr + blocks, mask=block_mask, other=1.0)
+        else:
+            p = tl.load(p_ptr + offs, eviction_policy="evict_first").to(tl.float32)
+            g = tl.load(g_ptr + offs, eviction_policy="evict_first").to(tl.float32)
+            mq = tl.load(m_ptr + offs, eviction_policy="evict_first").to(tl.float32)
+            vq = tl.load(v_ptr + offs, eviction_policy="evict_first").to(tl.float32)
+            ms = tl.load(ms_ptr + blocks)
+            vs = tl.load(vs_ptr + blocks)
+        if SCALE:  # clipping, as in _adamw_tile
+            coef = _cast(grad_coef, dtype, INTERPRET).to(tl.float32)
+            g = _cast(g * coef, dtype, INTERPRET).to(tl.float32)
+        m = mq * ms[:, None]
+        root = vq * vs[:, None]
+        v = root * root
+        if DECAY:
+            p = tl.fma(-(lr * weight_decay), p, p)
+        m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
+        gg = g * g
+        v = tl.fma(beta2, v, tl.fma(-beta2, gg, gg))
+        root = tl.sqrt_rn(v)
+        p = p - tl.math.div_rn(step_size * m, tl.math.div_rn(root, bc2_sqrt) + eps)
+        km = _fp8_exponent_tl(tl.max(tl.abs(m), axis=1))
+        kv = _fp8_exponent_tl(tl.max(root, axis=1))
+        if STOCHASTIC:
+            r0, r1, _, _ = tl.randint4x(seed, start + offs)
+            noise_m, noise_v = _uniform_tl(r0), _uniform_tl(r1)
+        else:
+            noise_m, noise_v = 0.5, 0.5
+        mq = _fp8_round_tl(m * _exp2i_tl(-km)[:, None], noise_m).to(m_ptr.dtype.element_ty)
+        vq = _fp8_round_tl(root * _exp2i_tl(-kv)[:, None], noise_v).to(v_ptr.dtype.element_ty)
+        p = _cast(p, dtype, INTERPRET)
+        if MASKED:
+            tl.store(p_ptr + offs, p, mask=mask)
+            tl.store(m_ptr + offs, mq, mask=mask)
+            tl.store(v_ptr + offs, vq, mask=mask)
+            tl.store(ms_ptr + blocks, _exp2i_tl(km), mask=block_mask)
+            tl.store(vs_ptr + blocks, _exp2i_tl(kv), mask=block_mask)
+        else:
+            tl.store(p_ptr + offs, p)
+            tl.store(m_ptr + offs, mq)
+            tl.store(v_ptr + offs, vq)
+            tl.store(ms_ptr + blocks, _exp2i_tl(km))
+            tl.store(vs_ptr + blocks, _exp2i_tl(kv))
+
+    @triton.jit
+    def _adamw_fp8_kernel(table_ptr, program_tensor_ptr, hyper_ptr, grad_coef_ptr, found_inf_ptr, base_seed,
+                          DTYPE: tl.constexpr, DECAY: tl.constexpr, SCALE: tl.constexpr,
+                          SKIP: tl.constexpr, STOCHASTIC: tl.constexpr, CHUNK: tl.constexpr,
+                          BLOCK: tl.constexpr, QB: tl.constexpr, ROW: tl.constexpr,
+                          INTERPRET: tl.constexpr):
+        # _adamw_kernel's layout (one program per chunk of one tensor, the hyper-parameters and the step on
+        # the device) with the moments in e4m3 and their block scales at row + 7 and row + 8
+        lr, weight_decay = tl.load(hyper_ptr + 0), tl.load(hyper_ptr + 1)
+        beta1, beta2, eps = tl.load(hyper_ptr + 2), tl.load(hyper_ptr + 3), tl.load(hyper_ptr + 4)
+        grad_coef = tl.load(grad_coef_ptr) if SCALE else 1.0
+        pid = tl.program_id(0)
+        tensor = tl.load(program_tensor_ptr + pid)
+        row = table_ptr + tensor.to(tl.int64) * ROW
+        p_ptr = tl.load(row + 0).to(tl.pointer_type(DTYPE))
+        g_ptr = tl.load(row + 1).to(tl.pointer_type(DTYPE))
+        m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float8e4nv))
+        v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float8e4nv))
+        ms_ptr = tl.load(row + 7).to(tl.pointer_type(tl.float32))
+        vs_ptr = tl.load(row + 8).to(tl.pointer_type(tl.float32))
+        p_ptr, g_ptr = tl.multiple_of(p_ptr, 16), tl.multiple_of(g_ptr, 16)
+        m_ptr, v_ptr = tl.multiple_of(m_ptr, 16), tl.multiple_of(v_ptr, 16)
+        start = (pid - tl.load(row + 6)) * CHUNK
+        size = tl.minimum(tl.load(row + 5) - start, CHUNK).to(tl.int32)
+        if SKIP:
+            size = tl.where(tl.load(found_inf_ptr) != 0, 0, size)
+        p_ptr, g_ptr, m_ptr, v_ptr = p_ptr + start, g_ptr + start, m_ptr + start, v_ptr + start
+        ms_ptr, vs_ptr = ms_ptr + start // QB, vs_ptr + start // QB
+        step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32)))
+        bc1 = 1.0 - _pow(beta1, step, INTERPRET)
+        step_size = tl.math.div_rn(lr, bc1)
+        bc2_sqrt = tl.sqrt_rn(1.0 - _pow(beta2, step, INTERPRET))
+        # the random stream: (job seed, step, tensor) picks the Philox key, the element its counter
+        seed = base_seed + step.to(tl.int32) * 65537 + tensor * 7919
+        full = size // BLOCK * BLOCK
+        for off in range(0, full, BLOCK):
+            _adamw_fp8_tile(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, off, start, size, seed, lr,
+                            weight_decay, beta1, beta2, eps, step_size, bc2_sqrt, grad_coef, DECAY, SCALE,
+                            STOCHASTIC, MASKED=False, QB=QB, ROWS=BLOCK // QB, INTERPRET=INTERPRET)
+        if full < size:
+            _adamw_fp8_tile(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, full, start, size, seed, lr,
+                            weight_decay, beta1, beta2, eps, step_size, bc2_sqrt, grad_coef, DECAY, SCALE,
+                            STOCHASTIC, MASKED=True, QB=QB, ROWS=BLOCK // QB, INTERPRET=INTERPRET)
+
+
+class Fp8StateAdamW(TritonAdamW):
+    """AdamW with both moments stored in e4m3 with block scales (the section above), for
+    precision.optimizer_state: fp8. Constructed as TritonAdamW (fused=True); `seed` picks the stochastic
+    rounding's random stream. On a GPU with Triton the step is `_adamw_fp8_kernel`; elsewhere
+    `fp8_adamw_reference`, tensor by tensor. Plain tensors only (no DTensor shards).
+
+    Its state_dict holds the decoded moments under AdamW's names and shapes, in the parameter's dtype
+    (exact: e4m3 values and their squares fit bf16), so checkpoints look like any AdamW's, and
+    load_state_dict encodes them again (to the same values when they came from this optimizer).
+    `stochastic = False` rounds half up instead (tests compare the kernel with the reference that way)."""
+
+    block = 2048  # elements per tile: 16 scale blocks of 128
+
+    def __init__(self, *args, seed: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seed = int(seed)
+        self.stochastic = True
+
+    def _init_state(self, group: dict) -> None:
+        for p in group["params"]:
+            if p.grad is None or self.state[p]:
+                continue
+            blocks = -(-p.numel() // FP8_BLOCK)
+            self.state[p].update(
+                step=torch.zeros((), dtype=torch.float32, device=p.device),
+                exp_avg=torch.zeros_like(p, dtype=FP8_DTYPE, memory_format=torch.contiguous_format),
+                exp_avg_sq=torch.zeros_like(p, dtype=FP8_DTYPE, memory_format=torch.contiguous_format),
+                exp_avg_scale=torch.ones(blocks, dtype=torch.float32, device=p.device),
+                exp_avg_sq_scale=torch.ones(blocks, dtype=torch.float32, device=p.device),
+            )
+
+    def _extra_state(self, state: dict) -> tuple[torch.Tensor, ...]:
+        return state["exp_avg_scale"], state["exp_avg_sq_scale"]
+
+    def _servable(self, p, g, m, v, s, ms, vs) -> bool:
+        return (
+            type(p) in _PLAIN and type(g) is torch.Tensor and p.is_cuda and p.dtype in _TL_DTYPES
+            and g.dtype == p.dtype and m.dtype == v.dtype == FP8_DTYPE and s.dtype == torch.float32
+            and ms.dtype == vs.dtype == torch.float32
+            and p.device == g.device == m.device == v.device == s.device == ms.device == vs.device
+            and all(t.is_contiguous() for t in (p, g, m, v, ms, vs))
+            and g.shape == p.shape == m.shape == v.shape and ms.numel() == vs.numel() == -(-p.numel() // 128)
+        )
+
+    def _launch(self, group, dtype, aligned, table, program_tensor, hyper, coef, skip, scale: bool,
+                skip_on_inf: bool) -> None:
+        _adamw_fp8_kernel[(program_tensor.numel(),)](
+            table, program_tensor, hyper, coef, skip, self.seed % 2**31, DTYPE=_TL_DTYPES[dtype],
+            DECAY=group["weight_decay"] != 0, SCALE=scale, SKIP=skip_on_inf, STOCHASTIC=self.stochastic,
+            CHUNK=self.chunk, BLOCK=self.block, QB=FP8_BLOCK, ROW=table.shape[1], INTERPRET=_INTERPRET,
+            num_warps=self.num_warps, enable_fp_fusion=True,
+        )
+
+    def _fallback_step(self, grad_coef: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        """fp8_adamw_reference over every parameter with a gradient; the skip decided on the host."""
+        if found_inf is not None and bool(found_inf):
+            return
+        index = 0
+        for group in self.param_groups:
+            if not any(isinstance(p, DTensor) for p in group["params"]):
+                self._init_state(group)
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                if isinstance(p, DTensor):
+                    raise TypeError("Fp8StateAdamW updates plain tensors; this parameter is a DTensor shard")
+                g = p.grad if grad_coef is None else \
+                    (p.grad.float() * grad_coef.to(p.device, p.grad.dtype).float()).to(p.grad.dtype)
+                state = self.state[p]
+                state["step"] += 1
+                step = int(state["step"])
+                noise = 0.5
+                if self.stochastic:
+                    noise = (fp8_noise(p, self.seed, step, 2 * index),
+                             fp8_noise(p, self.seed, step, 2 * index + 1))
+                fp8_adamw_reference(p.data, g, state, lr=group["lr"], beta1=beta1, beta2=beta2,
+                                    eps=group["eps"], weight_decay=group["weight_decay"], noise=noise)
+
+    def state_dict(self) -> dict:
+        """AdamW's state_dict: the decoded moments, in the parameter's dtype, under exp_avg / exp_avg_sq."""
+        packed = super().state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, state in list(packed["state"].items()):
+            if "exp_avg_scale" not in state:
+                continue
+            dtype = params[index].dtype
+            packed["state"][index] = {
+                "step": state["step"],
+                "exp_avg": fp8_decode(state["exp_avg"], state["exp_avg_scale"]).to(dtype),
+                "exp_avg_sq": fp8_decode(state["exp_avg_sq"], state["exp_avg_sq_scale"]).square().to(dtype),
+            }
+        return packed
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load an AdamW state_dict (this optimizer's, or any AdamW's), encoding the moments in e4m3."""
+        super().load_state_dict(state_dict)
+        self._tables.clear()
+        for state in self.state.values():
+            if "exp_avg" in state and state["exp_avg"].dtype != FP8_DTYPE:
+                m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()
+                state["exp_avg"], state["exp_avg_scale"] = fp8_encode(m, 0.5)
+                state["exp_avg_sq"], state["exp_avg_sq_scale"] = fp8_encode(v.sqrt(), 0.5)

@@ -103,6 +103,8 @@ class LocalAdamW:
         params: Iterable[torch.nn.Parameter],
         cfg: OptimizerConfig,
         grad_norm_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
+        state: str = "master",
+        seed: int = 0,
     ):
         self.params = [p for p in params if p.requires_grad]
         self.cfg = cfg
@@ -117,7 +119,13 @@ class LocalAdamW:
         groups = [g for g in groups if g["params"]]
         options = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps}
         self.fused = fused
-        if fused:
+        if state == "fp8":
+            # precision.optimizer_state fp8: e4m3 moments with block scales (mlite.runtime.kernels.adamw),
+            # its kernel on GPUs, its pure-torch reference elsewhere; clipping and the skip as fused below
+            from mlite.runtime.kernels.adamw import Fp8StateAdamW
+
+            self.optimizer = Fp8StateAdamW(groups, fused=True, seed=seed, **options)
+        elif fused:
             from mlite.runtime.kernels.adamw import TritonAdamW  # imports triton: only on a GPU run
 
             self.optimizer = TritonAdamW(groups, fused=True, **options)
