@@ -6,9 +6,11 @@ parameter. The floor is those bytes at the GPU's measured copy bandwidth (a larg
 read + write). Prints the floor, each AdamW implementation's median step and its ratio to the floor:
 torch's fused and foreach, TritonAdamW (mlite.runtime.kernels.adamw, what LocalAdamW runs on one GPU; its
 `host_ms` is the CPU time of one step call, which the GPU waits for when the step follows a host sync), and
-torch's fused over one flat buffer. --sweep also times TritonAdamW's kernel configurations.
+torch's fused over one flat buffer. --sweep also times TritonAdamW's kernel configurations. --fp8 also times
+Fp8StateAdamW (precision.optimizer_state: fp8), whose floor is 10 bytes per parameter plus the block scales
+(read and write 2 x 4 bytes per 128), with and without stochastic rounding.
 
-    python scripts/adamw_floor.py moe-30b-a3b-6l-4k dense-1.7b-4k dsv4-flash-4l-4k
+    python scripts/adamw_floor.py moe-30b-a3b-6l-4k dense-1.7b-4k dsv4-flash-4l-4k [--fp8] [--sweep]
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 import torch
 
 from mlite.bench import CASES, case_arch
-from mlite.runtime.kernels.adamw import TritonAdamW
+from mlite.runtime.kernels.adamw import FP8_BLOCK, Fp8StateAdamW, TritonAdamW
 from mlite.runtime.models import build_model
 
 # (chunk, block, num_warps) that --sweep tries besides TritonAdamW's default
@@ -82,10 +84,35 @@ def time_triton(params, floor_ms: float, sweep: bool) -> dict:
     return row
 
 
+def time_fp8(params, bandwidth: float, sweep: bool) -> dict:
+    count = sum(p.numel() for p in params)
+    floor_ms = (10 + 16 / FP8_BLOCK) * count / (bandwidth * 1e9) * 1e3
+    opt = Fp8StateAdamW(params, lr=1e-5, weight_decay=0.1, fused=True)
+    opt.step()
+    if not opt._tables:
+        return {"error": "Fp8StateAdamW fell back to torch's step (no triton?)"}
+    row = {"floor_ms": round(floor_ms, 2)}
+    configs = [(opt.block, opt.num_warps)] + ([(1024, 4), (1024, 8), (2048, 4), (4096, 8), (4096, 16)]
+                                              if sweep else [])
+    default = configs[0]
+    for stochastic in (True, False):
+        opt.stochastic = stochastic
+        for block, num_warps in configs:
+            opt.block, opt.num_warps = block, num_warps
+            ms = median_ms(opt.step)
+            label = f"{'stochastic' if stochastic else 'half up'} block={block} warps={num_warps}"
+            row[label] = {"ms": round(ms, 2), "x_floor": round(ms / floor_ms, 2)}
+    opt.block, opt.num_warps = default
+    del opt
+    torch.cuda.empty_cache()
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("cases", nargs="+")
     parser.add_argument("--sweep", action="store_true", help="also time other TritonAdamW configurations")
+    parser.add_argument("--fp8", action="store_true", help="also time Fp8StateAdamW (e4m3 moments)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth_gbs()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -108,6 +135,9 @@ def main() -> None:
             del opt
             torch.cuda.empty_cache()
         row["triton"] = time_triton(params, floor_ms, args.sweep)
+        if args.fp8:
+            row["fp8"] = time_fp8(params, bandwidth, args.sweep)
+            print(f"{name} fp8: {json.dumps(row['fp8'])}", flush=True)
         timed = [k for k in ("fused", "foreach", "triton") if "ms" in row[k]]
         print(f"{name}: {count / 1e9:.2f}B parameters in {len(params)} tensors, floor {floor_ms:.2f} ms; "
               + ", ".join(f"{k} {row[k]['ms']} ms ({row[k]['x_floor']}x)" for k in timed), flush=True)

@@ -366,7 +366,7 @@ class TritonAdamW(torch.optim.AdamW):
         launches, grad_rows = [], []
         for (device, dtype, aligned), indices in kinds.items():
             kind_rows = [rows[i] for i in indices]
-            counts = [-(-numel // self.chunk) for *_, numel in kind_rows]  # programs per tensor
+            counts = [-(-row[5] // self.chunk) for row in kind_rows]  # programs per tensor (row[5]: numel)
             if sum(counts) == 0:
                 continue
             firsts = [0, *itertools.accumulate(counts)][:-1]
