@@ -61,7 +61,8 @@ def peak_report(name: str, overrides: list[str], rows: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("cases", nargs="+")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--rows", type=int, default=30)
