@@ -531,14 +531,16 @@ def measure(make: Callable[[], tuple], device: str, steps: int, warmup: int,
     return Measured(timing, footprint, allocated, {key: float(value) for key, value in last.items()})
 
 
-def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str) -> float | None:
-    """The planner's per-GPU peak for this case (bf16 params and optimizer state, as benchmarked)."""
-    from mlite.config import job_from_dict
+def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str,
+                        overrides: Sequence[str] = ()) -> float | None:
+    """The planner's per-GPU peak for this case (bf16 params and optimizer state, as benchmarked), with
+    the run's `--set` keys (optimizer state, recompute) applied as they are to the Runtime's job."""
+    from mlite.config import apply_overrides, job_from_dict
     from mlite.plan import plan_job
 
     if gpu not in ("h100", "h200", "b200", "b300", "a100", "h800", "h20"):
         return None
-    job = job_from_dict({
+    job = job_from_dict(apply_overrides({
         "model": {"name": case.model},
         "cluster": {"nodes": 1, "gpus_per_node": case.gpus, "gpu": gpu},
         "parallel": {"ep": case.ep, "cp": case.cp},
@@ -546,7 +548,7 @@ def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str) -> float | N
         "precision": {"compute": "bf16", "master": "bf16"},
         "data": {"seq_len": case.seq_len, "micro_batch_size": 1, "global_batch_size": case.dp * case.accum,
                  "dynamic_batch": False},
-    })
+    }, overrides))
     return plan_job(job, arch).memory.train_gb
 
 
@@ -577,7 +579,8 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
         results.append(BenchResult(
             case=case.name, side=side, tokens_per_step=tokens, step_ms=m.timing.median_ms, tokens_per_s=tps,
             flops_per_token=fpt, mfu=mfu(arch, seq_lens, tps, peak_tflops), peak_gb=m.peak_gb,
-            estimate_gb=planner_estimate_gb(case, arch, gpu) if side == "mlite" else None, device=device,
+            estimate_gb=planner_estimate_gb(case, arch, gpu, overrides) if side == "mlite" else None,
+            device=device,
             extra={"seq_lens": seq_lens if len(seq_lens) < 64 else len(seq_lens),
                    "step_ms_all": m.timing.step_ms, "peak_allocated_gb": m.allocated_gb, "accum": case.accum,
                    **({"overrides": list(overrides)} if side == "mlite" and overrides else {}), **m.last},

@@ -292,6 +292,23 @@ def test_set_overrides_reach_the_runtimes_job_and_are_recorded(tmp_path):
         case_job(case, "cpu", overrides=["optimizer.nope=1"])
 
 
+def test_the_planners_estimate_takes_the_set_keys_too():
+    """The bench's `plan GB` column sizes the job the Runtime ran: with --set keys that move memory
+    (fp8 optimizer state, recompute), the estimate moves with them. (The planner counts DeepSeek-V4's
+    attention activations whole: selective recompute does not move its estimate for that model yet.)"""
+    from mlite.bench import CASES, case_arch, planner_estimate_gb
+
+    case = CASES["dsv4-flash-4l-4k"]
+    arch = case_arch(case)
+    plain = planner_estimate_gb(case, arch, "h100")
+    fp8 = planner_estimate_gb(case, arch, "h100", ["precision.optimizer_state=fp8"])
+    params = 4.83e9  # the case's parameters: bf16 moments (4 bytes) become e4m3 with scales (2.06 bytes)
+    assert plain - fp8 == pytest.approx(params * (4 - 2 * (1 + 4 / 128)) / 2**30, rel=0.02)
+    dense = planner_estimate_gb(CASES["dense-1.7b-4k"], case_arch(CASES["dense-1.7b-4k"]), "h100")
+    assert planner_estimate_gb(CASES["dense-1.7b-4k"], case_arch(CASES["dense-1.7b-4k"]), "h100",
+                               ["recompute.granularity=full"]) < dense
+
+
 def test_set_is_refused_for_multi_gpu_cases_in_one_line():
     import subprocess
     import sys
