@@ -204,14 +204,15 @@ def train(chunks: dict, mesh, opt: LocalAdamW, steps: range) -> list[tuple[float
     return _train_pipeline(chunks, mesh, opt, steps)
 
 
-def make_optimizer(chunks: dict) -> LocalAdamW:
+def make_optimizer(chunks: dict, state: str = "master") -> LocalAdamW:
     """The runtime's optimizer, as Runtime builds it: AdamW (lr 1e-3, betas (0.9, 0.999), weight decay 0.01
     on matrices), its step clipping to CLIP by the grad norm over every rank (`grad_norm`) on several ranks,
-    the local norm in one process. `.optimizer` is the torch optimizer, for checkpoints."""
+    the local norm in one process. `.optimizer` is the torch optimizer, for checkpoints. `state`: as
+    precision.optimizer_state."""
     cfg = OptimizerConfig(lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, clip_grad=CLIP)
     params = [p for c in chunks.values() for p in c.parameters()]
     # the harness's layouts run on several ranks, its one-process reference outside any process group
-    return LocalAdamW(params, cfg, grad_norm_fn=grad_norm if dist.is_initialized() else None)
+    return LocalAdamW(params, cfg, grad_norm_fn=grad_norm if dist.is_initialized() else None, state=state)
 
 
 _REFERENCE: dict[bool, list] = {}

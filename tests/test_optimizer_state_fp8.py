@@ -1,8 +1,9 @@
 """precision.optimizer_state: fp8: AdamW's moments in e4m3 with power-of-two block scales, stochastically
 rounded (mlite.runtime.kernels.adamw). The encoding is exact to undo and unbiased; the optimizer tracks
 AdamW and its moments keep decaying where round-to-nearest would freeze them; its state_dict is AdamW's and
-resumes bitwise; the planner sizes it; the rule book refuses it where it does not run. On a GPU the Triton
-kernel equals the pure-torch reference (rounding half up) and its stochastic rounding is unbiased."""
+resumes bitwise, also under FSDP2, TP and EP shards and across layouts (test_parallel_resume.py); the
+planner sizes it; the rule book refuses it where it does not run. On a GPU the Triton kernel equals the
+pure-torch reference (rounding half up) and its stochastic rounding is unbiased."""
 
 from __future__ import annotations
 
@@ -185,16 +186,16 @@ def _job(**precision):
                           "trainer": {"device": "cpu"}})
 
 
-def test_the_rule_book_refuses_fp8_state_where_it_does_not_run():
+def test_the_rule_book_takes_fp8_state_on_fsdp2_layouts_and_refuses_it_elsewhere():
     from mlite.plan.rules import check_backend, check_precision
 
-    check_precision(_job(optimizer_state="fp8"), 1, "cpu")  # one process: runs
-    with pytest.raises(MliteError, match=r"optimizer_state: fp8 runs on one process .* 2 ranks"):
-        check_precision(_job(optimizer_state="fp8"), 2, "cpu")
-    job = _job(optimizer_state="fp8")
-    job = job.model_copy(update={"parallel": job.parallel.model_copy(update={"fsdp_one_rank": True})})
-    with pytest.raises(MliteError, match="parallel.fsdp_one_rank; set precision.optimizer_state: master"):
-        check_precision(job, 1, "cpu")
+    check_precision(_job(optimizer_state="fp8"), 1, "cpu")  # one process
+    check_precision(_job(optimizer_state="fp8"), 4, "cpu")  # FSDP2 shards
+    gpu = job_from_dict({"job": "sft", "model": {"name": "tiny-qwen3"},
+                         "precision": {"optimizer_state": "fp8"},
+                         "offload": {"optimizer": True, "optimizer_fraction": 0.5}})
+    with pytest.raises(MliteError, match=r"fp8 keeps the Adam state on the GPU, and offload.optimizer moves"):
+        check_precision(gpu, 2, "cuda")
     job = job_from_dict({"job": "sft", "model": {"name": "tiny-qwen3"}, "optimizer": {"backend": "dist_opt"},
                          "precision": {"optimizer_state": "fp8"}})
     with pytest.raises(MliteError, match="optimizer_state fp8 is not supported by optimizer.backend"):

@@ -151,7 +151,7 @@ class PrecisionConfig(Section):
     master: Literal["fp32", "bf16"] = "fp32"
     grad_reduce: Literal["fp32", "bf16"] = "fp32"
     # Adam's two moments: master: in precision.master's dtype; fp8: float8 e4m3 with one power-of-two
-    # scale per 128 elements, stochastically rounded (2 bytes per parameter; one process for now)
+    # scale per 128 elements, stochastically rounded (2 bytes per parameter instead of 4 or 8)
     optimizer_state: Literal["master", "fp8"] = "master"
 
     @model_validator(mode="after")

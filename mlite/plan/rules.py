@@ -75,7 +75,7 @@ SUPPORT: dict[str, Support] = {
                                       "optimizer has one", "set precision.compute: bf16"),
     "precision.master bf16": Support(True, True, False, "fsdp2 on GPUs; Megatron needs Transformer "
                                      "Engine's precision-aware Adam", "set precision.master: fp32"),
-    "precision.optimizer_state fp8": Support(True, False, False, "fsdp2 on one process; Megatron's "
+    "precision.optimizer_state fp8": Support(True, False, False, "fsdp2, every layout; Megatron's "
                                              "optimizer keeps its own Adam state",
                                              "set precision.optimizer_state: master"),
     "checkpoints (save, resume)": Support(True, True, False, "the adapter has no DCP checkpoints yet", ""),
@@ -608,11 +608,12 @@ def check_precision(job: JobConfig, world_size: int, device_type: str) -> None:
             "precision.master: bf16 keeps parameters and Adam state in bf16 on GPUs, but this run "
             "computes in fp32 on the CPU; set precision.master: fp32 (or run on GPUs)"
         )
-    if precision.optimizer_state == "fp8" and (world_size > 1 or job.parallel.fsdp_one_rank):
-        shards = f"{world_size} ranks" if world_size > 1 else "parallel.fsdp_one_rank"
+    offload = [f"offload.{k}" for k in ("params", "grads", "optimizer") if getattr(job.offload, k)]
+    if precision.optimizer_state == "fp8" and offload:
         raise MliteError(
-            f"precision.optimizer_state: fp8 runs on one process without FSDP2 shards for now, and this job "
-            f"has {shards}; set precision.optimizer_state: master (or train on one process)"
+            f"precision.optimizer_state: fp8 keeps the Adam state on the GPU, and {', '.join(offload)} moves "
+            "it to the host, where the step is torch's own; set precision.optimizer_state: master, or "
+            "remove offload"
         )
     if precision.grad_reduce != "fp32" and world_size == 1 and not job.parallel.fsdp_one_rank:
         raise MliteError(

@@ -310,10 +310,10 @@ class TritonAdamW(torch.optim.AdamW):
                 if isinstance(p, DTensor):
                     # FSDP2's shards: the update is elementwise, so this rank updates its local shards (the
                     # clipping factor and the skip flag come from the norm over every rank)
-                    if not all(isinstance(t, DTensor) and t.placements == p.placements and
-                               t.device_mesh == p.device_mesh for t in (g, m, v)):
+                    local = self._local_shards(p, g, m, v)
+                    if local is None:
                         return None
-                    p, g, m, v = p.to_local(), g.to_local(), m.to_local(), v.to_local()
+                    p, g, m, v = local
                 if type(p) not in _PLAIN or type(g) is not torch.Tensor or g.layout != torch.strided or \
                         not g.is_contiguous():
                     return None  # DTensor or other subclass, a sparse or strided gradient: torch's step
@@ -392,6 +392,13 @@ class TritonAdamW(torch.optim.AdamW):
 
     def _servable(self, p, g, m, v, s, *extra) -> bool:
         return _servable(p, g, m, v, s)
+
+    def _local_shards(self, p, g, m, v) -> tuple | None:
+        """This rank's shards of a DTensor parameter, its gradient and moments (None: torch's step)."""
+        if not all(isinstance(t, DTensor) and t.placements == p.placements and t.device_mesh == p.device_mesh
+                   for t in (g, m, v)):
+            return None
+        return p.to_local(), g.to_local(), m.to_local(), v.to_local()
 
     def _torch_step(self, closure, foreach: bool = False):
         # torch.optim.AdamW.step without the profiling/hook wrapper Optimizer may have put on it: ours
@@ -673,11 +680,14 @@ class Fp8StateAdamW(TritonAdamW):
     """AdamW with both moments stored in e4m3 with block scales (the section above), for
     precision.optimizer_state: fp8. Constructed as TritonAdamW (fused=True); `seed` picks the stochastic
     rounding's random stream. On a GPU with Triton the step is `_adamw_fp8_kernel`; elsewhere
-    `fp8_adamw_reference`, tensor by tensor. Plain tensors only (no DTensor shards).
+    `fp8_adamw_reference`, tensor by tensor.
 
     Its state_dict holds the decoded moments under AdamW's names and shapes, in the parameter's dtype
     (exact: e4m3 values and their squares fit bf16), so checkpoints look like any AdamW's, and
-    load_state_dict encodes them again (to the same values when they came from this optimizer).
+    load_state_dict encodes them again (to the same values when they came from this optimizer). DTensor
+    parameters (FSDP2, TP, EP shards) keep plain e4m3 state for their local shard, its blocks over that
+    shard; their state_dict gives the decoded moments as DTensors of the parameter's layout, so a checkpoint
+    resumes under another layout as AdamW's does.
     `stochastic = False` rounds half up instead (tests compare the kernel with the reference that way)."""
 
     block = 1024  # elements per tile: 8 scale blocks of 128 (scripts/adamw_floor.py --fp8 --sweep: 1024
@@ -692,14 +702,22 @@ class Fp8StateAdamW(TritonAdamW):
         for p in group["params"]:
             if p.grad is None or self.state[p]:
                 continue
-            blocks = -(-p.numel() // FP8_BLOCK)
+            # a DTensor's state covers this rank's shard, its blocks counted over the shard alone
+            local = p.to_local() if isinstance(p, DTensor) else p
+            blocks = -(-local.numel() // FP8_BLOCK)
             self.state[p].update(
-                step=torch.zeros((), dtype=torch.float32, device=p.device),
-                exp_avg=torch.zeros_like(p, dtype=FP8_DTYPE, memory_format=torch.contiguous_format),
-                exp_avg_sq=torch.zeros_like(p, dtype=FP8_DTYPE, memory_format=torch.contiguous_format),
-                exp_avg_scale=torch.ones(blocks, dtype=torch.float32, device=p.device),
-                exp_avg_sq_scale=torch.ones(blocks, dtype=torch.float32, device=p.device),
+                step=torch.zeros((), dtype=torch.float32, device=local.device),
+                exp_avg=torch.zeros(local.shape, dtype=FP8_DTYPE, device=local.device),
+                exp_avg_sq=torch.zeros(local.shape, dtype=FP8_DTYPE, device=local.device),
+                exp_avg_scale=torch.ones(blocks, dtype=torch.float32, device=local.device),
+                exp_avg_sq_scale=torch.ones(blocks, dtype=torch.float32, device=local.device),
             )
+
+    def _local_shards(self, p, g, m, v) -> tuple | None:
+        # the moments are this rank's plain e4m3 tensors already
+        if not (isinstance(g, DTensor) and g.placements == p.placements and g.device_mesh == p.device_mesh):
+            return None
+        return p.to_local(), g.to_local(), m, v
 
     def _extra_state(self, state: dict) -> tuple[torch.Tensor, ...]:
         return state["exp_avg_scale"], state["exp_avg_sq_scale"]
@@ -729,25 +747,25 @@ class Fp8StateAdamW(TritonAdamW):
             return
         index = 0
         for group in self.param_groups:
-            if not any(isinstance(p, DTensor) for p in group["params"]):
-                self._init_state(group)
+            self._init_state(group)
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
+            for param in group["params"]:
                 index += 1
-                if p.grad is None:
+                if param.grad is None:
                     continue
-                if isinstance(p, DTensor):
-                    raise TypeError("Fp8StateAdamW updates plain tensors; this parameter is a DTensor shard")
-                g = p.grad if grad_coef is None else \
-                    (p.grad.float() * grad_coef.to(p.device, p.grad.dtype).float()).to(p.grad.dtype)
-                state = self.state[p]
+                p, grad = param.detach(), param.grad
+                if isinstance(p, DTensor):  # this rank's shard (clipping and the skip were decided globally)
+                    p, grad = p.to_local(), grad.to_local()
+                g = grad if grad_coef is None else \
+                    (grad.float() * grad_coef.to(grad.device, grad.dtype).float()).to(grad.dtype)
+                state = self.state[param]
                 state["step"] += 1
                 step = int(state["step"])
                 noise = 0.5
                 if self.stochastic:
                     noise = (fp8_noise(p, self.seed, step, 2 * index),
                              fp8_noise(p, self.seed, step, 2 * index + 1))
-                fp8_adamw_reference(p.data, g, state, lr=group["lr"], beta1=beta1, beta2=beta2,
+                fp8_adamw_reference(p, g, state, lr=group["lr"], beta1=beta1, beta2=beta2,
                                     eps=group["eps"], weight_decay=group["weight_decay"], noise=noise)
 
     def state_dict(self) -> dict:
@@ -757,12 +775,13 @@ class Fp8StateAdamW(TritonAdamW):
         for index, state in list(packed["state"].items()):
             if "exp_avg_scale" not in state:
                 continue
-            dtype = params[index].dtype
-            packed["state"][index] = {
-                "step": state["step"],
-                "exp_avg": fp8_decode(state["exp_avg"], state["exp_avg_scale"]).to(dtype),
-                "exp_avg_sq": fp8_decode(state["exp_avg_sq"], state["exp_avg_sq_scale"]).square().to(dtype),
-            }
+            param = params[index]
+            m = fp8_decode(state["exp_avg"], state["exp_avg_scale"]).to(param.dtype)
+            v = fp8_decode(state["exp_avg_sq"], state["exp_avg_sq_scale"]).square().to(param.dtype)
+            if isinstance(param, DTensor):  # shards of the parameter's layout, as AdamW's state would be
+                m, v = (DTensor.from_local(t, param.device_mesh, param.placements, run_check=False,
+                                           shape=param.shape, stride=param.stride()) for t in (m, v))
+            packed["state"][index] = {"step": state["step"], "exp_avg": m, "exp_avg_sq": v}
         return packed
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -771,6 +790,9 @@ class Fp8StateAdamW(TritonAdamW):
         self._tables.clear()
         for state in self.state.values():
             if "exp_avg" in state and state["exp_avg"].dtype != FP8_DTYPE:
-                m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                if isinstance(m, DTensor):
+                    m, v = m.to_local(), v.to_local()
+                m, v = m.float(), v.float()
                 state["exp_avg"], state["exp_avg_scale"] = fp8_encode(m, 0.5)
                 state["exp_avg_sq"], state["exp_avg_sq_scale"] = fp8_encode(v.sqrt(), 0.5)
