@@ -117,11 +117,13 @@ def stage_params(arch: ModelArch, layout: Layout, stage: int) -> StageParams:
 
 
 # ------------------------------------------------------------------------------------------ activations
-def layer_activation_bytes(arch: ModelArch, layer: int, act: int, granularity: str) -> tuple[float, float]:
+def layer_activation_bytes(arch: ModelArch, layer: int, act: int, granularity: str,
+                           seq_len: int) -> tuple[float, float]:
     """Bytes per token one layer keeps for backward, before tp splits them: (attention + dense/shared MLP +
     residual streams, routed experts). `granularity` is none or selective (full is handled by the caller).
     Attention is assumed fused (flash-style): only its log-sum-exp per head is kept, never the score
-    matrix."""
+    matrix; except DeepSeek-V4's key-set attention, which keeps each query's scores over its key set
+    unless selective recompute rebuilds them."""
     h = arch.hidden
     selective = granularity == "selective"  # norms, activation functions and attention cores recomputed
     norms = h if selective else 2 * h  # norm inputs are kept; their outputs are recomputed under selective
@@ -129,7 +131,14 @@ def layer_activation_bytes(arch: ModelArch, layer: int, act: int, granularity: s
         v4, hd = arch.v4, arch.head_dim
         attn = norms + 2 * v4.q_lora_rank + arch.num_heads * hd * 2 + 2 * hd + v4.o_groups * v4.o_lora_rank
         attn += 2 * v4.hc_mult * h  # mHC: the residual copies entering each of the two sub-blocks
-        extra = 4 * arch.num_heads + (4 * v4.index_topk if v4.compress_ratios[layer] == 4 else 0)
+        ratio = v4.compress_ratios[layer]
+        extra = 4 * arch.num_heads + (4 * v4.index_topk if ratio == 4 else 0)
+        if not selective:
+            # the key set: the window's two blocks, plus the top-k picked (CSA) or every complete entry
+            # (HCA); its softmax kept in fp32 and the probabilities in bf16 per query, head and key
+            # (measured on one H100: 3.4 GB of the 4-layer, 4096-token bench case)
+            entries = min(v4.index_topk, seq_len // 4) if ratio == 4 else seq_len // ratio if ratio else 0
+            extra += arch.num_heads * (2 * v4.sliding_window + entries) * 6
     elif arch.mla is not None:
         m = arch.mla
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
@@ -219,7 +228,8 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout,
 
     tokens = layout.tokens_per_micro_batch / layout.cp / layout.tp  # SP splits every token-wise activation
     layers = layout.stage_layers[stage]
-    per_layer = [layer_activation_bytes(arch, i, act, job.recompute.granularity) for i in layers]
+    per_layer = [layer_activation_bytes(arch, i, act, job.recompute.granularity, job.data.seq_len)
+                 for i in layers]
     r = job.recompute
     working = 0.0
     if r.granularity == "full" and layers:
