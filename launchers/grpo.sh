@@ -28,6 +28,7 @@ PP_LAST_STAGE_LAYERS=${PP_LAST_STAGE_LAYERS:-}    # layers on the last pipeline 
 OPTIMIZER=${OPTIMIZER:-}                  # dist_opt | fsdp2
 RECOMPUTE=${RECOMPUTE:-}                  # none | selective | full
 PRECISION=${PRECISION:-}                  # bf16 | fp16 | fp32: dtype of matmuls and activations
+OPTIMIZER_STATE=${OPTIMIZER_STATE:-}      # master | fp8: Adam's moments in the master dtype or e4m3
 OFFLOAD_PARAMS=${OFFLOAD_PARAMS:-}        # true | false: parameters on the host between uses (fsdp2)
 OFFLOAD_GRADS=${OFFLOAD_GRADS:-}          # true | false: gradients on the host
 OFFLOAD_OPTIMIZER=${OFFLOAD_OPTIMIZER:-}  # true | false: optimizer state on the host

@@ -34,6 +34,7 @@ collect_overrides() {
   add optimizer.lr "$LR"
   add recompute.granularity "$RECOMPUTE"
   add precision.compute "$PRECISION"
+  add precision.optimizer_state "${OPTIMIZER_STATE:-}"
   add offload.params "$OFFLOAD_PARAMS"
   add offload.grads "$OFFLOAD_GRADS"
   add offload.optimizer "$OFFLOAD_OPTIMIZER"

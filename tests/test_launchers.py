@@ -89,6 +89,7 @@ def test_sft_dry_run_prints_the_resolved_command_and_writes_it(tmp_path):
         "STEPS": "7",
         "LR": "0.002",
         "TRAIN_FILES": "a.jsonl,b.jsonl",
+        "OPTIMIZER_STATE": "fp8",
     }
     done = run(["launchers/sft.sh"], env)
     assert done.returncode == 0, done.stderr
@@ -103,6 +104,7 @@ def test_sft_dry_run_prints_the_resolved_command_and_writes_it(tmp_path):
         "-m mlite sft demo_sft",
         "--set trainer.steps=7",
         "--set optimizer.lr=0.002",
+        "--set precision.optimizer_state=fp8",
         "--set cluster.nodes=2",
         "--set trainer.output_dir=" + str(tmp_path / "r"),
         "--set trainer.resume=auto",
