@@ -23,9 +23,13 @@ runs `_adamw_kernel`:
   the tensor's dtype. Measured on an H100 against torch 2.11's fused AdamW: 2 of 14.8M bf16 elements
   differ, by 1 ulp; fp32 values within 1.1e-6 relative (tests/test_adamw_kernel.py).
 
-Anything else (DTensor shards, amsgrad, maximize, capturable, a tensor lr, a GradScaler, no Triton, not
-fused=True) takes torch's own step. TRITON_INTERPRET=1 runs the kernel on CPU tensors too (slow; for
-debugging without a GPU).
+FSDP2's DTensor parameters are served through their local shards (the update is elementwise). Anything
+else (shards whose state is laid out otherwise, amsgrad, maximize, capturable, a tensor lr, a GradScaler, no
+Triton, not fused=True) takes torch's own step. TRITON_INTERPRET=1 runs the kernel on CPU tensors too (slow;
+for debugging without a GPU).
+
+`Fp8StateAdamW` (the last section) is the same launch over the same tables with both moments stored in
+float8 e4m3 with block scales: precision.optimizer_state: fp8.
 """
 
 from __future__ import annotations
