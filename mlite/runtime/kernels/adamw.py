@@ -493,24 +493,26 @@ def fp8_round(x: torch.Tensor, noise: torch.Tensor | float) -> torch.Tensor:
     return torch.copysign(q.clamp(max=FP8_MAX), x)
 
 
+def _as_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x flattened to fp32 and zero-padded into rows of FP8_BLOCK: [ceil(numel / FP8_BLOCK), FP8_BLOCK]."""
+    blocks = -(-x.numel() // FP8_BLOCK)
+    flat = x.reshape(-1).float()
+    return torch.nn.functional.pad(flat, (0, blocks * FP8_BLOCK - flat.numel())).view(blocks, FP8_BLOCK)
+
+
 def fp8_encode(x: torch.Tensor, noise: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
     """x (any shape, fp32) -> (e4m3 values shaped like x, fp32 scales [ceil(numel / FP8_BLOCK)])."""
-    n = x.numel()
-    blocks = -(-n // FP8_BLOCK)
-    flat = torch.nn.functional.pad(x.reshape(-1).float(), (0, blocks * FP8_BLOCK - n)).view(blocks, FP8_BLOCK)
-    k = fp8_scale_exponent(flat.abs().amax(dim=1))
+    blocks = _as_blocks(x)
+    k = fp8_scale_exponent(blocks.abs().amax(dim=1))
     if isinstance(noise, torch.Tensor):
-        noise = torch.nn.functional.pad(noise.reshape(-1), (0, blocks * FP8_BLOCK - n)).view_as(flat)
-    q = fp8_round(flat * _exp2i(-k)[:, None], noise)
-    return q.reshape(-1)[:n].view(x.shape).to(FP8_DTYPE), _exp2i(k)
+        noise = _as_blocks(noise)
+    q = fp8_round(blocks * _exp2i(-k)[:, None], noise)
+    return q.reshape(-1)[: x.numel()].view(x.shape).to(FP8_DTYPE), _exp2i(k)
 
 
 def fp8_decode(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(e4m3 values, block scales) -> fp32 shaped like q."""
-    n = q.numel()
-    blocks = scale.numel()
-    flat = torch.nn.functional.pad(q.reshape(-1).float(), (0, blocks * FP8_BLOCK - n)).view(blocks, FP8_BLOCK)
-    return (flat * scale[:, None]).reshape(-1)[:n].view(q.shape)
+    return (_as_blocks(q) * scale[:, None]).reshape(-1)[: q.numel()].view(q.shape)
 
 
 def fp8_noise(like: torch.Tensor, seed: int, step: int, index: int) -> torch.Tensor:
@@ -733,7 +735,8 @@ class Fp8StateAdamW(TritonAdamW):
             and ms.dtype == vs.dtype == torch.float32
             and p.device == g.device == m.device == v.device == s.device == ms.device == vs.device
             and all(t.is_contiguous() for t in (p, g, m, v, ms, vs))
-            and g.shape == p.shape == m.shape == v.shape and ms.numel() == vs.numel() == -(-p.numel() // 128)
+            and g.shape == p.shape == m.shape == v.shape
+            and ms.numel() == vs.numel() == -(-p.numel() // FP8_BLOCK)
         )
 
     def _launch(self, group, dtype, aligned, table, program_tensor, hyper, coef, skip, scale: bool,
