@@ -23,9 +23,14 @@ from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.models import build_model
 from mlite.runtime.models.deepseek_v4 import (
     DeepseekV4,
+    apply_rope,
     balanced_hash_table,
     batch_geometry,
+    inv_freq,
     key_set_attention,
+    normed_rope,
+    rms_scale,
+    rope_angles,
     shift_in_sequence,
 )
 
@@ -400,16 +405,69 @@ def test_key_set_attention_layouts_agree_with_dense_attention():
             (None, dense_mask, 1, limits),
             (picked, picked_mask, 1 << 28, None), (picked, picked_mask, 2 * w * h * 13, None),
             (None, dense_mask, 1, None)):
-        qg = q.clone().requires_grad_()
-        out = key_set_attention(qg, kv, geo.window_mask, entries, entry_keys, entry_mask, sinks, 0.5, budget,
-                                entry_limits)
+        ours = [x.clone().requires_grad_() for x in (q, kv, entries, sinks)]
+        out = key_set_attention(ours[0], ours[1], geo.window_mask, ours[2], entry_keys, entry_mask, ours[3],
+                                0.5, budget, entry_limits)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-        out.sum().backward()
-        qr = q.clone().requires_grad_()
-        scores = (torch.einsum("thd,kd->thk", qr, keys) * 0.5).masked_fill(~mask[:, None], float("-inf"))
-        ref = torch.cat([scores, sink_column], -1)
-        torch.einsum("thk,kd->thd", ref.softmax(-1)[..., :-1], keys).sum().backward()
-        torch.testing.assert_close(qg.grad, qr.grad, atol=1e-5, rtol=1e-5)
+        weights = torch.randn_like(out)  # a loss whose gradient differs per output element
+        (out * weights).sum().backward()
+        ref = [x.clone().requires_grad_() for x in (q, kv, entries, sinks)]
+        keys = torch.cat([ref[1], ref[2]])
+        scores = (torch.einsum("thd,kd->thk", ref[0], keys) * 0.5).masked_fill(~mask[:, None], float("-inf"))
+        logits = torch.cat([scores, ref[3].view(1, h, 1).expand(t, h, 1)], -1)
+        (torch.einsum("thk,kd->thd", logits.softmax(-1)[..., :-1], keys) * weights).sum().backward()
+        for a, b in zip(ours, ref):  # queries, keys, entries and the sinks
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+def _saved_tensors(fn, *args) -> list[torch.Tensor]:
+    """What autograd keeps for the backward of fn(*args), one tensor per storage."""
+    kept: dict[int, torch.Tensor] = {}
+
+    def pack(x):
+        kept.setdefault(x.untyped_storage().data_ptr(), x)
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        fn(*args)
+    return list(kept.values())
+
+
+def test_attention_core_keeps_one_bf16_copy_of_its_probabilities():
+    """The core's largest activation is one probability per (query, head, key): it keeps them once, in the
+    values' dtype (2 bytes), not also as fp32 softmax output beside a bf16 copy (6 bytes)."""
+    torch.manual_seed(0)
+    t, h, d, w, c = 64, 4, 16, 8, 12
+    lens = [40, 24]
+    geo = batch_geometry(PackedBatch.from_sequences([list(range(n)) for n in lens]), w, [])
+    mask = torch.rand(t, c) > 0.5
+    q, kv, entries = (torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True)
+                      for shape in ((t, h, d), (t, d), (c, d)))
+    sinks = torch.zeros(h, requires_grad=True)
+    kept = _saved_tensors(key_set_attention, q, kv, geo.window_mask, entries, None, mask, sinks, 0.5)
+    scores = t * h * (2 * w + c)
+    score_sized = [x for x in kept if x.numel() >= scores]
+    assert [(x.dtype, x.numel()) for x in score_sized] == [(torch.bfloat16, scores)]
+    # in fp32: one log-sum-exp per (query, head) and the sinks, nothing per score
+    assert sum(x.numel() for x in kept if x.dtype == torch.float32) == t * h + h
+
+
+def test_query_norm_and_rope_keep_only_their_output():
+    """The queries' weightless norm and RoPE keep their output alone (which the score product keeps
+    anyway), not also their input, and give autograd's gradient."""
+    torch.manual_seed(0)
+    t, h, d, rope = 10, 3, 16, 8
+    cos, sin = rope_angles(torch.arange(t), inv_freq(rope, 10000.0, None), torch.float32)
+    x = torch.randn(t, h, d, requires_grad=True)
+    kept = _saved_tensors(normed_rope, x, cos, sin, 1e-6)
+    assert [x.numel() for x in kept if x.numel() >= t * h * d] == [t * h * d]
+    weights = torch.randn(t, h, d)
+    (normed_rope(x, cos, sin, 1e-6) * weights).sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    expected = apply_rope(xr * rms_scale(xr, 1e-6), cos, sin)
+    torch.testing.assert_close(normed_rope(x, cos, sin, 1e-6), expected, atol=0, rtol=0)
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_geometry_from_the_hosts_lengths_equals_the_one_read_from_the_batch():

@@ -51,10 +51,6 @@ def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
 
 
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * rms_scale(x, eps).to(x.dtype)
-
-
 # ------------------------------------------------------------------------------------- rotary embeddings
 def yarn_inv_freq(dim: int, theta: float, scaling: dict) -> torch.Tensor:
     """YaRN frequencies (transformers' `_compute_yarn_parameters` with truncation). V4 applies no YaRN
@@ -101,6 +97,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     plain, rope = x[..., :-rope_dim], x[..., -rope_dim:].float()
     rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
     return torch.cat([plain, (rope * cos + rotated * sin).to(x.dtype)], dim=-1)
+
+
+class _NormedRope(torch.autograd.Function):
+    """apply_rope(x * rms_scale(x)): a weightless RMS norm, then RoPE, keeping only the output and the
+    row scales for the backward.
+
+    Autograd would keep x for the norm beside the output the attention's score product keeps: two
+    [T, heads, 512] tensors per layer. RoPE is a rotation, so its backward is the inverse rotation and the
+    norm's input direction is recovered from the output; only the output (shared with the score product)
+    and one fp32 scale per row stay."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, eps: float):
+        scale = rms_scale(x, eps)
+        out = apply_rope(x * scale.to(x.dtype), cos, sin)
+        ctx.save_for_backward(out, scale, cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, scale, cos, sin = ctx.saved_tensors
+        normed = apply_rope(out, cos, -sin).float()  # the norm's output: the rotation undone
+        grad = apply_rope(grad, cos, -sin).float()  # a rotation's transpose is its inverse
+        # d(x * s(x)) / dx with s = 1 / rms(x): s * (g - y * mean(g * y)), y = x * s
+        grad_x = scale * (grad - normed * (grad * normed).mean(-1, keepdim=True))
+        return grad_x.to(out.dtype), None, None, None
+
+
+def normed_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """The attention queries: weightless RMS norm per head, then RoPE (x [T, heads, d])."""
+    return _NormedRope.apply(x, cos, sin, eps)
 
 
 # ------------------------------------------------------------------------------ packed-batch geometry
@@ -203,6 +230,33 @@ def block_limits(lens: Iterable[int], ratio: int, window: int, tokens: int) -> t
 
 
 # ------------------------------------------------------------------------------------ attention core
+class _SinkSoftmax(torch.autograd.Function):
+    """softmax over [logits ; one sink logit per head] in fp32, returning the logits' probabilities (the
+    sink's own is dropped: it only dilutes the others) in `dtype`.
+
+    The backward needs the probabilities alone: it keeps them in `dtype` (the tensor the output product
+    keeps anyway) and one fp32 log-sum-exp per row for the sink's gradient. Autograd's softmax would also
+    keep its fp32 result: 6 bytes per score instead of 2, the largest activation of the attention core.
+    Rounding the kept probabilities to bf16 is what the output product already does with them."""
+
+    @staticmethod
+    def forward(ctx, logits, sinks, dtype: torch.dtype):
+        sink = sinks.float().view(1, -1, 1)  # logits [N, heads, K] fp32; sinks [heads]
+        top = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)
+        lse = top + (torch.exp(logits - top).sum(dim=-1, keepdim=True) + torch.exp(sink - top)).log()
+        probs = torch.exp(logits - lse).to(dtype)
+        ctx.save_for_backward(probs, lse, sinks)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, lse, sinks = ctx.saved_tensors
+        p, grad = probs.float(), grad.float()
+        dot = (grad * p).sum(dim=-1, keepdim=True)  # the sink's own gradient is 0: its probability is unused
+        grad_sinks = -(torch.exp(sinks.float().view(1, -1, 1) - lse) * dot).sum(dim=(0, 2))
+        return p * (grad - dot), grad_sinks.to(sinks.dtype), None
+
+
 def key_set_attention(q, kv, window_mask, entries, entry_keys, entry_mask, sinks, scale: float,
                       budget: int = 1 << 28, entry_limits: tuple[int, ...] | None = None,
                       entry_runs: int = 8) -> torch.Tensor:
@@ -248,12 +302,11 @@ def key_set_attention(q, kv, window_mask, entries, entry_keys, entry_mask, sinks
             picked = entries[entry_keys]  # [t, K, D]
             scores = torch.einsum("thd,tkd->thk", q, picked)
             logits.append((scores.float() * scale).masked_fill(~entry_mask[:, None, :], float("-inf")))
-        logits.append(sinks.float().view(1, h, 1).expand(n * w, h, 1))
-        logits = torch.cat(logits, dim=-1)
-        probs = (logits - logits.max(dim=-1, keepdim=True).values).softmax(dim=-1).to(q.dtype)
+        logits = logits[0] if len(logits) == 1 else torch.cat(logits, dim=-1)
+        probs = _SinkSoftmax.apply(logits, sinks, q.dtype)
         out = torch.bmm(probs[..., :width].reshape(n, w * h, width), keys).view(n * w, h, d)
         if entry_keys is not None:
-            out = out + torch.einsum("thk,tkd->thd", probs[..., width: -1], picked)
+            out = out + torch.einsum("thk,tkd->thd", probs[..., width:], picked)
         return out
 
     # runs of blocks: (first, end, entries they multiply); with limits, `entry_runs` of growing width, where
@@ -437,7 +490,7 @@ class Attention(nn.Module):
         cos, sin = ropes[self.rope_kind]
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).view(t, -1, self.head_dim)
-        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
+        q = normed_rope(q, cos, sin, self.eps)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, d]: key and value at once
         entries = picked = picked_mask = scored = None
         indexer_loss = torch.zeros((), device=x.device)
