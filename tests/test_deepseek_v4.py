@@ -359,6 +359,9 @@ def test_cuda_mhc_product_of_bf16_values_equals_the_fp32_path():
                                ("cuda", torch.bfloat16, torch.compile(normed_product)),
                                ("cpu", torch.float32, normed_product)):
         x, w = (t.to(device, dtype).requires_grad_() for t in (streams, fn))
+        kept = _saved_tensors(fn_, x, w, 1e-6)
+        # the streams as they came, no fp32 copy (compiled: whatever the partition chose to keep)
+        assert [k.untyped_storage().data_ptr() for k in kept if k.numel() >= x.numel()] == [x.data_ptr()]
         out = fn_(x, w, 1e-6)
         out.backward(grad.to(device))
         results.append([out.detach().cpu(), x.grad.float().cpu(), w.grad.float().cpu()])
@@ -450,6 +453,27 @@ def test_attention_core_keeps_one_bf16_copy_of_its_probabilities():
     assert [(x.dtype, x.numel()) for x in score_sized] == [(torch.bfloat16, scores)]
     # in fp32: one log-sum-exp per (query, head) and the sinks, nothing per score
     assert sum(x.numel() for x in kept if x.dtype == torch.float32) == t * h + h
+
+
+def test_mhc_maps_keep_the_streams_as_they_came():
+    """The mHC maps' logits, rms_norm(streams) @ fn^T in fp32, keep the streams for the backward in their
+    own dtype (the same tensor the merge keeps), not an fp32 copy, and give autograd's gradients."""
+    from mlite.runtime.models.deepseek_v4 import normed_product
+
+    torch.manual_seed(0)
+    streams, fn = torch.randn(50, 4, 32, dtype=torch.bfloat16), torch.randn(24, 128, dtype=torch.bfloat16)
+    kept = _saved_tensors(normed_product, streams.requires_grad_(), fn.requires_grad_(), 1e-6)
+    big = [k for k in kept if k.numel() >= streams.numel()]
+    assert [(k.dtype, k.untyped_storage().data_ptr()) for k in big] == [(torch.bfloat16, streams.data_ptr())]
+    x, w = streams.detach().float().requires_grad_(), fn.detach().float().requires_grad_()
+    grad = torch.randn(50, 24)
+    normed_product(x, w, 1e-6).backward(grad)
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    expected = F.linear(xr.flatten(1) * rms_scale(xr.flatten(1), 1e-6), wr)
+    torch.testing.assert_close(normed_product(x, w, 1e-6), expected, atol=1e-5, rtol=1e-5)
+    expected.backward(grad)
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad, wr.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_query_norm_and_rope_keep_only_their_output():

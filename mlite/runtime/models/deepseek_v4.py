@@ -543,34 +543,43 @@ class Attention(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ mHC
-class _Bf16ProductFp32(torch.autograd.Function):
-    """x [M, K] @ w[N, K]^T of bf16 values on the tensor cores with an fp32 result. The products of bf16
-    values are exact in fp32, so this is the fp32 matmul's arithmetic up to the order of the sums.
-    Backward in fp32, as the fp32 matmul's is."""
+def _product_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result. With bf16 `b` on a GPU, `a` is rounded to bf16 too and the product runs
+    on the tensor cores (products of bf16 values are exact in fp32: the fp32 matmul's arithmetic, up to
+    the order of the sums); elsewhere in fp32."""
+    if b.is_cuda and b.dtype == torch.bfloat16:
+        return torch.mm(a.to(b.dtype), b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+class _NormedProduct(torch.autograd.Function):
+    """rms_norm(x) @ w^T in fp32, x [M, K], w [N, K] (N small: the mHC maps' 24 logits per token).
+
+    The norm's scale r is one number per row, so it applies after the product. The backward keeps x as
+    it came (the residual streams, kept anyway), r and the small output. No fp32 copy of x: one made
+    for a matmul in the backward is one the compiler's partition keeps from the forward, [tokens, 4 x
+    hidden] in fp32 per call, two per layer; so the weight's gradient multiplies x as it is."""
 
     @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return torch.mm(x, w.t(), out_dtype=torch.float32)
+    def forward(ctx, x, w, eps: float):
+        scale = rms_scale(x, eps)  # [M, 1] fp32
+        out = _product_fp32(x, w.t()) * scale
+        ctx.save_for_backward(x, w, scale, out)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, w = ctx.saved_tensors
-        # fp32 products. (Written compiled as a broadcast product summed over the N columns instead, the
-        # input's gradient made the V4 bench step 35 ms slower: 186 ms against 152 ms.)
-        return (grad @ w.float()).to(x.dtype), (grad.t() @ x.float()).to(w.dtype)
+        x, w, scale, out = ctx.saved_tensors
+        grad_product = grad * scale
+        # out = (x @ w^T) r with r = (mean(x^2) + eps)^-1/2: dr/dx = -r^3 x / K, and x @ w^T = out / r
+        grad_scale = (grad * out).sum(-1, keepdim=True) / scale
+        grad_x = grad_product @ w.float() - (grad_scale * scale.pow(3) / x.shape[-1]) * x.float()
+        return grad_x.to(x.dtype), _product_fp32(grad_product.t(), x).to(w.dtype), None
 
 
 def normed_product(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm(streams.flatten(1)) @ fn^T in fp32 (the mHC maps' logits). The norm's scale is one number
-    per row, so it applies after the product: no fp32 copy of the streams is made or kept for backward,
-    and on GPUs the product of the bf16 streams and weights runs on the tensor cores."""
-    x = streams.flatten(1)
-    if x.is_cuda and x.dtype == fn.dtype == torch.bfloat16:
-        product = _Bf16ProductFp32.apply(x, fn)
-    else:
-        product = F.linear(x.float(), fn.float())
-    return product * rms_scale(x, eps)
+    """rms_norm(streams.flatten(1)) @ fn^T in fp32: the mHC maps' logits."""
+    return _NormedProduct.apply(streams.flatten(1), fn, eps)
 
 
 class HyperConnection(nn.Module):
