@@ -321,6 +321,35 @@ def test_cuda_bf16_stays_within_bf16_tolerance_of_fp32():
 
 
 @pytest.mark.gpu
+def test_cuda_compiled_blocks_equal_the_eager_torch_path_in_bf16():
+    """The GPU fast path, as `mlite bench` and the trainers run it (`model.compile`: each block's body
+    through inductor, which fuses the key-set attention's masking and sink softmax, RoPE, the norms and
+    mHC into generated Triton kernels around the block products), against the eager torch path on the
+    same bf16 weights and batch: logits and the whole gradient within bf16 tolerance."""
+    from mlite.runtime.parallel.parallelize import apply_recompute
+
+    arch = preset_arch("tiny-deepseek-v4")  # every entry seen: no top-k flips between the two paths
+    arch = dataclasses.replace(arch, v4=dataclasses.replace(arch.v4, index_topk=1024))
+    torch.manual_seed(0)
+    eager = build_model(arch, device="cuda", dtype=torch.bfloat16)
+    fast = build_model(arch, device="cuda", dtype=torch.bfloat16)
+    fast.load_state_dict(eager.state_dict())
+    apply_recompute(fast, "none", compile_blocks=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    batch = packed([torch.randint(0, arch.vocab, (n,)) for n in (300, 130, 61)]).to("cuda")
+    results = []
+    for model in (eager, fast):
+        logits = model.compute_logits(model(batch).hidden).float()
+        logits.logsumexp(-1).mean().backward()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+        results.append((logits.detach(), grads))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # really compiled
+    (logits, grads), (fast_logits, fast_grads) = results
+    assert float((fast_logits - logits).norm() / logits.norm()) < 0.01
+    assert float((fast_grads - grads).norm() / grads.norm()) < 0.02
+
+
+@pytest.mark.gpu
 def test_cuda_indexer_scores_bf16_on_tensor_cores_equal_the_fp32_matmul():
     """On a GPU the indexer multiplies bf16 queries and entries on the tensor cores with an fp32 result, and
     weights, relus and sums the dots over heads in one compiled reduction: the products of bf16 values are
