@@ -321,32 +321,40 @@ def test_cuda_bf16_stays_within_bf16_tolerance_of_fp32():
 
 
 @pytest.mark.gpu
-def test_cuda_compiled_blocks_equal_the_eager_torch_path_in_bf16():
+def test_cuda_compiled_blocks_are_as_exact_as_the_eager_torch_path_in_bf16():
     """The GPU fast path, as `mlite bench` and the trainers run it (`model.compile`: each block's body
     through inductor, which fuses the key-set attention's masking and sink softmax, RoPE, the norms and
     mHC into generated Triton kernels around the block products), against the eager torch path on the
-    same bf16 weights and batch: logits and the whole gradient within bf16 tolerance."""
+    same bf16 weights and batch. Both are measured against fp32 on those weights: the compiled path's
+    logits and gradient are as close to it as eager bf16's (two bf16 runs differ from each other by about
+    their own rounding, 1.2% in the logits)."""
     from mlite.runtime.parallel.parallelize import apply_recompute
 
-    arch = preset_arch("tiny-deepseek-v4")  # every entry seen: no top-k flips between the two paths
+    arch = preset_arch("tiny-deepseek-v4")  # every entry seen: no top-k flips between the paths
     arch = dataclasses.replace(arch, v4=dataclasses.replace(arch.v4, index_topk=1024))
     torch.manual_seed(0)
     eager = build_model(arch, device="cuda", dtype=torch.bfloat16)
     fast = build_model(arch, device="cuda", dtype=torch.bfloat16)
+    exact = build_model(arch, device="cuda", dtype=torch.float32)
     fast.load_state_dict(eager.state_dict())
+    exact.load_state_dict(eager.state_dict())  # the bf16 weights, in fp32
     apply_recompute(fast, "none", compile_blocks=True)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     batch = packed([torch.randint(0, arch.vocab, (n,)) for n in (300, 130, 61)]).to("cuda")
     results = []
-    for model in (eager, fast):
+    for model in (exact, eager, fast):
         logits = model.compute_logits(model(batch).hidden).float()
         logits.logsumexp(-1).mean().backward()
         grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
         results.append((logits.detach(), grads))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # really compiled
-    (logits, grads), (fast_logits, fast_grads) = results
-    assert float((fast_logits - logits).norm() / logits.norm()) < 0.01
-    assert float((fast_grads - grads).norm() / grads.norm()) < 0.02
+    (logits, grads), *runs = results
+    (eager_logits_error, eager_grad_error), (fast_logits_error, fast_grad_error) = (
+        (float((got - logits).norm() / logits.norm()), float((got_grads - grads).norm() / grads.norm()))
+        for got, got_grads in runs)
+    assert eager_logits_error < 0.03 and eager_grad_error < 0.03
+    assert fast_logits_error < 1.5 * eager_logits_error, (fast_logits_error, eager_logits_error)
+    assert fast_grad_error < 1.5 * eager_grad_error, (fast_grad_error, eager_grad_error)
 
 
 @pytest.mark.gpu
