@@ -187,6 +187,10 @@ CASES: dict[str, BenchCase] = {
         # 32 routed experts top-6 + 1 shared; the layers of ../shared/REFERENCE.md section 4's HF anchor
         BenchCase("dsv4-flash-4l-4k", "deepseek-v4-flash", 4096, num_layers=4, config=_DSV4_4L),
         BenchCase("dsv4-flash-4l-2k", "deepseek-v4-flash", 2048, num_layers=4, config=_DSV4_4L),
+        # issue 13: a 16k sequence on one H100, where transformers' eager attention (T x T scores per layer)
+        # runs out of memory
+        BenchCase("dsv4-flash-4l-16k", "deepseek-v4-flash", 16384, num_layers=4, config=_DSV4_4L,
+                  baseline=False),
         # the CPU suite's cases: exercise every code path in seconds (the multi-rank ones on gloo)
         BenchCase("tiny-cpu", "tiny-qwen3-moe", 128, packing="mixed"),
         BenchCase("tiny-cpu-dp2", "tiny-qwen3", 128, packing="mixed", gpus=2, dp=2, baseline=False),
