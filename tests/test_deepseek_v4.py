@@ -363,7 +363,7 @@ def test_cuda_indexer_scores_bf16_on_tensor_cores_equal_the_fp32_matmul():
     weights, relus and sums the dots over heads in one compiled reduction: the products of bf16 values are
     exact in fp32, so the scores equal the CPU's fp32 matmul and batched product of the same values up to
     the order of the sums, for every entry at once and for per-query candidate keys."""
-    from mlite.runtime.models.deepseek_v4 import Indexer
+    from mlite.runtime.models.deepseek_v4 import Indexer, index_scores
 
     arch = preset_arch("tiny-deepseek-v4")
     indexer = Indexer(arch)
@@ -373,8 +373,8 @@ def test_cuda_indexer_scores_bf16_on_tensor_cores_equal_the_fp32_matmul():
     weights = torch.randn(300, indexer.heads, generator=gen).bfloat16()
     candidates = torch.randint(0, 77, (300, 9), generator=gen)
     for keys_of in (lambda k: k, lambda k: k[candidates]):  # every entry; each query's own candidates
-        fast = indexer.scores(q.cuda(), keys_of(keys).cuda(), weights.cuda())
-        exact = indexer.scores(q.float(), keys_of(keys).float(), weights)  # the CPU's fp32 path
+        fast = index_scores(q.cuda(), keys_of(keys).cuda(), weights.cuda())
+        exact = index_scores(q.float(), keys_of(keys).float(), weights)  # the CPU's fp32 path
         assert fast.dtype == exact.dtype == torch.float32
         torch.testing.assert_close(fast.cpu(), exact, rtol=1e-5, atol=1e-5)
 
@@ -458,6 +458,32 @@ def test_key_set_attention_layouts_agree_with_dense_attention():
         (torch.einsum("thk,kd->thd", logits.softmax(-1)[..., :-1], keys) * weights).sum().backward()
         for a, b in zip(ours, ref):  # queries, keys, entries and the sinks
             torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_blocks_under_full_recompute_take_the_forwards_graphs():
+    """model.compile with full recompute (the Runtime's composition, `apply_recompute`): each layer's
+    recompute in the backward must run the graphs its forward ran. Layers of different kinds (here a
+    sliding layer, then a CSA layer, the first hash-routed) share the blocks' code; the indexer's top-k is
+    an opaque op, so no graph break splits a block and no layer runs another kind's compiled entry. Two
+    steps (the first compiles) give the eager model's gradients, with inductor's real kernels."""
+    from mlite.runtime.parallel.parallelize import apply_recompute
+
+    arch = preset_arch("tiny-deepseek-v4")
+    arch = dataclasses.replace(arch, num_layers=2, v4=dataclasses.replace(arch.v4, compress_ratios=(0, 4),
+                                                                        num_hash_layers=1))
+    torch.manual_seed(0)
+    eager, fast = build_model(arch), build_model(arch)
+    fast.load_state_dict(eager.state_dict())
+    apply_recompute(fast, "full", "uniform", 1, compile_blocks=True)
+    gen = torch.Generator().manual_seed(0)
+    for lengths in ((150, 90), (150, 90)):  # the first step compiles inside the checkpointed forward
+        batch = packed([torch.randint(0, arch.vocab, (n,), generator=gen) for n in lengths])
+        grads = []
+        for model in (eager, fast):
+            model.zero_grad()
+            model.compute_logits(model(batch).hidden).logsumexp(-1).mean().backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
 
 
 def _saved_tensors(fn, *args) -> list[torch.Tensor]:
@@ -557,7 +583,8 @@ def test_indexer_scores_every_entry_at_once_or_per_query_with_the_same_picks(mon
     candidate columns (a long sequence: its candidates are most entries), or a per-query copy of the
     candidate keys (many short sequences: each query sees few of the batch's entries). Both give the
     same scores within fp32 rounding and the same picks; which way a batch takes follows its shape."""
-    from mlite.runtime.models.deepseek_v4 import CSA, Indexer
+    from mlite.runtime.models import deepseek_v4
+    from mlite.runtime.models.deepseek_v4 import CSA, Indexer, index_scores
 
     model, _, seqs = reference_model(CASES[0])
     indexer = next(layer.attn.indexer for layer in model.layers.values() if layer.attn.indexer is not None)
@@ -566,17 +593,16 @@ def test_indexer_scores_every_entry_at_once_or_per_query_with_the_same_picks(mon
     keys = torch.randn(6, indexer.dim, generator=gen)
     weights = torch.randn(9, indexer.heads, generator=gen)
     visible = torch.randint(0, 6, (9, 5), generator=gen)
-    torch.testing.assert_close(indexer.scores(q, keys, weights).gather(1, visible),
-                               indexer.scores(q, keys[visible], weights), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(index_scores(q, keys, weights).gather(1, visible),
+                               index_scores(q, keys[visible], weights), atol=1e-6, rtol=1e-6)
 
     ways = []
-    scores = Indexer.scores
 
-    def spy(self, q, keys, head_weights):
+    def spy(q, keys, head_weights):
         ways.append("every" if keys.dim() == 2 else "per-query")
-        return scores(self, q, keys, head_weights)
+        return index_scores(q, keys, head_weights)
 
-    monkeypatch.setattr(Indexer, "scores", spy)
+    monkeypatch.setattr(deepseek_v4, "index_scores", spy)
 
     def pick(batch):
         ways.clear()

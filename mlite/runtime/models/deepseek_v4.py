@@ -378,6 +378,68 @@ def _weighted_relu_sum(dots: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
     return _compiled_weighted_relu_sum()(dots, weights)
 
 
+def index_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+    """The indexer's scores, sum_h w[t, h] * relu(q[t, h] . k) / sqrt(heads * dim): q [t, heads, dim],
+    head_weights [t, heads], keys [t, V, dim] (each query's own candidates) -> [t, V]; or keys [C, dim]
+    (every entry, the same for all queries) -> [t, C]."""
+    heads, dim = q.shape[1], q.shape[2]
+    if keys.dim() == 2 and q.is_cuda and q.dtype == keys.dtype == torch.bfloat16:
+        # one matmul against every entry, on the tensor cores with an fp32 result: the products of bf16
+        # values are exact in fp32, so these are the fp32 matmul's numbers up to the order of the sums
+        dots = torch.mm(q.flatten(0, 1), keys.t(), out_dtype=torch.float32).view(*q.shape[:2], -1)
+    elif keys.dim() == 2:  # one matmul against every entry: no per-query copy of the keys
+        dots = torch.matmul(q.float(), keys.float().t())
+    else:
+        dots = torch.einsum("thd,tvd->thv", q.float(), keys.float())
+    # sum_h w[t, h] * relu(dots[t, h]), both scales in w. The dots are [t, heads, V] fp32, the largest
+    # tensor the indexer makes: on GPUs one compiled reduction reads them once (relu, weight and sum
+    # fused); elsewhere one batched product over the relu'd dots
+    weights = head_weights.float() * (heads**-0.5 * dim**-0.5)
+    if dots.is_cuda:
+        return _weighted_relu_sum(dots, weights)
+    return torch.bmm(weights.unsqueeze(1), dots.relu_()).squeeze(1)
+
+
+@torch.library.custom_op("mlite::v4_index_pick", mutates_args=())
+def index_pick(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, visible: torch.Tensor,
+               visible_mask: torch.Tensor, top_k: int, every_entry_ratio: int,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's top-k visible entries by index score: (picked [T, k] entry indices, picked_mask).
+
+    An opaque op: the search over data-dependent candidate sets runs eagerly, chunked, while a compiled
+    block traces through it by its output shapes alone (the fake below). A graph break here instead
+    split the block's compiled graph at the attention call, and layers of other kinds then shared that
+    split entry: the first step and a recompute took different graphs (full recompute failed)."""
+    top_k = min(top_k, visible.shape[1])
+    picked, picked_mask = [], []
+    # where each query's candidates (the complete windows before it in its sequence) are a good share of
+    # all entries, one matmul against every entry, then the candidates' columns, beats copying the keys
+    # per query; a batch of many short sequences keeps the per-query copy (fewer products)
+    every = visible.shape[1] * every_entry_ratio >= keys.shape[0]
+    chunk = max(1, (1 << 26) // (q.shape[1] * (keys.shape[0] if every else visible.shape[1])))
+    for start in range(0, q.shape[0], chunk):
+        part = slice(start, start + chunk)
+        if every:
+            scores = index_scores(q[part], keys, head_weights[part]).gather(1, visible[part])
+        else:
+            scores = index_scores(q[part], keys[visible[part]], head_weights[part])
+        scores = scores.masked_fill(~visible_mask[part], float("-inf"))
+        # ties (relu makes exact zeros common) go to the earlier entry, whatever the candidate list's
+        # length: a stable sort, not topk, whose choice among ties is the kernel's
+        best = scores.sort(dim=-1, descending=True, stable=True)
+        picked.append(visible[part].gather(1, best.indices[:, :top_k]))
+        picked_mask.append(best.values[:, :top_k] > float("-inf"))
+    if not picked:  # no query
+        return visible.new_empty(0, top_k), visible_mask.new_empty(0, top_k)
+    return torch.cat(picked), torch.cat(picked_mask)
+
+
+@index_pick.register_fake
+def _index_pick_shapes(q, keys, head_weights, visible, visible_mask, top_k, every_entry_ratio):
+    top_k = min(top_k, visible.shape[1])
+    return visible.new_empty(q.shape[0], top_k), visible_mask.new_empty(q.shape[0], top_k)
+
+
 class Indexer(nn.Module):
     """The lightning indexer of CSA: scores compressed entries for each query,
     sum_h w[t, h] * relu(q[t, h] . k[c]), and keeps the top-k visible ones."""
@@ -392,58 +454,17 @@ class Indexer(nn.Module):
         self.q_proj = nn.Linear(v4.q_lora_rank, self.heads * self.dim, bias=False)
         self.weights_proj = nn.Linear(arch.hidden, self.heads, bias=False)
 
-    def scores(self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
-        """q [t, heads, dim], head_weights [t, heads], keys [t, V, dim] (each query's own candidates) ->
-        [t, V]; or keys [C, dim] (every entry, the same for all queries) -> [t, C]."""
-        if keys.dim() == 2 and q.is_cuda and q.dtype == keys.dtype == torch.bfloat16:
-            # one matmul against every entry, on the tensor cores with an fp32 result: the products of bf16
-            # values are exact in fp32, so these are the fp32 matmul's numbers up to the order of the sums
-            dots = torch.mm(q.flatten(0, 1), keys.t(), out_dtype=torch.float32).view(*q.shape[:2], -1)
-        elif keys.dim() == 2:  # one matmul against every entry: no per-query copy of the keys
-            dots = torch.matmul(q.float(), keys.float().t())
-        else:
-            dots = torch.einsum("thd,tvd->thv", q.float(), keys.float())
-        # sum_h w[t, h] * relu(dots[t, h]), both scales in w. The dots are [t, heads, V] fp32, the largest
-        # tensor the indexer makes: on GPUs one compiled reduction reads them once (relu, weight and sum
-        # fused); elsewhere one batched product over the relu'd dots
-        weights = head_weights.float() * (self.heads**-0.5 * self.dim**-0.5)
-        if dots.is_cuda:
-            return _weighted_relu_sum(dots, weights)
-        return torch.bmm(weights.unsqueeze(1), dots.relu_()).squeeze(1)
-
     def forward(self, x, q_residual, geo: Geometry, entry_rope, query_rope):
         """-> (picked [T, k] entry indices, picked_mask [T, k], query/key tensors for the indexer loss).
-        The projections, compressor and rope compile with the block; the top-k search runs eagerly."""
+        Everything compiles with the block; the top-k search is the opaque `index_pick`."""
         windows = geo.compressed[CSA]
         keys = geo.gather(self.compressor(x, windows, *entry_rope), CSA)  # [C, dim]
         q = apply_rope(self.q_proj(q_residual).view(x.shape[0], self.heads, self.dim), *query_rope)
         head_weights = self.weights_proj(x)
-        picked, picked_mask = self.pick(q, keys, head_weights, windows)
+        # top-k is not differentiable: the indexer trains only through its own loss
+        picked, picked_mask = index_pick(q.detach(), keys.detach(), head_weights.detach(), windows.visible,
+                                         windows.visible_mask, self.top_k, self.every_entry_ratio)
         return picked, picked_mask, (q, keys, head_weights)
-
-    @torch.compiler.disable  # top-k over data-dependent candidate sets, chunked: eager (model.compile)
-    def pick(self, q, keys, head_weights, windows: Windows) -> tuple[torch.Tensor, torch.Tensor]:
-        top_k = min(self.top_k, windows.visible.shape[1])
-        picked, picked_mask = [], []
-        # where each query's candidates (the complete windows before it in its sequence) are a good share
-        # of all entries, one matmul against every entry, then the candidates' columns, beats copying the
-        # keys per query; a batch of many short sequences keeps the per-query copy (fewer products)
-        every = windows.visible.shape[1] * self.every_entry_ratio >= keys.shape[0]
-        chunk = max(1, (1 << 26) // (self.heads * (keys.shape[0] if every else windows.visible.shape[1])))
-        with torch.no_grad():  # top-k is not differentiable: the indexer trains only through its own loss
-            for start in range(0, q.shape[0], chunk):
-                part = slice(start, start + chunk)
-                if every:
-                    scores = self.scores(q[part], keys, head_weights[part]).gather(1, windows.visible[part])
-                else:
-                    scores = self.scores(q[part], keys[windows.visible[part]], head_weights[part])
-                scores = scores.masked_fill(~windows.visible_mask[part], float("-inf"))
-                # ties (relu makes exact zeros common) go to the earlier entry, whatever the candidate
-                # list's length: a stable sort, not topk, whose choice among ties is the kernel's
-                best = scores.sort(dim=-1, descending=True, stable=True)
-                picked.append(windows.visible[part].gather(1, best.indices[:, :top_k]))
-                picked_mask.append(best.values[:, :top_k] > float("-inf"))
-        return torch.cat(picked), torch.cat(picked_mask)
 
 
 # ----------------------------------------------------------------------------------------- attention
@@ -534,7 +555,7 @@ class Attention(nn.Module):
             probs = scores.masked_fill(~picked_mask[:, None, :], float("-inf")).float().softmax(-1)
             target = probs.nan_to_num(0.0).sum(1)
             target = target / target.sum(-1, keepdim=True).clamp(min=1e-20)
-        logits = self.indexer.scores(index_q, index_keys[picked], head_weights)
+        logits = index_scores(index_q, index_keys[picked], head_weights)
         logits = logits.masked_fill(~picked_mask, float("-inf"))
         log_q = logits.log_softmax(-1).masked_fill(~picked_mask, 0.0)
         kl = geo.local((target * (target.clamp(min=1e-20).log() - log_q)).sum(-1))
