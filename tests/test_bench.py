@@ -320,7 +320,7 @@ def test_set_is_refused_for_multi_gpu_cases_in_one_line():
 
 
 @pytest.mark.parametrize("result", ["h100-2026-11-25-dsv4-bf16-eighth.json",
-                                    "h100-2026-11-25-dsv4-fp8-eighth.json",
+                                    "h100-2026-11-25-dsv4-fp8-index-op.json",
                                     "h100-2026-11-25-dsv4-fp8-selective-eighth.json"])
 def test_the_planner_sizes_the_v4_bench_case_within_10_percent_of_the_h100_runs(result):
     """Calibration against measured peaks (footprint: allocator peak + CUDA context, one H100, committed
