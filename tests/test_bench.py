@@ -321,11 +321,15 @@ def test_set_is_refused_for_multi_gpu_cases_in_one_line():
 
 @pytest.mark.parametrize("result", ["h100-2026-11-25-dsv4-bf16-eighth.json",
                                     "h100-2026-11-25-dsv4-fp8-index-op.json",
-                                    "h100-2026-11-25-dsv4-fp8-selective-eighth.json"])
+                                    "h100-2026-11-25-dsv4-fp8-selective-eighth.json",
+                                    "h100-2026-11-25-dsv4-16k-fp8-full.json",
+                                    "h100-2026-11-25-dsv4-16k-bf16-full.json"])
 def test_the_planner_sizes_the_v4_bench_case_within_10_percent_of_the_h100_runs(result):
     """Calibration against measured peaks (footprint: allocator peak + CUDA context, one H100, committed
-    under docs/bench): bf16 Adam state, fp8 state, fp8 state with selective recompute. The key-set
-    attention's kept probabilities (bf16, once) are what selective recompute removes."""
+    under docs/bench): bf16 Adam state, fp8 state, fp8 state with selective recompute at 4k; fp8 and bf16
+    state with full recompute at 16k. The key-set attention's kept probabilities (bf16, once) are what
+    selective recompute removes; at 16k the CSA core gathers each query's picked entries, a chunk at a
+    time ("key-set gather")."""
     import json
     from pathlib import Path
 

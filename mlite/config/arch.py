@@ -62,6 +62,11 @@ class MLAArch:
 V4_CSA = 4  # the ratio of compressed sparse attention (overlapping windows, the lightning indexer)
 V4_ATTENTION_KINDS = {0: "sliding_attention", V4_CSA: "compressed_sparse_attention",
                       128: "heavily_compressed_attention"}
+# The key-set attention's layout rules, read by the model and the planner alike: a CSA layer whose entries
+# are at most this many times its top-k takes all of them, masked per query; above it, each query gathers
+# its picked entries. Above V4_KEY_SET_LOGITS logits a layer's core runs in chunks of query blocks.
+V4_DENSE_ENTRIES_PER_PICK = 4
+V4_KEY_SET_LOGITS = 1 << 28
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from mlite.config.arch import ModelArch
+from mlite.config.arch import V4_CSA, V4_DENSE_ENTRIES_PER_PICK, V4_KEY_SET_LOGITS, ModelArch
 from mlite.config.catalog import count_params, embedding_params, final_params, layer_params
 from mlite.config.schema import JobConfig
 from mlite.plan.rules import Layout
@@ -159,6 +159,22 @@ def layer_activation_bytes(arch: ModelArch, layer: int, act: int, granularity: s
     return act * (attn + shared) + extra + 4 * moe.num_experts, routed  # + fp32 router logits
 
 
+def v4_gather_bytes(arch: ModelArch, layers, seq_len: int, tokens: float, tp: int, act: int) -> float:
+    """DeepSeek-V4's CSA core on long sequences (entries above V4_DENSE_ENTRIES_PER_PICK x top-k): each
+    query gathers its picked entries, [queries, top-k, head_dim], one chunk of query blocks at a time
+    (V4_KEY_SET_LOGITS logits a chunk), and the backward makes their gradient of the same size."""
+    v4 = arch.v4
+    if v4 is None or not any(v4.compress_ratios[i] == V4_CSA for i in layers):
+        return 0.0
+    entries = seq_len // V4_CSA
+    picked = min(v4.index_topk, entries)
+    if entries <= V4_DENSE_ENTRIES_PER_PICK * picked:
+        return 0.0
+    w, heads = v4.sliding_window, arch.num_heads / tp
+    chunk = max(1, V4_KEY_SET_LOGITS // int(w * heads * (2 * w + picked))) * w
+    return min(tokens, chunk) * picked * arch.head_dim * act * 2
+
+
 def layer_input_bytes(arch: ModelArch, act: int) -> int:
     """What full recompute keeps per layer and token: the layer input (all mHC copies for V4)."""
     return act * arch.hidden * (arch.v4.hc_mult if arch.v4 is not None else 1)
@@ -252,6 +268,9 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout,
         put("activations: routed experts", routed * tokens * flight, f"top-{arch.moe.top_k} token copies")
     if working:
         put("recompute working set", working * tokens, f"one group of {r.num_layers} layer(s) rebuilt")
+    gather = v4_gather_bytes(arch, layers, job.data.seq_len, tokens, layout.tp, act)
+    if gather:
+        put("key-set gather", gather, "one chunk of CSA queries' picked entries and their gradient")
     if stage == layout.pp - 1:
         # one chunk at a time
         logit_tokens = min(layout.tokens_per_micro_batch / layout.cp, LOGIT_CHUNK_TOKENS)

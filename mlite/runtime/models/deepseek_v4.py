@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mlite.config.arch import V4_CSA as CSA
-from mlite.config.arch import ModelArch
+from mlite.config.arch import V4_DENSE_ENTRIES_PER_PICK, V4_KEY_SET_LOGITS, ModelArch
 from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.models.base import HFTensors, ModelOutput, RMSNorm, same_tensor
 from mlite.runtime.models.moe import (
@@ -258,7 +258,7 @@ class _SinkSoftmax(torch.autograd.Function):
 
 
 def key_set_attention(q, kv, window_mask, entries, entry_keys, entry_mask, sinks, scale: float,
-                      budget: int = 1 << 28, entry_limits: tuple[int, ...] | None = None,
+                      budget: int = V4_KEY_SET_LOGITS, entry_limits: tuple[int, ...] | None = None,
                       entry_runs: int = 8) -> torch.Tensor:
     """Attention of each query over its key set: its sliding window of raw keys, plus compressed entries.
 
@@ -527,7 +527,8 @@ class Attention(nn.Module):
             else:
                 picked, picked_mask = windows.visible, windows.visible_mask
         entry_keys, entry_mask = picked, picked_mask
-        if entries is not None and entries.shape[0] <= 4 * picked.shape[1]:  # few entries: all, masked
+        if entries is not None and entries.shape[0] <= V4_DENSE_ENTRIES_PER_PICK * picked.shape[1]:
+            # few entries: all of them, masked per query
             entry_keys, entry_mask = None, torch.zeros(t, entries.shape[0] + 1, dtype=torch.bool,
                                                        device=x.device).scatter_(
                 1, torch.where(picked_mask, picked, entries.shape[0]), True)[:, :-1]
