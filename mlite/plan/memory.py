@@ -122,8 +122,8 @@ def layer_activation_bytes(arch: ModelArch, layer: int, act: int, granularity: s
     """Bytes per token one layer keeps for backward, before tp splits them: (attention + dense/shared MLP +
     residual streams, routed experts). `granularity` is none or selective (full is handled by the caller).
     Attention is assumed fused (flash-style): only its log-sum-exp per head is kept, never the score
-    matrix; except DeepSeek-V4's key-set attention, which keeps each query's scores over its key set
-    unless selective recompute rebuilds them."""
+    matrix; except DeepSeek-V4's key-set attention, which keeps each query's probabilities over its key
+    set unless selective recompute rebuilds them."""
     h = arch.hidden
     selective = granularity == "selective"  # norms, activation functions and attention cores recomputed
     norms = h if selective else 2 * h  # norm inputs are kept; their outputs are recomputed under selective
@@ -132,12 +132,13 @@ def layer_activation_bytes(arch: ModelArch, layer: int, act: int, granularity: s
         attn = norms + 2 * v4.q_lora_rank + arch.num_heads * hd * 2 + 2 * hd + v4.o_groups * v4.o_lora_rank
         attn += 2 * v4.hc_mult * h  # mHC: the residual copies entering each of the two sub-blocks
         ratio = v4.compress_ratios[layer]
-        extra = 4 * arch.num_heads + (4 * v4.index_topk if ratio == 4 else 0)
+        extra = 4 * arch.num_heads + (4 * v4.index_topk if ratio == V4_CSA else 0)
         if not selective:
             # the key set: the window's two blocks, plus the top-k picked (CSA) or every complete entry
             # (HCA); its probabilities kept once, in bf16, per query, head and key (measured on one H100:
             # 1.16 GB of the 4-layer, 4096-token bench case)
-            entries = min(v4.index_topk, seq_len // 4) if ratio == 4 else seq_len // ratio if ratio else 0
+            entries = (min(v4.index_topk, seq_len // V4_CSA) if ratio == V4_CSA
+                       else seq_len // ratio if ratio else 0)
             extra += arch.num_heads * (2 * v4.sliding_window + entries) * 2
     elif arch.mla is not None:
         m = arch.mla
