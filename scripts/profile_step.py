@@ -5,7 +5,9 @@ times it, with model.compile) and say where the step's wall time goes:
 - the host gap: the step's wall time minus the CUDA time of its kernels (the GPU idles while the host
   launches, syncs or runs eager Python);
 - the graph breaks and recompilations torch.compile saw (each break is an eager region between graphs);
-- every host sync of a step (`torch.cuda.set_sync_debug_mode`), counted by the mlite line that caused it.
+- every host sync of a step (`torch.cuda.set_sync_debug_mode`), counted by the mlite line that caused it;
+- the host's own time for one step, by Runtime call, measured while the GPU is held back by a sleep kernel
+  (so the host never waits for it): a host slower than the kernels is where a host gap comes from.
 
     python3 scripts/profile_step.py dense-1.7b-4k [moe-30b-a3b-6l-4k ...] [--rows 25] [--set KEY=VALUE]
 
@@ -54,8 +56,44 @@ def sync_sites(step) -> collections.Counter:
     return sites
 
 
+HOLD_CYCLES = 4_000_000_000  # ~2 s of an H100's clock: longer than any step's host work
+
+
+def host_time(step, runtime) -> tuple[float, dict[str, float]] | None:
+    """(ms, {Runtime call: ms}) the host takes to queue one step while the GPU is still busy with a sleep
+    kernel queued just before it, so no wait on the GPU is counted; None if the host did wait (a host sync,
+    or a launch queue so full that it blocked)."""
+    phases: dict[str, float] = collections.defaultdict(float)
+    calls = ("zero_grad", "forward_backward", "optimizer_step", "lr_scheduler_step")
+    originals = {call: getattr(runtime, call) for call in calls}
+
+    def timed(call, fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases[call] += (time.perf_counter() - t0) * 1e3
+        return run
+
+    for call, fn in originals.items():
+        setattr(runtime, call, timed(call, fn))
+    try:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(HOLD_CYCLES)
+        start = time.perf_counter()
+        step()
+        host_ms = (time.perf_counter() - start) * 1e3
+        held = not torch.cuda.current_stream().query()  # the sleep (or the step behind it) still running
+        torch.cuda.synchronize()
+    finally:
+        for call in calls:
+            delattr(runtime, call)  # back to the class's methods
+    return (host_ms, dict(phases)) if held else None
+
+
 def profile(name: str, rows: int, overrides: list[str]) -> None:
-    step, _runtime, _last = bench.case_step(name, overrides=overrides)
+    step, runtime, _last = bench.case_step(name, overrides=overrides)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -83,6 +121,13 @@ def profile(name: str, rows: int, overrides: list[str]) -> None:
     print(f"compiled graphs {graphs}; graph breaks {sum(breaks.values())}")
     for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])[:10]:
         print(f"  {n:4d} x {reason[:200]}")
+    host = [host_time(step, runtime) for _ in range(3)]
+    if all(h is not None for h in host):
+        ms, phases = min(host, key=lambda h: h[0])
+        print(f"host time to queue one step (GPU held back): {ms:.1f} ms, against {cuda_ms:.1f} ms of kernels: "
+              + ", ".join(f"{call} {t:.1f}" for call, t in phases.items()))
+    else:
+        print("host time: the host waited for the GPU while queueing a step (a sync or a full launch queue)")
     sites = sync_sites(step)
     print(f"host syncs in one step: {sum(sites.values())}")
     for where, n in sites.most_common(15):

@@ -52,22 +52,54 @@ def expert_counts(ids: torch.Tensor, num_experts: int, weights: torch.Tensor | N
     return torch.zeros(num_experts, dtype=ones.dtype, device=ids.device).scatter_add_(0, ids, ones)
 
 
+class _GatherRows(torch.autograd.Function):
+    """x[index] where `index` names every row of x exactly `fan` times (a permutation when fan is 1), and
+    `inverse` lists, for each of x's rows in turn, the `fan` positions of the result that copy it. The
+    gradient is then a gather too: the result's gradient taken in `inverse` order, its `fan` copies summed
+    in fp32. Autograd's own gradient of x[index] is a scatter-add (index_put with accumulate), whose
+    atomics are slower and whose sums round in bf16; the permutation's structure is what makes a gather
+    enough."""
+
+    @staticmethod
+    def forward(x, index, inverse, fan):
+        return x[index]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+        ctx.fan = inputs[3]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        rows = grad[inverse]
+        if ctx.fan > 1:
+            rows = rows.view(-1, ctx.fan, grad.shape[-1]).sum(1, dtype=torch.float32).to(grad.dtype)
+        return rows, None, None, None
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """position[order[i]] = i: where each element of a permutation went."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
 def group_by_expert(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
     """(token, choice) pairs sorted by expert: (order, routed rows [N*k, H], counts [E]). Sizes are known
     from the shapes alone (N*k rows): no host sync, and one graph with the router and the experts."""
     k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    return order, hidden[order // k], expert_counts(flat_ids, num_experts)
+    # token n's k pairs sit at rows inverse_permutation(order)[n*k : n*k + k] of the routed rows
+    routed = _GatherRows.apply(hidden, order // k, inverse_permutation(order), k)
+    return order, routed, expert_counts(flat_ids, num_experts)
 
 
 def combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Expert outputs in expert order -> sum_j weights[n, j] * out of choice j, for every token n
-    -> [N, H]."""
+    -> [N, H]. A gather back to (token, choice) order, fused with the weighted sum (no scatter)."""
     n, k = weights.shape
-    combined = torch.empty_like(out)
-    combined[order] = out  # back to (token, choice) order
-    return (combined.view(n, k, -1) * weights.unsqueeze(-1).to(combined.dtype)).sum(1)
+    by_pair = _GatherRows.apply(out, inverse_permutation(order), order, 1)  # [N*k, H], (token, choice) order
+    return (by_pair.view(n, k, -1) * weights.unsqueeze(-1).to(by_pair.dtype)).sum(1)
 
 
 def local_dispatch(hidden, expert_ids, weights, experts: ExpertsFn, num_experts: int) -> torch.Tensor:
