@@ -124,8 +124,8 @@ def profile(name: str, rows: int, overrides: list[str]) -> None:
     host = [host_time(step, runtime) for _ in range(3)]
     if all(h is not None for h in host):
         ms, phases = min(host, key=lambda h: h[0])
-        print(f"host time to queue one step (GPU held back): {ms:.1f} ms, against {cuda_ms:.1f} ms of kernels: "
-              + ", ".join(f"{call} {t:.1f}" for call, t in phases.items()))
+        print(f"host time to queue one step (GPU held back): {ms:.1f} ms, against {cuda_ms:.1f} ms of "
+              "kernels: " + ", ".join(f"{call} {t:.1f}" for call, t in phases.items()))
     else:
         print("host time: the host waited for the GPU while queueing a step (a sync or a full launch queue)")
     sites = sync_sites(step)
