@@ -62,7 +62,7 @@ HOLD_CYCLES = 4_000_000_000  # ~2 s of an H100's clock: longer than any step's h
 def host_time(step, runtime) -> tuple[float, dict[str, float]] | None:
     """(ms, {Runtime call: ms}) the host takes to queue one step while the GPU is still busy with a sleep
     kernel queued just before it, so no wait on the GPU is counted; None if the host did wait (a host sync,
-    or a launch queue so full that it blocked)."""
+    or a launch queue so full that it blocked: CUDA queues about a thousand launches)."""
     phases: dict[str, float] = collections.defaultdict(float)
     calls = ("zero_grad", "forward_backward", "optimizer_step", "lr_scheduler_step")
     originals = {call: getattr(runtime, call) for call in calls}
@@ -80,12 +80,17 @@ def host_time(step, runtime) -> tuple[float, dict[str, float]] | None:
         setattr(runtime, call, timed(call, fn))
     try:
         torch.cuda.synchronize()
+        hold_start, hold_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        hold_start.record()
         torch.cuda._sleep(HOLD_CYCLES)
+        hold_end.record()
         start = time.perf_counter()
         step()
         host_ms = (time.perf_counter() - start) * 1e3
-        held = not torch.cuda.current_stream().query()  # the sleep (or the step behind it) still running
         torch.cuda.synchronize()
+        # the host finished before the sleep did: it never waited (a sync, or a launch queue so full that a
+        # launch blocked, would have made it wait for the sleep to end)
+        held = host_ms < hold_start.elapsed_time(hold_end)
     finally:
         for call in calls:
             delattr(runtime, call)  # back to the class's methods
