@@ -8,7 +8,8 @@ torch's fused and foreach, TritonAdamW (mlite.runtime.kernels.adamw, what LocalA
 `host_ms` is the CPU time of one step call, which the GPU waits for when the step follows a host sync), and
 torch's fused over one flat buffer. --sweep also times TritonAdamW's kernel configurations. --fp8 also times
 Fp8StateAdamW (precision.optimizer_state: fp8), whose floor is 10 bytes per parameter plus the block scales
-(read and write 2 x 4 bytes per 128), with and without stochastic rounding.
+(read and write 2 x 4 bytes per 128), with and without stochastic rounding. Both are also timed as the
+trainer calls them: with clipping's factor and the non-finite skip flag (`clip+skip`).
 
     python scripts/adamw_floor.py moe-30b-a3b-6l-4k dense-1.7b-4k dsv4-flash-4l-4k [--fp8] [--sweep]
 """
@@ -69,7 +70,11 @@ def time_triton(params, floor_ms: float, sweep: bool) -> dict:
     if not opt._tables:
         return {"error": "TritonAdamW fell back to torch's step (no triton?)"}
     ms = median_ms(opt.step)
+    coef, found_inf = torch.tensor(0.5, device="cuda"), torch.tensor(0.0, device="cuda")
+    step = opt.step
+    trainer_ms = median_ms(lambda: step(grad_coef=coef, found_inf=found_inf))  # the trainer's call
     row = {"ms": round(ms, 2), "x_floor": round(ms / floor_ms, 2), "host_ms": round(host_ms(opt.step), 2),
+           "clip+skip_ms": round(trainer_ms, 2),
            "launches": sum(len(launches) for launches, _ in opt._tables.values()),
            "config": [opt.chunk, opt.block, opt.num_warps]}
     if sweep:
@@ -95,6 +100,13 @@ def time_fp8(params, bandwidth: float, sweep: bool) -> dict:
     configs = [(opt.block, opt.num_warps)] + ([(1024, 4), (1024, 8), (2048, 4), (4096, 8), (4096, 16)]
                                               if sweep else [])
     default = configs[0]
+    # the trainer's call: clipping's factor and the non-finite skip flag, both on the device
+    coef, found_inf = torch.tensor(0.5, device="cuda"), torch.tensor(0.0, device="cuda")
+    step = opt.step
+    for label, kwargs in (("clip", {"grad_coef": coef}), ("skip", {"found_inf": found_inf}),
+                          ("clip+skip", {"grad_coef": coef, "found_inf": found_inf})):
+        ms = median_ms(lambda kwargs=kwargs: step(**kwargs))
+        row[f"stochastic {label}"] = {"ms": round(ms, 2), "x_floor": round(ms / floor_ms, 2)}
     for stochastic in (True, False):
         opt.stochastic = stochastic
         for block, num_warps in configs:
