@@ -9,7 +9,8 @@ torch's fused and foreach, TritonAdamW (mlite.runtime.kernels.adamw, what LocalA
 torch's fused over one flat buffer. --sweep also times TritonAdamW's kernel configurations. --fp8 also times
 Fp8StateAdamW (precision.optimizer_state: fp8), whose floor is 10 bytes per parameter plus the block scales
 (read and write 2 x 4 bytes per 128), with and without stochastic rounding. Both are also timed as the
-trainer calls them: with clipping's factor and the non-finite skip flag (`clip+skip`).
+trainer calls them: with clipping's factor and the non-finite skip flag (`clip+skip`). The gradients are
+random, except that an untied input embedding's are zero outside 4096 random rows, as in a training step.
 
     python scripts/adamw_floor.py moe-30b-a3b-6l-4k dense-1.7b-4k dsv4-flash-4l-4k [--fp8] [--sweep]
 """
@@ -135,6 +136,14 @@ def main() -> None:
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
+        # as in a training step: the input embedding's gradient is zero outside the rows of the batch's
+        # tokens (one 4096-token sequence of random ids, as the bench's). Untied models only; zeros send
+        # IEEE division and square root down their slow paths, which a kernel bound by its arithmetic pays
+        embed = model.embed.weight
+        if not arch.tie_embeddings:  # a tied LM head's gradient fills every row
+            used = torch.zeros(embed.shape[0], dtype=torch.bool, device="cuda")
+            used[torch.randint(embed.shape[0], (4096,), device="cuda")] = True
+            embed.grad[~used] = 0
         count = sum(p.numel() for p in params)
         floor_ms = 14 * count / (bandwidth * 1e9) * 1e3
         row = {"parameters": count, "floor_ms": round(floor_ms, 2)}
