@@ -11,6 +11,7 @@ set -uo pipefail
 part=${1:?usage: scripts/gpu_multi.sh a|b}
 out=${OUT:-runs/gpu_multi}
 mkdir -p "$out"
+# shellcheck source=scripts/gpu_env.sh
 . scripts/gpu_env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader

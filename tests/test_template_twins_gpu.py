@@ -39,7 +39,7 @@ STEPS = 3
 GPUS = 4
 # the 235B twin's layout on 4 GPUs: each stage's two ranks are its tp pair and its ep pair; the template's
 # optimizer offload (GPU-only, left out of the CPU twin) is on
-QWEN3_235B_4GPU = [o for o in QWEN3_235B] + ["offload.optimizer=true"]
+QWEN3_235B_4GPU = [*QWEN3_235B, "offload.optimizer=true"]
 DSV4_4GPU = ["parallel.pp=2", "parallel.ep=2", "recompute.granularity=full"]
 
 
@@ -98,13 +98,13 @@ def twin_grpo(tmp_path: Path, job: dict, overrides: list[str]) -> None:
 
 
 @pytest.mark.parametrize("template,overrides", [("qwen3-30b", QWEN3_30B), ("qwen3-235b", QWEN3_235B_4GPU)])
-def test_qwen3_twin_sft_on_four_gpus_matches_one_gpu_and_resumes_there(assets, tmp_path, template, overrides):
+def test_qwen3_twin_sft_on_four_gpus_matches_one_gpu_and_resumes_there(assets, tmp_path, template, overrides):  # noqa: F811,E501
     job = sft_job(assets, tmp_path / "unused")
     job["trainer"] |= {"steps": STEPS, "save_every": 1, "keep_last": STEPS, "eval_every": 0}
     twin_sft(tmp_path, job, overrides)
 
 
-def test_qwen3_235b_twin_grpo_on_four_gpus(assets, tmp_path):
+def test_qwen3_235b_twin_grpo_on_four_gpus(assets, tmp_path):  # noqa: F811
     twin_grpo(tmp_path, grpo_job(assets, tmp_path / "unused"), QWEN3_235B_4GPU)
 
 
