@@ -115,6 +115,16 @@ def mlite_cli(tmp_path: Path, job: dict, ranks: int, *overrides: str, timeout: i
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def failure(done: subprocess.CompletedProcess, limit: int = 6000) -> str:
+    """A failed run's stderr for an assertion message: the first traceback (under torchrun, the rank that
+    failed first; the others' errors follow it) and the end, within `limit` characters."""
+    text = done.stderr
+    if len(text) <= limit:
+        return text
+    first = max(text.find("Traceback"), 0)
+    return text[first:first + limit // 2] + "\n[...]\n" + text[-limit // 2:]
+
+
 def assert_same_curve(got: list[dict], want: list[dict], rtol: float = RTOL) -> None:
     """SFT: the same steps, token counts, and per-step loss and grad norm within `rtol`."""
     assert [r["step"] for r in got] == [r["step"] for r in want]

@@ -145,7 +145,7 @@ def _train_one_stage(model, mesh, opt: LocalAdamW, steps) -> list[tuple[float, f
             dist.all_reduce(aux_total, group=mesh["dp_cp_tp"].get_group())  # cp x tp ranks hold shares
         norm, _ = opt.step()  # grad norm over every rank, clip, update: Runtime.optimizer_step
         opt.zero_grad()
-        history.append((float(ce_total + aux_total), norm))
+        history.append((float(ce_total + aux_total), float(norm)))  # the step leaves the norm on the device
     return history
 
 
@@ -193,7 +193,7 @@ def _train_pipeline(chunks: dict, mesh, opt: LocalAdamW, steps) -> list[tuple[fl
         dist.all_reduce(both, group=mesh.group("pp"))  # the loss lives on the last stage, aux on all
         norm, _ = opt.step()
         opt.zero_grad()
-        history.append((float(both[0] + both[1]), norm))
+        history.append((float(both[0] + both[1]), float(norm)))
     return history
 
 

@@ -17,6 +17,7 @@ import torch
 from cli_runs import (  # noqa: F401 - one_thread is an autouse fixture
     RTOL,
     assert_same_curve,
+    failure,
     held_out,
     job_dict,
     layout_assets,
@@ -196,10 +197,10 @@ def test_sft_on_two_gpus_in_bf16_matches_one_gpu(assets, tmp_path, overrides):
            "trainer": {"device": "cuda"}}
     one = tmp_path / "one"
     done = mlite_cli(tmp_path, job_dict(assets, "dense", one, **gpu), 1)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     two = tmp_path / "two"
     done = mlite_cli(tmp_path, job_dict(assets, "dense", two, **gpu), 2, *overrides)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     assert_same_curve(records(two), records(one), rtol=2e-2)
 
 

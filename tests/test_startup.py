@@ -250,3 +250,32 @@ def test_start_up_memory_per_rank_falls_like_one_over_pp_times_ep(peaks, what):
             assert 0.7 * share < got[what] < 1.3 * share + 8 * MB, (
                 f"{name} rank {rank}: {got[what] / MB:.1f} MB at start-up ({what}), "
                 f"its share {share / MB:.1f} MB")
+
+
+def test_host_offloaded_shards_are_allocated_on_the_host(monkeypatch):
+    """offload.optimizer on a meta-built model: the shards of the units FSDP2 offloads (the first half of the
+    layers at fraction 0.5) are allocated on the host and the others on the run's device (meta stands in for
+    the GPU here). FSDP2 refuses offloaded shards anywhere else at its first forward: every offload run on
+    2 and 4 H100s failed so before this."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from mlite.runtime.layout import to_empty_tied
+
+    # FSDP2 pins offloaded shards; pinned memory needs an accelerator, which this machine lacks
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self)
+    job = job_from_dict({"model": {"name": "tiny-qwen3"}, "cluster": {"gpus_per_node": 2},
+                         "offload": {"optimizer": True, "optimizer_fraction": 0.5}})
+    arch = preset_arch(job.model.name)
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        dims = ParallelDims.from_job(job, 2)
+        (chunk,) = rank_chunks(job, arch, dims, dims.build("cpu")).values()
+        to_empty_tied(chunk, torch.device("meta"))
+    finally:
+        dist.destroy_process_group()
+    devices = {name: p.to_local().device.type for name, p in chunk.named_parameters()}
+    half = arch.num_layers // 2
+    assert half >= 1 and set(devices.values()) == {"cpu", "meta"}
+    for name, device in devices.items():
+        in_offloaded_layer = name.startswith("layers.") and int(name.split(".")[1]) < half
+        assert device == ("cpu" if in_offloaded_layer else "meta"), name

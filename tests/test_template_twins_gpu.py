@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from cli_runs import assert_same_curve, mlite_cli, records
+from cli_runs import assert_same_curve, failure, mlite_cli, records
 from test_deepseek_v4_train import LOSSES, dp_job, sft_assets  # noqa: F401 - sft_assets is a fixture
 from test_grpo_cli import workdir, write_job  # noqa: F401 - workdir is a fixture
 from test_template_twins import QWEN3_30B, QWEN3_235B, assets, grpo_job, sft_job  # noqa: F401 - assets
@@ -58,7 +58,7 @@ def on_gpus(job: dict, ranks: int, out: Path) -> dict:
 
 def run(tmp_path: Path, job: dict, ranks: int, *overrides: str) -> None:
     done = mlite_cli(tmp_path, job, ranks, *overrides, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
 
 
 def worst(got: list[dict], want: list[dict]) -> float:

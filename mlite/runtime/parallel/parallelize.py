@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -182,6 +182,19 @@ def apply_fsdp(
     for module in groups:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+
+
+def host_offloaded(model: nn.Module) -> set[int]:
+    """The ids of the parameters FSDP2 keeps on the host (units sharded with CPUOffloadPolicy by
+    `apply_fsdp`). A meta-built model must materialise these on the host: FSDP2 refuses offloaded shards
+    anywhere else at its first forward."""
+    ids: set[int] = set()
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            group = unit._get_fsdp_state()._fsdp_param_group  # FSDP2 has no public getter for a unit's policy
+            if group is not None and isinstance(group.offload_policy, CPUOffloadPolicy):
+                ids.update(id(p.sharded_param) for p in group.fsdp_params)
+    return ids
 
 
 def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, device_type: str) -> nn.Module:
