@@ -58,6 +58,8 @@ def on_gpus(job: dict, ranks: int, out: Path) -> dict:
 
 def run(tmp_path: Path, job: dict, ranks: int, *overrides: str) -> None:
     done = mlite_cli(tmp_path, job, ranks, *overrides, timeout=600)
+    if done.returncode != 0:
+        print(failure(done), flush=True)  # in the log at once (-s), even if a time limit ends the session
     assert done.returncode == 0, failure(done)
 
 
