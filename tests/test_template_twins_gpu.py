@@ -13,7 +13,11 @@ checkpoint continues on one GPU on the one-GPU curve. GRPO (the layouts' GRPO te
 with finite figures and a gradient; its samples are drawn from bf16 logits, which differ between layouts
 in the last bits, so a sampled token may differ and the figures are not compared step by step.
 
-Run on a 4-GPU machine: pytest -m gpu tests/test_template_twins_gpu.py (fails, never skips, with fewer GPUs).
+The twins at the templates' full set of axes need 8 GPUs (`eight_gpus` in their names): DeepSeek-V4 pp2 x ep2
+x cp2 and Qwen3-235B tp2 x pp2 x ep2 (dp2), as on CPU.
+
+Run on a 4-GPU machine: pytest -m gpu tests/test_template_twins_gpu.py -k "not eight_gpus"; on 8 GPUs, all.
+A twin with more ranks than GPUs fails, it is never skipped.
 """
 
 from __future__ import annotations
@@ -41,9 +45,10 @@ GPUS = 4
 # optimizer offload (GPU-only, left out of the CPU twin) is on
 QWEN3_235B_4GPU = [*QWEN3_235B, "offload.optimizer=true"]
 DSV4_4GPU = ["parallel.pp=2", "parallel.ep=2", "recompute.granularity=full"]
+DSV4_8GPU = [*DSV4_4GPU, "parallel.cp=2"]
 
 
-def need_gpus(n: int = GPUS) -> None:
+def need_gpus(n: int) -> None:
     if torch.cuda.device_count() < n:
         pytest.fail(f"the twins need {n} GPUs, {torch.cuda.device_count()} visible")
 
@@ -68,12 +73,12 @@ def worst(got: list[dict], want: list[dict]) -> float:
     return max(abs(g[k] - w[k]) / abs(w[k]) for g, w in zip(got, want) for k in ("loss", "grad_norm"))
 
 
-def twin_sft(tmp_path: Path, job: dict, overrides: list[str]) -> None:
-    """One GPU, the twin on 4, the twin's step-1 checkpoint resumed on one GPU: the same curve."""
-    need_gpus()
+def twin_sft(tmp_path: Path, job: dict, overrides: list[str], gpus: int = GPUS) -> None:
+    """One GPU, the twin on `gpus`, the twin's step-1 checkpoint resumed on one GPU: the same curve."""
+    need_gpus(gpus)
     one, twin, resumed = tmp_path / "one", tmp_path / "twin", tmp_path / "resumed"
     run(tmp_path, on_gpus(job, 1, one), 1)
-    run(tmp_path, on_gpus(job, GPUS, twin), GPUS, *overrides)
+    run(tmp_path, on_gpus(job, gpus, twin), gpus, *overrides)
     want, got = records(one), records(twin)
     assert len(want) == STEPS
     print(f"twin {overrides}: worst relative deviation from one GPU {worst(got, want):.2e}")
@@ -89,7 +94,7 @@ def twin_sft(tmp_path: Path, job: dict, overrides: list[str]) -> None:
 
 
 def twin_grpo(tmp_path: Path, job: dict, overrides: list[str]) -> None:
-    need_gpus()
+    need_gpus(GPUS)
     out = tmp_path / "twin"
     run(tmp_path, on_gpus(job, GPUS, out), GPUS, *overrides)
     rows = records(out, "step")
@@ -124,3 +129,17 @@ def test_dsv4_twin_grpo_on_four_gpus(workdir, tmp_path):  # noqa: F811
     job["optimizer"] |= {"clip_grad": 1.0}
     job["cluster"]["host_memory_gb"] = 64  # the planner splits a node's host memory over its ranks
     twin_grpo(tmp_path, job, DSV4_4GPU)
+
+
+def test_qwen3_235b_twin_sft_on_eight_gpus_matches_one_gpu_and_resumes_there(assets, tmp_path):  # noqa: F811
+    job = sft_job(assets, tmp_path / "unused")
+    job["trainer"] |= {"steps": STEPS, "save_every": 1, "keep_last": STEPS, "eval_every": 0}
+    twin_sft(tmp_path, job, QWEN3_235B_4GPU, gpus=8)  # the same keys: on 8 ranks each stage has dp2
+
+
+def test_dsv4_twin_sft_on_eight_gpus_matches_one_gpu_and_resumes_there(sft_assets, tmp_path):  # noqa: F811
+    root, files = sft_assets
+    job = dp_job(root, files, tmp_path / "unused")
+    job["model"] |= LOSSES
+    job["trainer"] |= {"steps": STEPS, "save_every": 1, "keep_last": STEPS}
+    twin_sft(tmp_path, job, DSV4_8GPU, gpus=8)
