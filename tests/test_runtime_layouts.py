@@ -185,21 +185,28 @@ def test_bf16_master_weights_on_cpu_are_refused(assets, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- GPU
+OFFLOAD = "offload.optimizer=true"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "overrides", [["parallel.tp=2"], [], ["offload.optimizer=true"]],
-    ids=["tp2", "fsdp2-dp2", "fsdp2-dp2-offload"],
+    "model,overrides",
+    [("dense", ["parallel.tp=2"]), ("dense", []), ("dense", [OFFLOAD]),
+     # offload under each model-parallel axis alone (the Qwen3-235B template offloads under tp x pp x ep)
+     ("dense", ["parallel.tp=2", OFFLOAD]), ("dense", ["parallel.pp=2", OFFLOAD]),
+     ("moe", ["parallel.ep=2", OFFLOAD])],
+    ids=["tp2", "fsdp2-dp2", "fsdp2-dp2-offload", "tp2-offload", "pp2-offload", "moe-ep2-offload"],
 )
-def test_sft_on_two_gpus_in_bf16_matches_one_gpu(assets, tmp_path, overrides):
+def test_sft_on_two_gpus_in_bf16_matches_one_gpu(assets, tmp_path, model, overrides):
     if torch.cuda.device_count() < 2:
         pytest.fail(f"this test needs 2 GPUs, {torch.cuda.device_count()} visible")
     gpu = {"cluster": {"gpu": "h100", "gpus_per_node": 2}, "precision": {"compute": "bf16"},
            "trainer": {"device": "cuda"}}
     one = tmp_path / "one"
-    done = mlite_cli(tmp_path, job_dict(assets, "dense", one, **gpu), 1)
+    done = mlite_cli(tmp_path, job_dict(assets, model, one, **gpu), 1)
     assert done.returncode == 0, failure(done)
     two = tmp_path / "two"
-    done = mlite_cli(tmp_path, job_dict(assets, "dense", two, **gpu), 2, *overrides)
+    done = mlite_cli(tmp_path, job_dict(assets, model, two, **gpu), 2, *overrides)
     assert done.returncode == 0, failure(done)
     assert_same_curve(records(two), records(one), rtol=2e-2)
 
