@@ -413,11 +413,30 @@ def _peak_gb(device: str) -> tuple[float, float]:
 
 
 def case_step(name: str, device: str = "cuda", overrides: Sequence[str] = ()):
-    """runtime_step_fn for the case named `name` on its random sequences (seed 0), as `mlite bench` times
-    it on one device (scripts/profile_step.py and the probes take it from here)."""
+    """runtime_step_fn for the case named `name` on its random sequences, as `mlite bench` times it
+    (scripts/profile_step.py and the probes take it from here): a one-GPU case on `device` (seed 0); a
+    multi-GPU case in its layout on the ranks of this torchrun launch (the Runtime starts the process group),
+    each data-parallel replica on its own sequences, as the bench's parallel side."""
     case = CASES[name]
-    sequences = random_sequences(case_seq_lens(case), case_arch(case).vocab, seed=0)
+    seed = 0
+    if case.gpus > 1:
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        if world != case.gpus:
+            from mlite.errors import MliteError
+
+            raise MliteError(f"bench case {case.name} runs on {case.gpus} ranks but this launch has {world}; "
+                             f"start it with torchrun --nproc-per-node {case.gpus}")
+        seed = replica_seed(case, device, rank, world)
+    sequences = random_sequences(case_seq_lens(case), case_arch(case).vocab, seed=seed)
     return runtime_step_fn(case, sequences, device, overrides=overrides)
+
+
+def replica_seed(case: BenchCase, device: str, rank: int, world: int) -> int:
+    """The seed of a rank's sequences in a multi-GPU case: replicas see different data, the ranks of one
+    replica (cp) the same, so the seed is the rank's data-parallel coordinate."""
+    from mlite.runtime.parallel.mesh import ParallelDims
+
+    return ParallelDims.from_job(case_job(case, device), world).coordinates(rank)["dp"]
 
 
 def runtime_step_fn(case: BenchCase, sequences: list[list[int]], device: str, one_gpu: bool = False,
@@ -663,9 +682,9 @@ def _parallel_case(case: BenchCase, single: Measured, device: str, steps: int, w
     (single_tps,) = reduce([single_tokens / (single.timing.median_ms / 1e3)], dist.ReduceOp.SUM)
     single_peak = reduce([single.peak_gb], dist.ReduceOp.MAX)[0]  # the fullest GPU is what must fit
 
-    # replicas see different data, the ranks of one replica (cp) the same: seeded by the dp coordinate
     dims = ParallelDims.from_job(case_job(case, device), world)
-    sequences = random_sequences(seq_lens, arch.vocab, seed=dims.coordinates(dist.get_rank())["dp"])
+    seed = replica_seed(case, device, dist.get_rank(), world)
+    sequences = random_sequences(seq_lens, arch.vocab, seed=seed)
     par = measure(lambda: runtime_step_fn(case, sequences, device), device, steps, warmup,
                   before_timing=dist.barrier)
     slowest, par_peak, par_alloc = reduce([par.timing.median_ms, par.peak_gb, par.allocated_gb],

@@ -132,6 +132,41 @@ def test_multi_rank_cases_run_under_torchrun_on_gloo(tmp_path):
     assert "of 2 x one GPU" in proc.stdout
 
 
+def test_replicas_draw_their_own_sequences_and_the_ranks_of_one_replica_the_same():
+    from mlite.bench import CASES, replica_seed
+
+    assert [replica_seed(CASES["dense-1.7b-4k-dp4"], "cpu", r, 4) for r in range(4)] == [0, 1, 2, 3]
+    assert [replica_seed(CASES["dense-1.7b-16k-cp4"], "cpu", r, 4) for r in range(4)] == [0, 0, 0, 0]
+
+
+def test_case_step_runs_a_multi_rank_case_in_its_layout_under_torchrun():
+    """What scripts/profile_step.py profiles for a multi-GPU case: the bench's parallel step, here ep2 on 2
+    gloo ranks; every rank's step reports the global loss and grad norm (the same on both ranks)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch.distributed as dist; from mlite import bench\n"
+            "step, rt, last = bench.case_step('tiny-cpu-ep2', device='cpu')\n"
+            "step(); step()\n"
+            "loss = rt.global_sum(last['loss'])\n"
+            "print('rank', dist.get_rank(), 'dp', rt.dp_size, float(loss), float(last['grad_norm']))\n"
+            "rt.close()\n")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--no-python"]
+    proc = subprocess.run([*launch, sys.executable, "-c", code],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = sorted(line.split() for line in proc.stdout.splitlines() if line.startswith("rank"))
+    assert [line[:4] for line in lines] == [["rank", "0", "dp", "2"], ["rank", "1", "dp", "2"]]
+    assert lines[0][4:] == lines[1][4:] and float(lines[0][4]) > 0 and float(lines[0][5]) > 0
+
+    one_rank = "from mlite import bench; bench.case_step('tiny-cpu-ep2', 'cpu')"
+    one = subprocess.run([sys.executable, "-c", one_rank],
+                         capture_output=True, text=True, env={**os.environ, "WORLD_SIZE": "1"})
+    assert one.returncode != 0 and "start it with torchrun --nproc-per-node 2" in one.stderr
+
+
 def test_multi_rank_case_without_torchrun_says_how_to_launch_it():
     import subprocess
     import sys
