@@ -10,14 +10,19 @@ times it, with model.compile) and say where the step's wall time goes:
   (so the host never waits for it): a host slower than the kernels is where a host gap comes from.
 
     python3 scripts/profile_step.py dense-1.7b-4k [moe-30b-a3b-6l-4k ...] [--rows 25] [--set KEY=VALUE]
+    torchrun --standalone --nproc-per-node 4 scripts/profile_step.py dense-1.7b-4k-dp4   # a multi-GPU case
 
-`--set` takes job keys as `mlite bench --set` does (an A/B of one key on the same case).
+`--set` takes job keys as `mlite bench --set` does (an A/B of one key on the same case). A multi-GPU case
+runs in its layout on every rank of the launch (`bench.case_step`); rank 0 reports, and its kernel time is
+split into NCCL kernels (their own streams) and the rest: the compute stream idles for the step's wall time
+minus the rest, waiting on collectives or the host.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import time
 import traceback
 import warnings
@@ -97,8 +102,18 @@ def host_time(step, runtime) -> tuple[float, dict[str, float]] | None:
     return (host_ms, dict(phases)) if held else None
 
 
+WORLD, RANK = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+DEVICE = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+
+
+def say(*args) -> None:
+    if RANK == 0:
+        print(*args, flush=True)
+
+
 def profile(name: str, rows: int, overrides: list[str]) -> None:
-    step, runtime, _last = bench.case_step(name, overrides=overrides)
+    torch.cuda.set_device(DEVICE)
+    step, runtime, _last = bench.case_step(name, device=DEVICE, overrides=overrides)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -121,24 +136,31 @@ def profile(name: str, rows: int, overrides: list[str]) -> None:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not getattr(e, "is_user_annotation", False)]
     cuda_ms = sum(e.device_time for e in kernels) / 1e3 / 2
-    print(f"== {name} (Runtime step, model.compile{''.join(', ' + o for o in overrides)})")
-    print(f"step {wall_ms:.1f} ms wall; CUDA kernels {cuda_ms:.1f} ms; host gap {wall_ms - cuda_ms:.1f} ms")
-    print(f"compiled graphs {graphs}; graph breaks {sum(breaks.values())}")
+    nccl_ms = sum(e.device_time for e in kernels if "nccl" in e.name.lower()) / 1e3 / 2
+    say(f"== {name} (Runtime step, model.compile{''.join(', ' + o for o in overrides)}; {WORLD} rank(s))")
+    say(f"step {wall_ms:.1f} ms wall; CUDA kernels {cuda_ms:.1f} ms; host gap {wall_ms - cuda_ms:.1f} ms")
+    if WORLD > 1:
+        compute_ms = cuda_ms - nccl_ms
+        say(f"rank 0: NCCL kernels {nccl_ms:.1f} ms (own streams); other kernels {compute_ms:.1f} ms; "
+            f"the compute stream idles {wall_ms - compute_ms:.1f} ms of the step (collectives or host)")
+    say(f"compiled graphs {graphs}; graph breaks {sum(breaks.values())}")
     for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])[:10]:
-        print(f"  {n:4d} x {reason[:200]}")
+        say(f"  {n:4d} x {reason[:200]}")
     host = [host_time(step, runtime) for _ in range(3)]
     if all(h is not None for h in host):
         ms, phases = min(host, key=lambda h: h[0])
-        print(f"host time to queue one step (GPU held back): {ms:.1f} ms, against {cuda_ms:.1f} ms of "
-              "kernels: " + ", ".join(f"{call} {t:.1f}" for call, t in phases.items()))
+        say(f"host time to queue one step (GPU held back): {ms:.1f} ms, against {cuda_ms:.1f} ms of "
+            "kernels: " + ", ".join(f"{call} {t:.1f}" for call, t in phases.items()))
     else:
-        print("host time: the host waited for the GPU while queueing a step (a sync or a full launch queue)")
+        say("host time: the host waited for the GPU while queueing a step (a sync or a full launch queue)")
     sites = sync_sites(step)
-    print(f"host syncs in one step: {sum(sites.values())}")
+    say(f"host syncs in one step: {sum(sites.values())}")
     for where, n in sites.most_common(15):
-        print(f"  {n:4d} x {where}")
-    print(events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70))
-    print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70))
+        say(f"  {n:4d} x {where}")
+    say(events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70))
+    say(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70))
+    if WORLD > 1:
+        runtime.close()  # the next case starts its own process group
 
 
 parser = argparse.ArgumentParser()
