@@ -6,9 +6,10 @@
 #                                tests and the 2-GPU SFT runs on GPUs 2,3; the template twins on 4 GPUs
 #                                (TWINS_K, TWO_K: pytest -k filters; LIMIT: seconds per stream)
 #   scripts/gpu_multi.sh bench   the 4-GPU bench (dp4 dense, ep4 MoE), alone on the machine (LIMIT per case)
+#   scripts/gpu_multi.sh profile the same two cases through scripts/profile_step.py (LIMIT per case)
 # Each piece has its own time limit, so one that hangs leaves the others' results.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_multi.sh tests|bench}
+part=${1:?usage: scripts/gpu_multi.sh tests|bench|profile}
 out=${OUT:-runs/gpu_multi}
 mkdir -p "$out"
 # shellcheck source=scripts/gpu_env.sh
@@ -46,5 +47,12 @@ case $part in
   bench)  # alone on the machine
     bench 4 "${LIMIT:-190}" dense-1.7b-4k-dp4 moe-30b-a3b-8l-4k-ep4
     ;;
-  *) echo "usage: scripts/gpu_multi.sh tests|bench" >&2; exit 2 ;;
+  profile)  # where the multi-GPU step's time goes (rank 0's kernels, NCCL apart), alone on the machine
+    for case in dense-1.7b-4k-dp4 moe-30b-a3b-8l-4k-ep4; do
+      timeout "${LIMIT:-200}" torchrun --standalone --nproc-per-node 4 scripts/profile_step.py "$case" \
+        >"$out/profile-$case.txt" 2>&1
+      echo "profile $case: exit $?"; grep -E "^step|^rank 0|^compiled|^host" "$out/profile-$case.txt"
+    done
+    ;;
+  *) echo "usage: scripts/gpu_multi.sh tests|bench|profile" >&2; exit 2 ;;
 esac
