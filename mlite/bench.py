@@ -401,15 +401,18 @@ def _context_gb(device: str) -> float:
     return (total - free - torch.cuda.memory_reserved()) / 2**30
 
 
-def _peak_gb(device: str) -> tuple[float, float]:
-    """(peak footprint: allocator's peak reservation + CUDA context, peak allocated) in GiB. The footprint is
-    what must fit on the GPU, so it is what the planner's estimate is compared with."""
+def _peak_gb(device: str) -> tuple[float, float, float]:
+    """(peak footprint: allocator's peak reservation + the memory outside it, peak allocated, the memory
+    outside it) in GiB. The footprint is what must fit on the GPU, so it is what the planner's estimate is
+    compared with; the part outside the allocator (CUDA context, handles, NCCL's buffers) tells the
+    planner's overhead item apart from the allocator's slack."""
     import torch
 
     if not device.startswith("cuda"):
-        return 0.0, 0.0
-    return (torch.cuda.max_memory_reserved() / 2**30 + _context_gb(device),
-            torch.cuda.max_memory_allocated() / 2**30)
+        return 0.0, 0.0, 0.0
+    outside = _context_gb(device)
+    return (torch.cuda.max_memory_reserved() / 2**30 + outside, torch.cuda.max_memory_allocated() / 2**30,
+            outside)
 
 
 def case_step(name: str, device: str = "cuda", overrides: Sequence[str] = ()):
@@ -538,6 +541,7 @@ class Measured:
     peak_gb: float
     allocated_gb: float
     last: dict
+    outside_allocator_gb: float = 0.0
 
 
 def measure(make: Callable[[], tuple], device: str, steps: int, warmup: int,
@@ -548,10 +552,10 @@ def measure(make: Callable[[], tuple], device: str, steps: int, warmup: int,
     if before_timing is not None:
         before_timing()
     timing = time_steps(step, warmup, steps, device)
-    footprint, allocated = _peak_gb(device)
+    footprint, allocated, outside = _peak_gb(device)
     del step, keep
     _free(device)
-    return Measured(timing, footprint, allocated, {key: float(value) for key, value in last.items()})
+    return Measured(timing, footprint, allocated, {key: float(value) for key, value in last.items()}, outside)
 
 
 def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str,
@@ -606,6 +610,7 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
             device=device,
             extra={"seq_lens": seq_lens if len(seq_lens) < 64 else len(seq_lens),
                    "step_ms_all": m.timing.step_ms, "peak_allocated_gb": m.allocated_gb, "accum": case.accum,
+                   "outside_allocator_gb": m.outside_allocator_gb,
                    **({"overrides": list(overrides)} if side == "mlite" and overrides else {}), **m.last},
         ))
     return results
@@ -687,8 +692,8 @@ def _parallel_case(case: BenchCase, single: Measured, device: str, steps: int, w
     sequences = random_sequences(seq_lens, arch.vocab, seed=seed)
     par = measure(lambda: runtime_step_fn(case, sequences, device), device, steps, warmup,
                   before_timing=dist.barrier)
-    slowest, par_peak, par_alloc = reduce([par.timing.median_ms, par.peak_gb, par.allocated_gb],
-                                          dist.ReduceOp.MAX)
+    slowest, par_peak, par_alloc, par_outside = reduce(
+        [par.timing.median_ms, par.peak_gb, par.allocated_gb, par.outside_allocator_gb], dist.ReduceOp.MAX)
     tokens = sum(seq_lens) * case.accum * dims.dp
     tps = tokens / (slowest / 1e3)
     return [
@@ -696,6 +701,7 @@ def _parallel_case(case: BenchCase, single: Measured, device: str, steps: int, w
                     tokens_per_s=tps, flops_per_token=fpt, mfu=mfu(arch, seq_lens, tps / world, peak_tflops),
                     peak_gb=par_peak, estimate_gb=planner_estimate_gb(case, arch, gpu), device=device,
                     extra={"scaling": tps / single_tps, "world": world, "peak_allocated_gb": par_alloc,
+                           "outside_allocator_gb": par_outside,
                            "accum": case.accum, "step_ms_all": par.timing.step_ms, **par.last}),
         BenchResult(case=case.name, side=f"{world} x one GPU", tokens_per_step=single_tokens * world,
                     step_ms=single.timing.median_ms, tokens_per_s=single_tps, flops_per_token=fpt,

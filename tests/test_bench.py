@@ -116,8 +116,9 @@ def test_multi_rank_cases_run_under_torchrun_on_gloo(tmp_path):
 
     out = tmp_path / "r.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mlite", "bench",
-         "tiny-cpu-dp2", "tiny-cpu-ep2", "--device", "cpu", "--steps", "2", "--warmup", "1", f"--out={out}"],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "mlite", "bench", "tiny-cpu-dp2", "tiny-cpu-ep2", "--device", "cpu", "--steps", "2",
+         "--warmup", "1", f"--out={out}"],
         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -152,7 +153,8 @@ def test_case_step_runs_a_multi_rank_case_in_its_layout_under_torchrun():
             "loss = rt.global_sum(last['loss'])\n"
             "print('rank', dist.get_rank(), 'dp', rt.dp_size, float(loss), float(last['grad_norm']))\n"
             "rt.close()\n")
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--no-python"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              "--no-python"]
     proc = subprocess.run([*launch, sys.executable, "-c", code],
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           timeout=600)
