@@ -377,3 +377,25 @@ def test_the_planner_sizes_the_v4_bench_case_within_10_percent_of_the_h100_runs(
     case = CASES[row["case"]]
     estimate = planner_estimate_gb(case, case_arch(case), "h100", row["extra"].get("overrides", []))
     assert estimate == pytest.approx(row["peak_gb"], rel=0.10)
+
+
+@pytest.mark.parametrize("result", [
+    "h100x4-2026-11-26-dense-dp4.json",
+    pytest.param("h100x4-2026-11-26-moe-ep4.json", marks=pytest.mark.xfail(
+        strict=True, reason="issue 17: 17% under the ep4 footprint, which holds 6.9 GB above its allocated "
+                            "peak (3.6 GB on dense); not re-fitted to one point")),
+])
+def test_the_planner_sizes_the_four_gpu_bench_cases_within_15_percent(result):
+    """Issue 17's calibration on the first 4 x H100 runs (footprint per GPU, the fullest rank): fsdp2 over
+    dp4 on the dense case, ep4 on the MoE case."""
+    import json
+    from pathlib import Path
+
+    from mlite.bench import CASES, case_arch, planner_estimate_gb
+
+    measured = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench" / result).read_text())
+    row = measured["results"][0]
+    assert row["side"] == "mlite x4"
+    case = CASES[row["case"]]
+    estimate = planner_estimate_gb(case, case_arch(case), "h100")
+    assert estimate == pytest.approx(row["peak_gb"], rel=0.15)
