@@ -104,7 +104,10 @@ def twin_grpo(tmp_path: Path, job: dict, overrides: list[str]) -> None:
     assert CheckpointManager(out).steps()[0] == STEPS
 
 
-@pytest.mark.parametrize("template,overrides", [("qwen3-30b", QWEN3_30B), ("qwen3-235b", QWEN3_235B_4GPU)])
+@pytest.mark.parametrize("template,overrides", [
+    ("qwen3-30b", QWEN3_30B), ("qwen3-235b", QWEN3_235B_4GPU),
+    ("qwen3-235b-no-offload", QWEN3_235B),  # the CPU twin's keys: tells the layout from the offload
+])
 def test_qwen3_twin_sft_on_four_gpus_matches_one_gpu_and_resumes_there(assets, tmp_path, template, overrides):  # noqa: F811,E501
     job = sft_job(assets, tmp_path / "unused")
     job["trainer"] |= {"steps": STEPS, "save_every": 1, "keep_last": STEPS, "eval_every": 0}
