@@ -637,7 +637,7 @@ def run_parallel_cases(cases: list[BenchCase], device: str, steps: int = 8, warm
     reports them). First every rank runs each case's one-GPU step on its own GPU, all ranks at once and
     before the process group exists (a Runtime of one process: N x one GPU); then this starts the process
     group and runs each case in its layout. scaling = parallel tokens/s over the N x one-GPU tokens/s.
-    Both are the Runtime's eager step (no compiled blocks)."""
+    Both are the Runtime's step as `case_job` sets it: compiled blocks on GPUs, eager on CPU."""
     import torch.distributed as dist
 
     from mlite.errors import MliteError
