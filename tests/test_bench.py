@@ -140,28 +140,30 @@ def test_replicas_draw_their_own_sequences_and_the_ranks_of_one_replica_the_same
     assert [replica_seed(CASES["dense-1.7b-16k-cp4"], "cpu", r, 4) for r in range(4)] == [0, 0, 0, 0]
 
 
-def test_case_step_runs_a_multi_rank_case_in_its_layout_under_torchrun():
+def test_case_step_runs_a_multi_rank_case_in_its_layout_under_torchrun(tmp_path):
     """What scripts/profile_step.py profiles for a multi-GPU case: the bench's parallel step, here ep2 on 2
     gloo ranks; every rank's step reports the global loss and grad norm (the same on both ranks)."""
     import os
     import subprocess
     import sys
 
-    code = ("import torch.distributed as dist; from mlite import bench\n"
+    # each rank writes its own file: two ranks printing at once interleave on the shared stdout
+    code = ("import sys, torch.distributed as dist; from mlite import bench\n"
             "step, rt, last = bench.case_step('tiny-cpu-ep2', device='cpu')\n"
             "step(); step()\n"
             "loss = rt.global_sum(last['loss'])\n"
-            "print('rank', dist.get_rank(), 'dp', rt.dp_size, float(loss), float(last['grad_norm']))\n"
+            "line = f\"{dist.get_rank()} {rt.dp_size} {float(loss)} {float(last['grad_norm'])}\"\n"
+            "open(f'{sys.argv[1]}/rank{dist.get_rank()}', 'w').write(line)\n"
             "rt.close()\n")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
               "--no-python"]
-    proc = subprocess.run([*launch, sys.executable, "-c", code],
+    proc = subprocess.run([*launch, sys.executable, "-c", code, str(tmp_path)],
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = sorted(line.split() for line in proc.stdout.splitlines() if line.startswith("rank"))
-    assert [line[:4] for line in lines] == [["rank", "0", "dp", "2"], ["rank", "1", "dp", "2"]]
-    assert lines[0][4:] == lines[1][4:] and float(lines[0][4]) > 0 and float(lines[0][5]) > 0
+    lines = [(tmp_path / f"rank{r}").read_text().split() for r in range(2)]
+    assert [line[:2] for line in lines] == [["0", "2"], ["1", "2"]]
+    assert lines[0][2:] == lines[1][2:] and float(lines[0][2]) > 0 and float(lines[0][3]) > 0
 
     one_rank = "from mlite import bench; bench.case_step('tiny-cpu-ep2', 'cpu')"
     one = subprocess.run([sys.executable, "-c", one_rank],
