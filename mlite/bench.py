@@ -423,15 +423,22 @@ def case_step(name: str, device: str = "cuda", overrides: Sequence[str] = ()):
     case = CASES[name]
     seed = 0
     if case.gpus > 1:
-        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-        if world != case.gpus:
-            from mlite.errors import MliteError
-
-            raise MliteError(f"bench case {case.name} runs on {case.gpus} ranks but this launch has {world}; "
-                             f"start it with torchrun --nproc-per-node {case.gpus}")
+        world, rank = launch_ranks([case])
         seed = replica_seed(case, device, rank, world)
     sequences = random_sequences(case_seq_lens(case), case_arch(case).vocab, seed=seed)
     return runtime_step_fn(case, sequences, device, overrides=overrides)
+
+
+def launch_ranks(cases: list[BenchCase]) -> tuple[int, int]:
+    """(world, rank) of this torchrun launch, refused in one line unless every multi-GPU case runs on it."""
+    from mlite.errors import MliteError
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    for case in cases:
+        if world != case.gpus:
+            raise MliteError(f"bench case {case.name} runs on {case.gpus} ranks but this launch has {world}; "
+                             f"run: torchrun --nproc-per-node {case.gpus} -m mlite bench {case.name}")
+    return world, rank
 
 
 def replica_seed(case: BenchCase, device: str, rank: int, world: int) -> int:
@@ -541,7 +548,7 @@ class Measured:
     peak_gb: float
     allocated_gb: float
     last: dict
-    outside_allocator_gb: float = 0.0
+    outside_allocator_gb: float
 
 
 def measure(make: Callable[[], tuple], device: str, steps: int, warmup: int,
@@ -640,14 +647,9 @@ def run_parallel_cases(cases: list[BenchCase], device: str, steps: int = 8, warm
     Both are the Runtime's step as `case_job` sets it: compiled blocks on GPUs, eager on CPU."""
     import torch.distributed as dist
 
-    from mlite.errors import MliteError
     from mlite.runtime.layout import end_process_group
 
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    for case in cases:
-        if world != case.gpus:
-            raise MliteError(f"bench case {case.name} runs on {case.gpus} ranks but this launch has {world}; "
-                             f"run: torchrun --nproc-per-node {case.gpus} -m mlite bench {case.name}")
+    world, rank = launch_ranks(cases)
     singles = {}
     for case in cases:
         seq_lens = case_seq_lens(case)

@@ -23,7 +23,6 @@ A twin with more ranks than GPUs fails, it is never skipped.
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -32,14 +31,21 @@ import yaml
 from cli_runs import assert_same_curve, failure, mlite_cli, records
 from test_deepseek_v4_train import LOSSES, dp_job, sft_assets  # noqa: F401 - sft_assets is a fixture
 from test_grpo_cli import workdir, write_job  # noqa: F401 - workdir is a fixture
-from test_template_twins import QWEN3_30B, QWEN3_235B, assets, grpo_job, sft_job  # noqa: F401 - assets
+from test_template_twins import (  # noqa: F401 - assets is a fixture
+    QWEN3_30B,
+    QWEN3_235B,
+    STEPS,  # cut_back_to_step_1 keeps step 1 of these
+    assets,
+    cut_back_to_step_1,
+    grpo_job,
+    sft_job,
+)
 
 from mlite.runtime.ckpt.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.gpu
 
 BF16_RTOL = 2e-2
-STEPS = 3
 GPUS = 4
 # the 235B twin's layout on 4 GPUs: each stage's two ranks are its tp pair and its ep pair; the template's
 # optimizer offload (GPU-only, left out of the CPU twin) is on
@@ -55,17 +61,17 @@ def need_gpus(n: int) -> None:
 
 def on_gpus(job: dict, ranks: int, out: Path) -> dict:
     """The job in bf16 on `ranks` GPUs of one node, writing to `out`."""
-    job = {**job, "cluster": {**job["cluster"], "gpu": "h100", "gpus_per_node": ranks},
-           "precision": {**job.get("precision", {}), "compute": "bf16"},
-           "trainer": {**job["trainer"], "device": "cuda", "output_dir": str(out)}}
-    return job
+    return {**job, "cluster": {**job["cluster"], "gpu": "h100", "gpus_per_node": ranks},
+            "precision": {**job.get("precision", {}), "compute": "bf16"},
+            "trainer": {**job["trainer"], "device": "cuda", "output_dir": str(out)}}
 
 
 def run(tmp_path: Path, job: dict, ranks: int, *overrides: str) -> None:
     done = mlite_cli(tmp_path, job, ranks, *overrides, timeout=600)
     if done.returncode != 0:
-        print(failure(done), flush=True)  # in the log at once (-s), even if a time limit ends the session
-    assert done.returncode == 0, failure(done)
+        message = failure(done)
+        print(message, flush=True)  # in the log at once (-s), even if a time limit ends the session
+        pytest.fail(message)
 
 
 def worst(got: list[dict], want: list[dict]) -> float:
@@ -84,9 +90,7 @@ def twin_sft(tmp_path: Path, job: dict, overrides: list[str], gpus: int = GPUS) 
     print(f"twin {overrides}: worst relative deviation from one GPU {worst(got, want):.2e}")
     assert_same_curve(got, want, rtol=BF16_RTOL)
 
-    shutil.copytree(twin, resumed)
-    for step in range(2, STEPS + 1):
-        shutil.rmtree(CheckpointManager(resumed).path_for(step))
+    cut_back_to_step_1(twin, resumed)
     run(tmp_path, on_gpus(job, 1, resumed), 1, "trainer.resume=auto")
     after = [r for r in records(resumed) if r["step"] > 1]
     print(f"resumed on one GPU: worst relative deviation {worst(after, want[1:]):.2e}")
