@@ -213,6 +213,7 @@ HF_CLASSES = {"deepseek_v4": "DeepseekV4ForCausalLM"}  # model types that not ev
 @dataclass
 class Timing:
     step_ms: list[float] = field(default_factory=list)
+    wall_ms: float = 0.0  # the timed steps' host wall time over their count, the final wait included
 
     @property
     def median_ms(self) -> float:
@@ -230,17 +231,21 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int, device: str) -
         torch.cuda.synchronize()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(steps)]
+        began = time.perf_counter()
         for start, end in events:
             start.record()
             step()
             end.record()
         torch.cuda.synchronize()
+        timing.wall_ms = (time.perf_counter() - began) * 1e3 / steps
         timing.step_ms = [s.elapsed_time(e) for s, e in events]
     else:
+        began = time.perf_counter()
         for _ in range(steps):
             t0 = time.perf_counter()
             step()
             timing.step_ms.append((time.perf_counter() - t0) * 1e3)
+        timing.wall_ms = (time.perf_counter() - began) * 1e3 / steps
     return timing
 
 
@@ -616,7 +621,8 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
             estimate_gb=planner_estimate_gb(case, arch, gpu, overrides) if side == "mlite" else None,
             device=device,
             extra={"seq_lens": seq_lens if len(seq_lens) < 64 else len(seq_lens),
-                   "step_ms_all": m.timing.step_ms, "peak_allocated_gb": m.allocated_gb, "accum": case.accum,
+                   "step_ms_all": m.timing.step_ms, "wall_ms_per_step": m.timing.wall_ms,
+                   "peak_allocated_gb": m.allocated_gb, "accum": case.accum,
                    "outside_allocator_gb": m.outside_allocator_gb,
                    **({"overrides": list(overrides)} if side == "mlite" and overrides else {}), **m.last},
         ))
@@ -704,12 +710,14 @@ def _parallel_case(case: BenchCase, single: Measured, device: str, steps: int, w
                     peak_gb=par_peak, estimate_gb=planner_estimate_gb(case, arch, gpu), device=device,
                     extra={"scaling": tps / single_tps, "world": world, "peak_allocated_gb": par_alloc,
                            "outside_allocator_gb": par_outside,
-                           "accum": case.accum, "step_ms_all": par.timing.step_ms, **par.last}),
+                           "accum": case.accum, "step_ms_all": par.timing.step_ms,
+                           "wall_ms_per_step": par.timing.wall_ms, **par.last}),
         BenchResult(case=case.name, side=f"{world} x one GPU", tokens_per_step=single_tokens * world,
                     step_ms=single.timing.median_ms, tokens_per_s=single_tps, flops_per_token=fpt,
                     mfu=mfu(arch, seq_lens, single_tps / world, peak_tflops), peak_gb=single_peak,
                     device=device,
-                    extra={"world": world, "step_ms_all": single.timing.step_ms, **single.last}),
+                    extra={"world": world, "step_ms_all": single.timing.step_ms,
+                           "wall_ms_per_step": single.timing.wall_ms, **single.last}),
     ]
 
 

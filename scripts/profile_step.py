@@ -11,6 +11,7 @@ times it, with model.compile) and say where the step's wall time goes:
 
     python3 scripts/profile_step.py dense-1.7b-4k [moe-30b-a3b-6l-4k ...] [--rows 25] [--set KEY=VALUE]
     torchrun --standalone --nproc-per-node 4 scripts/profile_step.py dense-1.7b-4k-dp4   # a multi-GPU case
+    torchrun ... scripts/profile_step.py dense-1.7b-4k-dp2 --keep-gathered   # no re-gather before backward
 
 `--set` takes job keys as `mlite bench --set` does (an A/B of one key on the same case). A multi-GPU case
 runs in its layout on every rank of the launch (`bench.case_step`); rank 0 reports, and its kernel time is
@@ -54,10 +55,10 @@ def sync_sites(step) -> collections.Counter:
             warnings.simplefilter("always")
             warnings.showwarning = record
             step()
-            torch.cuda.synchronize()
     finally:
         torch.cuda.set_sync_debug_mode(0)
         warnings.showwarning = shown
+    torch.cuda.synchronize()  # outside the debug mode: this wait is the probe's, not the step's
     return sites
 
 
@@ -111,9 +112,16 @@ def say(*args) -> None:
         print(*args, flush=True)
 
 
-def profile(name: str, rows: int, overrides: list[str]) -> None:
+def profile(name: str, rows: int, overrides: list[str], keep_gathered: bool = False) -> None:
     torch.cuda.set_device(DEVICE)
     step, runtime, _last = bench.case_step(name, device=DEVICE, overrides=overrides)
+    if keep_gathered:  # an experiment, no job key: what the backward's re-gather of every unit costs
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in runtime.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_reshard_after_forward(False, recurse=False)
+        overrides = [*overrides, "(FSDP2 units kept gathered from forward to backward)"]
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -167,8 +175,10 @@ parser = argparse.ArgumentParser()
 parser.add_argument("cases", nargs="+")
 parser.add_argument("--rows", type=int, default=25)
 parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+parser.add_argument("--keep-gathered", action="store_true",
+                    help="FSDP2 units stay gathered from their forward to their backward (no re-gather)")
 args = parser.parse_args()
 for case_name in args.cases:
-    profile(case_name, args.rows, args.overrides)
+    profile(case_name, args.rows, args.overrides, args.keep_gathered)
     torch._dynamo.utils.counters.clear()
     torch.cuda.empty_cache()

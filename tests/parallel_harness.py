@@ -167,7 +167,7 @@ def _train_pipeline(chunks: dict, mesh, opt: LocalAdamW, steps) -> list[tuple[fl
     """The same steps through the 1F1B (interleaved when vpp > 1) pipeline schedule."""
     dims = mesh.dims
     pp_ranks = dist.get_process_group_ranks(mesh.group("pp"))
-    runner = PipelineRunner(chunks, dims.pp * dims.vpp, pp_ranks)
+    runner = PipelineRunner(chunks, dims.pp * dims.vpp, pp_ranks, device())
     batches = [b.to(device()) for b in make_batches(MAX_STEPS * MICRO_BATCHES)]
     history = []
     for step in steps:

@@ -80,7 +80,7 @@ def _forward_only_worker(rank, world, layout, out):
     chunks = build_layout(False, mesh)
     dims = mesh.dims
     runner = PipelineRunner(
-        chunks, dims.pp * dims.vpp, torch.distributed.get_process_group_ranks(mesh.group("pp"))
+        chunks, dims.pp * dims.vpp, torch.distributed.get_process_group_ranks(mesh.group("pp")), "cpu"
     )
     batches = make_batches(4)
     with torch.no_grad():

@@ -23,6 +23,12 @@ CPU_OVERHEAD_GB = 1.0  # torch + Python per process when the "GPU" is the host (
 # per training process on the host: Python, CUDA host state, pinned buffers, data
 HOST_OVERHEAD_PER_RANK_GB = 8.0
 MOE_IMBALANCE = 1.0  # routed tokens a rank receives, relative to a perfectly balanced router
+# Under ep > 1 the all-to-all's buffers change size with every layer and step (a rank receives what the router
+# sends it), and the caching allocator keeps blocks of each size it has seen: about as much again as the
+# routed token copies themselves. Fitted on the MoE bench case at ep2 and ep4 on H100s (docs/PERFORMANCE.md,
+# "Several GPUs: 2 x H100"), where the footprint held 3.3-3.4 GB more above its allocated peak than the dense
+# case's and the allocated peak 1-3 GB more than the routed copies alone.
+EP_EXCHANGE_SLACK = 1.0
 LOGIT_CHUNK_TOKENS = 4096  # mlite.runtime.kernels.lm_head works on this many tokens' logits at a time
 # per logit of a chunk beyond its compute-dtype copy: the compute-dtype d logits (fused path)
 LOGIT_GRAD_BYTES = 2
@@ -267,6 +273,9 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout,
     put("activations", base * tokens * flight, note)
     if arch.moe is not None:
         put("activations: routed experts", routed * tokens * flight, f"top-{arch.moe.top_k} token copies")
+        if layout.ep > 1:
+            put("expert exchange buffers", EP_EXCHANGE_SLACK * routed * tokens * flight,
+                f"ep={layout.ep} all-to-all: buffers of a new size every layer, kept by the allocator")
     if working:
         put("recompute working set", working * tokens, f"one group of {r.num_layers} layer(s) rebuilt")
     gather = v4_gather_bytes(arch, layers, job.data.seq_len, tokens, layout.tp, act)

@@ -138,7 +138,7 @@ def build_parallel_model(job: JobConfig, placement: Placement, arch: ModelArch,
         return chunks[0], None, None
     mesh = placement.mesh
     runner = PipelineRunner(chunks, placement.dims.pp * placement.dims.vpp,
-                            dist.get_process_group_ranks(mesh.group("pp")))
+                            dist.get_process_group_ranks(mesh.group("pp")), placement.device)
     runner.activation_dtype = (COMPUTE_DTYPES[job.precision.compute] if placement.device.type == "cuda"
                                else dtype)
     return stage_view(chunks), runner, chunks

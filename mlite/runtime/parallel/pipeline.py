@@ -112,12 +112,14 @@ class PipelineRunner:
     the gradients, and each chunk backpropagates its own exact term; the terms add up to the whole loss.
     """
 
-    def __init__(self, chunks: dict[int, nn.Module], num_chunks: int, pp_ranks: list[int]):
+    def __init__(self, chunks: dict[int, nn.Module], num_chunks: int, pp_ranks: list[int], device: torch.device):
         self.chunks, self.num_chunks, self.pp_ranks = chunks, num_chunks, pp_ranks
         self.pp = len(pp_ranks)
         first = next(iter(chunks.values()))
         self.moe = first.arch.moe
-        self.device = next(first.parameters()).device  # NCCL sends need device tensors, headers included
+        # the run's device, not the parameters': offloaded shards live on the host, while NCCL sends need
+        # device tensors (headers included)
+        self.device = torch.device(device)
         self.num_stats = (self.moe.num_experts if self.moe else 0) + 1  # expert counts, then rows
         self._sends: list = []
 
