@@ -675,6 +675,35 @@ def run_parallel_cases(cases: list[BenchCase], device: str, steps: int = 8, warm
     return results
 
 
+def collective_bus_gbs(device: str, mbytes: int = 128, repeats: int = 5) -> dict[str, float]:
+    """The launch's measured collective bandwidth over the whole world (bus GB/s, as nccl-tests counts it:
+    bytes x (N-1)/N per rank over the time): an all-gather and a reduce-scatter of `mbytes` MB of bf16,
+    the size of one FSDP2 unit of the dense bench case. A scaling figure means little without it: the same
+    machine kind has measured anywhere from tens to hundreds of GB/s between launches."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    numel = mbytes * 2**20 // 2 // world * world
+    whole = torch.ones(numel, dtype=torch.bfloat16, device=device)
+    shard = torch.ones(numel // world, dtype=torch.bfloat16, device=device)
+    result = {}
+    for name, run in (("all_gather", lambda: dist.all_gather_into_tensor(whole, shard)),
+                      ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, whole))):
+        run()  # warm-up: the first call sets up the channels
+        dist.barrier()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = (time.perf_counter() - began) / repeats
+        result[f"{name}_bus_gbs"] = numel * 2 * (world - 1) / world / seconds / 1e9
+    return result
+
+
 def _parallel_case(case: BenchCase, single: Measured, device: str, steps: int, warmup: int, gpu: str,
                    peak_tflops: float) -> list[BenchResult]:
     import torch
@@ -698,8 +727,12 @@ def _parallel_case(case: BenchCase, single: Measured, device: str, steps: int, w
     dims = ParallelDims.from_job(case_job(case, device), world)
     seed = replica_seed(case, device, dist.get_rank(), world)
     sequences = random_sequences(seq_lens, arch.vocab, seed=seed)
+    bus = collective_bus_gbs(device)
     par = measure(lambda: runtime_step_fn(case, sequences, device), device, steps, warmup,
                   before_timing=dist.barrier)
+    bus = {key: min(bus[key], after) for key, after in collective_bus_gbs(device).items()}  # before and after
+    bus_min = reduce([-value for value in bus.values()], dist.ReduceOp.MAX)  # the slowest rank's view
+    bus = {key: -value for key, value in zip(bus, bus_min)}
     slowest, par_peak, par_alloc, par_outside = reduce(
         [par.timing.median_ms, par.peak_gb, par.allocated_gb, par.outside_allocator_gb], dist.ReduceOp.MAX)
     tokens = sum(seq_lens) * case.accum * dims.dp
@@ -709,7 +742,7 @@ def _parallel_case(case: BenchCase, single: Measured, device: str, steps: int, w
                     tokens_per_s=tps, flops_per_token=fpt, mfu=mfu(arch, seq_lens, tps / world, peak_tflops),
                     peak_gb=par_peak, estimate_gb=planner_estimate_gb(case, arch, gpu), device=device,
                     extra={"scaling": tps / single_tps, "world": world, "peak_allocated_gb": par_alloc,
-                           "outside_allocator_gb": par_outside,
+                           "outside_allocator_gb": par_outside, **bus,
                            "accum": case.accum, "step_ms_all": par.timing.step_ms,
                            "wall_ms_per_step": par.timing.wall_ms, **par.last}),
         BenchResult(case=case.name, side=f"{world} x one GPU", tokens_per_step=single_tokens * world,

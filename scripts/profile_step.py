@@ -112,7 +112,8 @@ def say(*args) -> None:
         print(*args, flush=True)
 
 
-def profile(name: str, rows: int, overrides: list[str], keep_gathered: bool = False) -> None:
+def profile(name: str, rows: int, overrides: list[str], keep_gathered: bool = False,
+            trace: str | None = None) -> None:
     torch.cuda.set_device(DEVICE)
     step, runtime, _last = bench.case_step(name, device=DEVICE, overrides=overrides)
     if keep_gathered:  # an experiment, no job key: what the backward's re-gather of every unit costs
@@ -139,6 +140,8 @@ def profile(name: str, rows: int, overrides: list[str], keep_gathered: bool = Fa
         for _ in range(2):
             step()
         torch.cuda.synchronize()
+    if trace and RANK == 0:  # the two steps' timeline (chrome://tracing, or scripts/trace_gaps.py)
+        prof.export_chrome_trace(trace)
     events = prof.key_averages()
     # the kernels themselves: not the ops around them, nor the GPU-side ranges of user annotations
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
@@ -175,10 +178,12 @@ parser = argparse.ArgumentParser()
 parser.add_argument("cases", nargs="+")
 parser.add_argument("--rows", type=int, default=25)
 parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+parser.add_argument("--trace", help="write rank 0's timeline of the profiled steps here (Chrome trace JSON)")
 parser.add_argument("--keep-gathered", action="store_true",
                     help="FSDP2 units stay gathered from their forward to their backward (no re-gather)")
 args = parser.parse_args()
 for case_name in args.cases:
-    profile(case_name, args.rows, args.overrides, args.keep_gathered)
+    trace = args.trace and (args.trace if len(args.cases) == 1 else args.trace.replace(".json", f"-{case_name}.json"))
+    profile(case_name, args.rows, args.overrides, args.keep_gathered, trace)
     torch._dynamo.utils.counters.clear()
     torch.cuda.empty_cache()

@@ -130,7 +130,10 @@ def test_multi_rank_cases_run_under_torchrun_on_gloo(tmp_path):
     for parallel, single in zip(results[::2], results[1::2]):
         assert parallel["tokens_per_step"] == single["tokens_per_step"] == 2 * 128  # one replica per rank
         assert parallel["extra"]["scaling"] == parallel["tokens_per_s"] / single["tokens_per_s"] > 0
-    assert "of 2 x one GPU" in proc.stdout
+        # the launch's own collective bandwidth and each side's wall time travel with the figure
+        assert parallel["extra"]["all_gather_bus_gbs"] > 0 and parallel["extra"]["reduce_scatter_bus_gbs"] > 0
+        assert parallel["extra"]["wall_ms_per_step"] > 0 and single["extra"]["wall_ms_per_step"] > 0
+    assert "of 2 x one GPU; collectives measured at" in proc.stdout
 
 
 def test_replicas_draw_their_own_sequences_and_the_ranks_of_one_replica_the_same():

@@ -412,3 +412,49 @@ def test_a_moe_block_is_one_fsdp2_unit_where_its_experts_share_the_layers_ranks(
     finally:
         rt.close()
         torch._dynamo.reset()
+
+
+def test_fsdp_unit_layers_gathers_consecutive_layers_as_one_unit_with_the_same_numbers():
+    """parallel.fsdp_unit_layers: 2 makes each pair of consecutive layers one FSDP2 unit (one state, one
+    all-gather and one reduce-scatter for both: FSDP2's host work per step grows with its units), and the
+    run's numbers are those of one layer a unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from mlite.runtime.parallel.parallelize import blocks
+
+    def run(unit_layers: int):
+        rt = Runtime(job_from_dict({
+            "model": {"name": "tiny-qwen3-moe"}, "precision": {"compute": "fp32"}, "data": {"seq_len": 512},
+            "parallel": {"fsdp_one_rank": True, "fsdp_unit_layers": unit_layers},
+            "optimizer": {"lr": 1e-3, "clip_grad": 1.0}, "trainer": {"device": "cpu", "seed": 7},
+        }))
+        try:
+            layers = blocks(rt.model)
+            assert len(layers) >= 2 and all(isinstance(layer, FSDPModule) for layer in layers)
+            states = [layer._get_fsdp_state() for layer in layers]  # FSDP2 has no public unit getter
+            units = len({id(state) for state in states})
+            batch = PackedBatch.from_sequences(sequences([30, 17]))
+            numbers = []
+            for _ in range(3):
+                rt.zero_grad()
+                (out,) = rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
+                norm, _ = rt.optimizer_step()
+                numbers.append((float(out["loss"]), float(norm)))
+            return len(layers), units, numbers
+        finally:
+            rt.close()
+
+    layers, one_each, single = run(1)
+    _, paired, grouped = run(2)
+    assert one_each == layers and paired == -(-layers // 2)
+    torch.testing.assert_close(grouped, single, rtol=1e-6, atol=0)
+
+
+def test_fsdp_units_are_runs_of_layers_cut_at_the_offload_boundary():
+    from mlite.runtime.parallel.parallelize import unit_runs
+
+    assert unit_runs(6, 0, 1) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6)]
+    assert unit_runs(6, 0, 4) == [(0, 4), (4, 6)]
+    # three offloaded layers: no unit holds both an offloaded layer and a resident one
+    assert unit_runs(6, 3, 2) == [(0, 2), (2, 3), (3, 5), (5, 6)]
+    assert unit_runs(4, 4, 3) == [(0, 3), (3, 4)]

@@ -84,6 +84,17 @@ def test_fsdp2_shards_state_over_dp_cp_and_edp():
     assert items(plan)["master weights"] == pytest.approx(expected / 2)
 
 
+def test_fsdp_unit_layers_holds_that_many_layers_gathered():
+    """parallel.fsdp_unit_layers: FSDP2 gathers (and reduces) units of n layers, so the planner holds n
+    layers per unsharded unit: twice the gathered weights at n = 2 on a model of equal layers (each larger
+    than the embedding, the other kind of unit, without ep)."""
+    one = sized("qwen3_30b_a3b_sft", ["parallel.ep=1"])
+    two = sized("qwen3_30b_a3b_sft", ["parallel.ep=1", "parallel.fsdp_unit_layers=2"])
+    assert items(two)["gathered weights"] == pytest.approx(2 * items(one)["gathered weights"])
+    assert items(two)["gradients"] > items(one)["gradients"]
+    assert two.memory.train_gb > one.memory.train_gb and not two.refused
+
+
 def test_activations_follow_recompute_sp_cp_and_pipeline():
     base = ["parallel.pp=1", "parallel.cp=1", "parallel.ep=1", "parallel.pp_first_stage_layers=null",
             "parallel.pp_last_stage_layers=null", "cluster.nodes=1", "cluster.gpus_per_node=1",

@@ -78,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
     console.print(bench.render_table(results))
     for r in results:
         if "scaling" in r.extra:
-            console.print(f"{r.case}: {r.extra['scaling']:.1%} of {r.extra['world']} x one GPU")
+            console.print(f"{r.case}: {r.extra['scaling']:.1%} of {r.extra['world']} x one GPU; collectives "
+                          f"measured at {r.extra['all_gather_bus_gbs']:.0f} GB/s all-gather, "
+                          f"{r.extra['reduce_scatter_bus_gbs']:.0f} GB/s reduce-scatter (bus)")
     from pathlib import Path
 
     bench.write_results(results, Path(args.out), bench.environment(device))

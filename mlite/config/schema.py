@@ -100,6 +100,10 @@ class ParallelConfig(Section):
     # one process: shard with FSDP2 over a mesh of one rank instead of the plain model, so the multi-GPU
     # path (DTensor parameters, FSDP2's hooks, the sharded step) runs, and offload.* works, on one GPU
     fsdp_one_rank: bool = False
+    # consecutive decoder layers FSDP2 gathers and reduces as one unit: FSDP2's host work per step grows
+    # with its units (scripts/fsdp_host_probe.py), so small layers on fast GPUs gain from 2-4 a unit, at
+    # the memory of that many layers held gathered (the planner counts it); 1 is torchtitan's layout
+    fsdp_unit_layers: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -100,16 +100,20 @@ class StageParams:
 
     dense: float  # sharded by fsdp2 / dist_opt over dp x cp
     experts: float  # sharded over edp
-    largest_unit: float  # largest layer (or embedding / head) on this GPU: FSDP2's unit of gathering
+    largest_unit: float  # largest FSDP2 unit on this GPU (parallel.fsdp_unit_layers layers, embedding, head)
 
 
-def stage_params(arch: ModelArch, layout: Layout, stage: int) -> StageParams:
-    dense = experts = largest = 0.0
+def stage_params(arch: ModelArch, layout: Layout, stage: int, unit_layers: int = 1) -> StageParams:
+    """This stage's parameters per GPU; `unit_layers`: consecutive layers FSDP2 gathers as one unit."""
+    dense = experts = 0.0
+    per_layer = []
     for i in layout.stage_layers[stage]:
         lp = layer_params(arch, i)
         d = (lp.attention + lp.mlp) / layout.tp + lp.replicated
         e = lp.experts / (layout.ep * layout.etp)
-        dense, experts, largest = dense + d, experts + e, max(largest, d + e)
+        dense, experts = dense + d, experts + e
+        per_layer.append(d + e)
+    largest = max((sum(per_layer[k : k + unit_layers]) for k in range(len(per_layer))), default=0.0)
     table = arch.vocab * arch.hidden / layout.tp  # vocab-parallel embedding / head
     if stage == 0:
         dense += table
@@ -208,7 +212,7 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout,
     fp32_compute = job.precision.compute == "fp32"
     off = job.offload
     frac = off.optimizer_fraction if off.optimizer else 0.0
-    sp = stage_params(arch, layout, stage)
+    sp = stage_params(arch, layout, stage, job.parallel.fsdp_unit_layers)
     dense_shards, expert_shards = layout.dp * layout.cp, layout.edp
     sharded = sp.dense / dense_shards + sp.experts / expert_shards  # parameters this GPU owns a shard of
     full = sp.dense + sp.experts  # parameters this GPU computes with
@@ -238,9 +242,10 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout,
         put("gathered weights", FSDP_PREFETCH_LAYERS * sp.largest_unit * w
             if sharded < full or master != job.precision.compute
             else 0.0,  # one unsharded bf16 copy needs none
-            f"{job.precision.compute}, {FSDP_PREFETCH_LAYERS} layers unsharded at a time")
+            f"{job.precision.compute}, {FSDP_PREFETCH_LAYERS} units of {job.parallel.fsdp_unit_layers} "
+            "layer(s) unsharded at a time")
         put("gradients", sharded * mb + sp.largest_unit * w,
-            f"{master} shards + one unsharded layer being reduced",
+            f"{master} shards + one unsharded unit being reduced",
             (sharded * mb / (sharded * mb + sp.largest_unit * w)) if off.grads else 0.0)
         if job.precision.optimizer_state == "fp8":  # e4m3 moments and an fp32 scale per 128 of each
             put("optimizer state", sharded * 2 * (1 + 4 / 128), "Adam m, v e4m3 with block scales", frac)
@@ -325,10 +330,10 @@ def _rollout_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int, 
     sequences = math.ceil(r.prompts_per_step * r.n / layout.dp)
     length = r.max_prompt_length + r.max_response_length
     kv = sum(_kv_bytes_per_sequence(arch, i, length, act) for i in layout.stage_layers[stage]) / layout.tp
-    sp = stage_params(arch, layout, stage)
+    sp = stage_params(arch, layout, stage, job.parallel.fsdp_unit_layers)
     if job.optimizer.backend == "fsdp2":
         items.append(MemoryItem("gathered weights", FSDP_PREFETCH_LAYERS * sp.largest_unit * act / GIB,
-                                "FSDP2 unshards layer by layer while generating"))
+                                "FSDP2 unshards unit by unit while generating"))
     items.append(MemoryItem("KV cache", sequences * kv / GIB, f"{sequences} sequences x {length} tokens"))
     cpu = job.cluster.gpu == "cpu"
     items.append(MemoryItem("framework overhead", CPU_OVERHEAD_GB if cpu else GPU_OVERHEAD_GB, ""))

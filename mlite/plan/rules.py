@@ -479,6 +479,7 @@ def check_runtime_keys(
     check_model_built(arch)
     check_model_losses(job, arch)
     check_fsdp_one_rank(job, world_size)
+    check_fsdp_units(job, world_size)
     check_backend_trained(job, device_type, has_megatron)
     check_precision(job, world_size, device_type)
     check_offload(job, world_size, device_type)
@@ -636,6 +637,23 @@ def check_fsdp_one_rank(job: JobConfig, world_size: int) -> None:
         raise MliteError(
             f"parallel.fsdp_one_rank shards with FSDP2, and optimizer.backend is {job.optimizer.backend}; "
             "use optimizer.backend fsdp2, or remove parallel.fsdp_one_rank"
+        )
+
+
+def check_fsdp_units(job: JobConfig, world_size: int) -> None:
+    """parallel.fsdp_unit_layers groups FSDP2's units, so it needs FSDP2."""
+    n = job.parallel.fsdp_unit_layers
+    if n == 1:
+        return
+    if job.optimizer.backend != "fsdp2":
+        raise MliteError(
+            f"parallel.fsdp_unit_layers: {n} groups FSDP2's units, and optimizer.backend is "
+            f"{job.optimizer.backend}; use optimizer.backend fsdp2, or remove parallel.fsdp_unit_layers"
+        )
+    if world_size == 1 and not job.parallel.fsdp_one_rank:
+        raise MliteError(
+            f"parallel.fsdp_unit_layers: {n} groups FSDP2's units, and one plain process has none; start "
+            "several ranks (torchrun), set parallel.fsdp_one_rank: true, or remove parallel.fsdp_unit_layers"
         )
 
 

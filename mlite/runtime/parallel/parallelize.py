@@ -142,6 +142,7 @@ def apply_fsdp(
     compute_dtype: torch.dtype = torch.float32,
     offload_fraction: float = 0.0,
     reduce_dtype: torch.dtype = torch.float32,
+    unit_layers: int = 1,
 ) -> None:
     """FSDP2: sharded parameters (the master copy, so the optimizer state is sharded too), gathered in
     `compute_dtype` for compute, gradients reduced in `reduce_dtype` (precision.grad_reduce). Dense
@@ -150,7 +151,9 @@ def apply_fsdp(
     A tied LM head and its embedding are one unit (one shared matrix).
 
     `offload_fraction`: the share of layers whose sharded parameters, gradients and therefore optimizer
-    state (and step) live on the host (FSDP2's CPUOffloadPolicy per layer unit); 1.0 offloads everything."""
+    state (and step) live on the host (FSDP2's CPUOffloadPolicy per layer unit); 1.0 offloads everything.
+    `unit_layers` (parallel.fsdp_unit_layers): consecutive layers gathered and reduced as one unit (never
+    across the offload boundary): FSDP2's host work per step grows with its units."""
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     layers = blocks(model)
     offloaded = round(offload_fraction * len(layers))
@@ -167,11 +170,15 @@ def apply_fsdp(
     own_units = mesh.dims.ep * mesh.dims.etp * mesh.dims.tp > 1
     groups = []
     for i, layer in enumerate(layers):
-        offload = i < offloaded
         if is_moe(layer) and own_units:
-            groups.append(shard(layer.mlp.experts, "edp", offload))
-            groups.append(shard(layer.mlp, "dp_cp_tp", offload))  # the router
-        groups.append(shard(layer, "dp_cp", offload))
+            groups.append(shard(layer.mlp.experts, "edp", i < offloaded))
+            groups.append(shard(layer.mlp, "dp_cp_tp", i < offloaded))  # the router
+    for start, end in unit_runs(len(layers), offloaded, unit_layers):
+        unit = layers[start:end]
+        if len(unit) == 1:
+            groups.append(shard(unit[0], "dp_cp", start < offloaded))
+        else:  # one unit over several modules: one state, reached from any of them
+            groups.append(shard(unit, "dp_cp", start < offloaded)[0])
     everything = offload_fraction >= 1.0
     tied = model.output is not None and model.embed is not None and model.output.weight is model.embed.weight
     if tied:  # one unit over both modules of the shared matrix: gathered for either one's forward
@@ -182,6 +189,13 @@ def apply_fsdp(
     for module in groups:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+
+
+def unit_runs(num_layers: int, offloaded: int, unit_layers: int) -> list[tuple[int, int]]:
+    """The [start, end) layer ranges FSDP2 shards as units: runs of `unit_layers` consecutive layers, the
+    first `offloaded` layers apart from the rest (a unit is offloaded whole or not at all)."""
+    starts = sorted({*range(0, offloaded, unit_layers), *range(offloaded, num_layers, unit_layers)})
+    return list(zip(starts, [*starts[1:], num_layers]))
 
 
 def host_offloaded(model: nn.Module) -> set[int]:
@@ -216,6 +230,7 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, devi
         compute_dtype=dtypes[job.precision.compute] if device_type == "cuda" else torch.float32,  # CPU: fp32
         offload_fraction=job.offload.optimizer_fraction if job.offload.optimizer else 0.0,
         reduce_dtype=dtypes[job.precision.grad_reduce],
+        unit_layers=job.parallel.fsdp_unit_layers,
     )
     return model
 
