@@ -14,6 +14,7 @@ import os
 
 import torch
 import torch._dynamo
+import torch.distributed as dist
 
 from mlite import bench
 
@@ -31,14 +32,17 @@ def main() -> None:
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # one process group for every variant (each Runtime uses it, none ends it): under torchrun a group
+        # destroyed and started again reads the first one's NCCL id from the launcher's store, and fails
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     best: dict[str, float] = {}
     for round_ in range(args.rounds):
         for variant in args.variant:
             overrides = variant.split()
             step, runtime, _last = bench.case_step(args.case, device=device, overrides=overrides)
             timing = bench.time_steps(step, args.warmup, args.steps, device)
-            if runtime.mesh is not None:
-                runtime.close()  # the next variant starts its own process group
+            runtime.close()  # the process group stays: this script started it
             del step, runtime
             torch._dynamo.reset()  # each variant compiles its own blocks (the FX graph cache keeps it quick)
             if device.startswith("cuda"):
@@ -52,6 +56,8 @@ def main() -> None:
     if rank == 0:
         for name, ms in best.items():
             print(f"best of {args.rounds}: {ms:7.1f} ms  {name}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
