@@ -31,6 +31,7 @@ collect_overrides() {
   add parallel.pp_first_stage_layers "$PP_FIRST_STAGE_LAYERS"
   add parallel.pp_last_stage_layers "$PP_LAST_STAGE_LAYERS"
   add optimizer.backend "$OPTIMIZER"
+  add parallel.fsdp_unit_layers "${FSDP_UNIT_LAYERS:-}"
   add optimizer.lr "$LR"
   add recompute.granularity "$RECOMPUTE"
   add precision.compute "$PRECISION"

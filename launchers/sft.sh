@@ -29,6 +29,7 @@ OPTIMIZER=${OPTIMIZER:-}                  # dist_opt | fsdp2
 RECOMPUTE=${RECOMPUTE:-}                  # none | selective | full
 PRECISION=${PRECISION:-}                  # bf16 | fp16 | fp32: dtype of matmuls and activations
 OPTIMIZER_STATE=${OPTIMIZER_STATE:-}      # master | fp8: Adam's moments in the master dtype or e4m3
+FSDP_UNIT_LAYERS=${FSDP_UNIT_LAYERS:-}    # layers one FSDP2 unit gathers at once (fsdp2; 2 for small dense models)
 OFFLOAD_PARAMS=${OFFLOAD_PARAMS:-}        # true | false: parameters on the host between uses (fsdp2)
 OFFLOAD_GRADS=${OFFLOAD_GRADS:-}          # true | false: gradients on the host
 OFFLOAD_OPTIMIZER=${OFFLOAD_OPTIMIZER:-}  # true | false: optimizer state on the host

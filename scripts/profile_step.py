@@ -183,7 +183,8 @@ parser.add_argument("--keep-gathered", action="store_true",
                     help="FSDP2 units stay gathered from their forward to their backward (no re-gather)")
 args = parser.parse_args()
 for case_name in args.cases:
-    trace = args.trace and (args.trace if len(args.cases) == 1 else args.trace.replace(".json", f"-{case_name}.json"))
+    trace = args.trace and (args.trace if len(args.cases) == 1
+                            else args.trace.replace(".json", f"-{case_name}.json"))
     profile(case_name, args.rows, args.overrides, args.keep_gathered, trace)
     torch._dynamo.utils.counters.clear()
     torch.cuda.empty_cache()

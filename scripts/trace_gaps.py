@@ -63,7 +63,8 @@ def main() -> None:
         else:
             waited_total += gap
             waited[kernel["name"][:100]] += gap
-    print(f"gaps >= {args.min_us:g} us: host late {late_total / 1e3:.1f} ms, waited {waited_total / 1e3:.1f} ms")
+    print(f"gaps >= {args.min_us:g} us: host late {late_total / 1e3:.1f} ms, "
+          f"waited {waited_total / 1e3:.1f} ms")
     print("\nhost late, by the ops open at the late launch (outermost first):")
     for name, us in late.most_common(args.rows):
         print(f"  {us / 1e3:8.2f} ms  {name}")

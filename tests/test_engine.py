@@ -335,6 +335,23 @@ def test_ranks_sum_a_loss_on_the_device_and_agree_on_a_stop_over_the_host():
     launch(2, _sum_and_stop_worker)
 
 
+def three_sft_steps(rt: Runtime, forward_only_between: bool = False) -> list[tuple[float, ...]]:
+    """(loss, grad norm[, a forward-only pass's log-prob sum]) of three SFT updates on one packed batch."""
+    batch = PackedBatch.from_sequences(sequences([30, 17]))
+    numbers = []
+    for _ in range(3):
+        rt.zero_grad()
+        (out,) = rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
+        norm, _ = rt.optimizer_step()
+        row: tuple[float, ...] = (float(out["loss"]), float(norm))
+        # a forward-only pass between updates: a gathered FSDP2 head must not serve stale weights
+        if forward_only_between:
+            (after,) = rt.forward_backward([batch], None, forward_only=True)
+            row += (float(after["logprobs"].sum()),)
+        numbers.append(row)
+    return numbers
+
+
 def test_fsdp_one_rank_runs_the_sharded_path_on_one_process_with_the_plain_numbers():
     """parallel.fsdp_one_rank: one process shards with FSDP2 over a one-rank mesh (DTensor parameters, the
     sharded step and its grad norm over the mesh, the FSDP2 head gathered for the LM-head kernel) and trains
@@ -354,15 +371,7 @@ def test_fsdp_one_rank_runs_the_sharded_path_on_one_process_with_the_plain_numbe
         rt = Runtime(job)
         sharded = all(isinstance(p, DTensor) for p in rt.model.parameters())
         assert dist.is_initialized() == one_rank and (rt.mesh is not None) == one_rank
-        batch = PackedBatch.from_sequences(sequences([30, 17]))
-        numbers = []
-        for _ in range(3):
-            rt.zero_grad()
-            (out,) = rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
-            norm, _ = rt.optimizer_step()
-            # a pass without backward between updates: the FSDP2 head it gathers must not go stale
-            (after,) = rt.forward_backward([batch], None, forward_only=True)
-            numbers.append((float(out["loss"]), float(norm), float(after["logprobs"].sum())))
+        numbers = three_sft_steps(rt, forward_only_between=True)
         if one_rank:  # the (untied) head went through the LM-head kernel, gathered, and was resharded after
             assert linear_head_weight(rt.model.compute_logits) is not None
             release_head(rt.model.compute_logits)
@@ -433,14 +442,7 @@ def test_fsdp_unit_layers_gathers_consecutive_layers_as_one_unit_with_the_same_n
             assert len(layers) >= 2 and all(isinstance(layer, FSDPModule) for layer in layers)
             states = [layer._get_fsdp_state() for layer in layers]  # FSDP2 has no public unit getter
             units = len({id(state) for state in states})
-            batch = PackedBatch.from_sequences(sequences([30, 17]))
-            numbers = []
-            for _ in range(3):
-                rt.zero_grad()
-                (out,) = rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
-                norm, _ = rt.optimizer_step()
-                numbers.append((float(out["loss"]), float(norm)))
-            return len(layers), units, numbers
+            return len(layers), units, three_sft_steps(rt)
         finally:
             rt.close()
 

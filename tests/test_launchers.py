@@ -90,6 +90,7 @@ def test_sft_dry_run_prints_the_resolved_command_and_writes_it(tmp_path):
         "LR": "0.002",
         "TRAIN_FILES": "a.jsonl,b.jsonl",
         "OPTIMIZER_STATE": "fp8",
+        "FSDP_UNIT_LAYERS": "2",
     }
     done = run(["launchers/sft.sh"], env)
     assert done.returncode == 0, done.stderr
@@ -105,6 +106,7 @@ def test_sft_dry_run_prints_the_resolved_command_and_writes_it(tmp_path):
         "--set trainer.steps=7",
         "--set optimizer.lr=0.002",
         "--set precision.optimizer_state=fp8",
+        "--set parallel.fsdp_unit_layers=2",
         "--set cluster.nodes=2",
         "--set trainer.output_dir=" + str(tmp_path / "r"),
         "--set trainer.resume=auto",

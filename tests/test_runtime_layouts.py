@@ -66,7 +66,8 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("model,overrides", LAYOUTS,
-                         ids=["pp2", "cp2", "fsdp2-dp2", "ep2", "moe-pp2", "moe-cp2", "moe-tp2", "moe-ep2-units2"])
+                         ids=["pp2", "cp2", "fsdp2-dp2", "ep2", "moe-pp2", "moe-cp2", "moe-tp2",
+                              "moe-ep2-units2"])
 def test_sft_cli_on_two_ranks_matches_one_process(assets, one_process, tmp_path, model, overrides):
     out = tmp_path / "run"
     done = mlite_cli(tmp_path, job_dict(assets, model, out), 2, *overrides)

@@ -112,7 +112,8 @@ class PipelineRunner:
     the gradients, and each chunk backpropagates its own exact term; the terms add up to the whole loss.
     """
 
-    def __init__(self, chunks: dict[int, nn.Module], num_chunks: int, pp_ranks: list[int], device: torch.device):
+    def __init__(self, chunks: dict[int, nn.Module], num_chunks: int, pp_ranks: list[int],
+                 device: torch.device):
         self.chunks, self.num_chunks, self.pp_ranks = chunks, num_chunks, pp_ranks
         self.pp = len(pp_ranks)
         first = next(iter(chunks.values()))
