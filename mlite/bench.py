@@ -434,6 +434,17 @@ def case_step(name: str, device: str = "cuda", overrides: Sequence[str] = ()):
     return runtime_step_fn(case, sequences, device, overrides=overrides)
 
 
+def hold_launch_group(device: str) -> None:
+    """Start this torchrun launch's process group once, so that several Runtimes in turn use it and none
+    ends it (a Runtime ends only a group it started). Under torchrun a group destroyed and started again
+    reads the first group's NCCL id from the launcher's store and fails: scripts that build one Runtime
+    after another (profile_step.py, ab_step.py) call this first, and `dist.destroy_process_group()` last."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+
+
 def launch_ranks(cases: list[BenchCase]) -> tuple[int, int]:
     """(world, rank) of this torchrun launch, refused in one line unless every multi-GPU case runs on it."""
     from mlite.errors import MliteError

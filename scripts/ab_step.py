@@ -32,10 +32,7 @@ def main() -> None:
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # one process group for every variant (each Runtime uses it, none ends it): under torchrun a group
-        # destroyed and started again reads the first one's NCCL id from the launcher's store, and fails
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    bench.hold_launch_group(device)  # one process group for every variant
     best: dict[str, float] = {}
     for round_ in range(args.rounds):
         for variant in args.variant:

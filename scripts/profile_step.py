@@ -30,6 +30,7 @@ import warnings
 
 import torch
 import torch._dynamo.utils
+import torch.distributed as dist
 
 from mlite import bench
 
@@ -171,7 +172,7 @@ def profile(name: str, rows: int, overrides: list[str], keep_gathered: bool = Fa
     say(events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70))
     say(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70))
     if WORLD > 1:
-        runtime.close()  # the next case starts its own process group
+        runtime.close()  # the process group stays (hold_launch_group) for the next case
 
 
 parser = argparse.ArgumentParser()
@@ -182,9 +183,12 @@ parser.add_argument("--trace", help="write rank 0's timeline of the profiled ste
 parser.add_argument("--keep-gathered", action="store_true",
                     help="FSDP2 units stay gathered from their forward to their backward (no re-gather)")
 args = parser.parse_args()
+bench.hold_launch_group(DEVICE)  # one process group for every case of the launch
 for case_name in args.cases:
     trace = args.trace and (args.trace if len(args.cases) == 1
                             else args.trace.replace(".json", f"-{case_name}.json"))
     profile(case_name, args.rows, args.overrides, args.keep_gathered, trace)
     torch._dynamo.utils.counters.clear()
     torch.cuda.empty_cache()
+if dist.is_initialized():
+    dist.destroy_process_group()

@@ -136,6 +136,31 @@ def test_multi_rank_cases_run_under_torchrun_on_gloo(tmp_path):
     assert "of 2 x one GPU; collectives measured at" in proc.stdout
 
 
+def test_ab_step_takes_turns_over_variants_on_one_process_group(tmp_path):
+    """scripts/ab_step.py on 2 gloo ranks: each variant builds its own Runtime on the one process group the
+    launch holds (hold_launch_group), round after round, and rank 0 reports each variant's best."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(root / "scripts" / "ab_step.py"), "tiny-cpu-dp2", "--variant", "",
+         "--variant", "parallel.fsdp_unit_layers=2", "--rounds", "2", "--steps", "1", "--warmup", "1"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rounds = [line for line in proc.stdout.splitlines() if line.startswith("round ")]
+    assert [line.split(":")[0] for line in rounds] == [
+        "round 1 (as the case is)", "round 1 parallel.fsdp_unit_layers=2",
+        "round 2 (as the case is)", "round 2 parallel.fsdp_unit_layers=2",
+    ]
+    assert sum(line.startswith("best of 2:") for line in proc.stdout.splitlines()) == 2
+
+
 def test_replicas_draw_their_own_sequences_and_the_ranks_of_one_replica_the_same():
     from mlite.bench import CASES, replica_seed
 
