@@ -689,8 +689,8 @@ def run_parallel_cases(cases: list[BenchCase], device: str, steps: int = 8, warm
 def collective_bus_gbs(device: str, mbytes: int = 128, repeats: int = 5) -> dict[str, float]:
     """The launch's measured collective bandwidth over the whole world (bus GB/s, as nccl-tests counts it:
     bytes x (N-1)/N per rank over the time): an all-gather and a reduce-scatter of `mbytes` MB of bf16,
-    the size of one FSDP2 unit of the dense bench case. A scaling figure means little without it: the same
-    machine kind has measured anywhere from tens to hundreds of GB/s between launches."""
+    the size of one FSDP2 unit of the dense bench case. The same code on the same machine kind has stepped
+    40% slower in one launch than in the next, so a scaling figure travels with its launch's bandwidth."""
     import torch
     import torch.distributed as dist
 
