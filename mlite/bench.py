@@ -742,8 +742,7 @@ def _parallel_case(case: BenchCase, single: Measured, device: str, steps: int, w
     par = measure(lambda: runtime_step_fn(case, sequences, device), device, steps, warmup,
                   before_timing=dist.barrier)
     bus = {key: min(bus[key], after) for key, after in collective_bus_gbs(device).items()}  # before and after
-    bus_min = reduce([-value for value in bus.values()], dist.ReduceOp.MAX)  # the slowest rank's view
-    bus = {key: -value for key, value in zip(bus, bus_min)}
+    bus = dict(zip(bus, reduce(list(bus.values()), dist.ReduceOp.MIN)))  # the slowest rank's view
     slowest, par_peak, par_alloc, par_outside = reduce(
         [par.timing.median_ms, par.peak_gb, par.allocated_gb, par.outside_allocator_gb], dist.ReduceOp.MAX)
     tokens = sum(seq_lens) * case.accum * dims.dp

@@ -171,8 +171,7 @@ def profile(name: str, rows: int, overrides: list[str], keep_gathered: bool = Fa
         say(f"  {n:4d} x {where}")
     say(events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70))
     say(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70))
-    if WORLD > 1:
-        runtime.close()  # the process group stays (hold_launch_group) for the next case
+    runtime.close()  # ends only a group it started: a launch's group stays (hold_launch_group)
 
 
 parser = argparse.ArgumentParser()
