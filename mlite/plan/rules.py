@@ -57,11 +57,11 @@ class Support:
 SUPPORT: dict[str, Support] = {
     "cpu (gloo) device": Support(True, False, False, "Megatron-Core's distributed optimizer needs CUDA GPUs",
                                  "run on GPUs"),
-    "tp + sequence parallel": Support(True, True, False, "", "set parallel.tp: 1"),
-    "pp (1F1B)": Support(True, True, False, "", "set parallel.pp: 1"),
-    "vpp (interleaved 1F1B)": Support(True, True, False, "", "set parallel.vpp: 1"),
+    "tp + sequence parallel": Support(True, True, True, "", "set parallel.tp: 1"),
+    "pp (1F1B)": Support(True, True, True, "", "set parallel.pp: 1"),
+    "vpp (interleaved 1F1B)": Support(True, True, True, "", "set parallel.vpp: 1"),
     "cp (zigzag ring attention)": Support(True, True, True, "", "set parallel.cp: 1"),
-    "ep": Support(True, True, False, "", "set parallel.ep: 1"),
+    "ep": Support(True, True, True, "", "set parallel.ep: 1"),
     "etp > 1": Support(False, True, False, "FSDP2 shards experts over edp; it does not split an expert's FFN",
                        "set parallel.etp: 1"),
     "offload.params": Support(True, False, False, "Megatron's distributed optimizer keeps parameters on the "
@@ -78,9 +78,9 @@ SUPPORT: dict[str, Support] = {
     "precision.optimizer_state fp8": Support(True, False, False, "fsdp2, every layout; Megatron's "
                                              "optimizer keeps its own Adam state",
                                              "set precision.optimizer_state: master"),
-    "checkpoints (save, resume)": Support(True, True, False, "the adapter has no DCP checkpoints yet", ""),
+    "checkpoints (save, resume)": Support(True, True, True, "", ""),
 }
-TRAINED_BACKENDS = ("fsdp2",)  # what the trainers' Runtime builds
+TRAINED_BACKENDS = ("fsdp2", "dist_opt")  # what the trainers' Runtime builds (dist_opt: its adapter column)
 # what mlite.runtime.models builds (mlite.config.arch.FAMILIES)
 TRAINED_FAMILIES = ("dense", "moe", "deepseek_v4")
 # Model families whose attention mlite does not split by tensor parallel.
@@ -144,7 +144,7 @@ def check_backend(job: JobConfig) -> None:
         row = SUPPORT[feature]
         if getattr(row, backend):
             continue
-        trained = [b for b in TRAINED_BACKENDS if getattr(row, b)]
+        trained = [b for b in TRAINED_BACKENDS if getattr(row, "adapter" if b == "dist_opt" else b)]
         fix = f"use optimizer.backend {trained[0]}" if trained else f"{row.off} (no trained backend has it)"
         raise MliteError(
             f"{feature} is not supported by optimizer.backend '{backend}' ({row.why}); {fix} ({MATRIX})"
@@ -540,15 +540,12 @@ def _adapter_gaps(job: JobConfig, dims: Degrees) -> list[tuple[str, str]]:
     """What mlite's dist_opt adapter does not run in this job: (short name, its one-line refusal), in the
     order the adapter refuses them. The matrix's `adapter` column says the same per feature."""
     gaps: list[tuple[str, str]] = []
-    model_parallel = {"tp": dims.tp, "pp": dims.pp, "vpp": dims.vpp, "ep": dims.ep, "etp": dims.etp}
-    if any(v > 1 for v in model_parallel.values()):
-        described = ", ".join(f"{k}={v}" for k, v in model_parallel.items())
-        named = ", ".join(f"{k}={v}" for k, v in model_parallel.items() if v > 1)
+    if dims.etp > 1:
         line = (
-            "optimizer.backend dist_opt runs data parallel (dp x cp) only so far, and this layout has "
-            f"{described}; set tp, pp, vpp, ep and etp to 1, or use optimizer.backend fsdp2"
+            f"parallel.etp={dims.etp} with optimizer.backend dist_opt: mlite does not split an expert's FFN "
+            "over tensor-parallel ranks; set parallel.etp: 1 (tp, pp, vpp, cp and ep all run)"
         )
-        gaps.append((named, line))
+        gaps.append((f"etp={dims.etp}", line))
     precision = job.precision
     if precision.compute == "fp16":
         line = (
@@ -569,6 +566,13 @@ def _adapter_gaps(job: JobConfig, dims: Degrees) -> list[tuple[str, str]]:
             "fp32 and are reduced in fp32 anyway; remove precision.grad_reduce or compute in bf16"
         )
         gaps.append((f"precision.grad_reduce {precision.grad_reduce}", line))
+    if precision.optimizer_state == "fp8":
+        line = (
+            "precision.optimizer_state fp8 with optimizer.backend dist_opt: Megatron's distributed "
+            "optimizer keeps its own fp32 Adam state; set precision.optimizer_state: master or use "
+            "optimizer.backend fsdp2"
+        )
+        gaps.append(("precision.optimizer_state fp8", line))
     offload = [f"offload.{k}" for k in ("params", "grads", "optimizer") if getattr(job.offload, k)]
     if offload:
         line = (
@@ -587,19 +591,19 @@ def check_dist_opt_adapter(job: JobConfig, dims: Degrees) -> None:
 
 
 def check_backend_trained(job: JobConfig, device_type: str, has_megatron: bool) -> None:
-    """The trainers run fsdp2 only: dist_opt's adapter exists (dp x cp, no checkpoints), not wired in."""
-    if job.optimizer.backend in TRAINED_BACKENDS:
+    """dist_opt trains where Megatron-Core's DDP can run (CUDA GPUs, megatron-core installed) and only with
+    what its adapter carries (the matrix's adapter column); fsdp2 everywhere."""
+    if job.optimizer.backend != "dist_opt":
         return
-    gaps = [name for name, _ in _adapter_gaps(job, job.parallel)]
-    adapter = "dp x cp only" + (f" (not this job's {', '.join(gaps)})" if gaps else "")
+    check_dist_opt_adapter(job, job.parallel)
     lacks = {"CUDA GPUs": device_type != "cuda", "megatron-core": not has_megatron}
     needs = [what for what, missing in lacks.items() if missing]
-    also = f", and it needs {' and '.join(needs)}, which this run lacks" if needs else ""
-    raise MliteError(
-        f"optimizer.backend {job.optimizer.backend} is planned, not trained, by mlite so far: its "
-        f"Megatron-Core adapter runs {adapter} and has no checkpoints{also}; the trainers run "
-        f"optimizer.backend fsdp2: set it ({MATRIX})"
-    )
+    if needs:
+        raise MliteError(
+            f"optimizer.backend dist_opt runs Megatron-Core's distributed optimizer, which needs "
+            f"{' and '.join(needs)}, and this run lacks them; pip install 'mlite[megatron]' on a GPU "
+            f"machine, or use optimizer.backend fsdp2 ({MATRIX})"
+        )
 
 
 def check_precision(job: JobConfig, world_size: int, device_type: str) -> None:

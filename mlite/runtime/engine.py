@@ -70,9 +70,14 @@ class Runtime:
         self.model, self.pipeline, self.chunks = build_parallel_model(job, self.placement, self.arch,
                                                                       master, weights)
         self._rollout_replica = None  # built on the first rollout_model() of a parallelized model
-        self.optim = LocalAdamW(self.model.parameters(), job.optimizer,
-                                grad_norm_fn=grad_norm if self.mesh is not None else None,
-                                state=job.precision.optimizer_state, seed=job.trainer.seed)
+        if job.optimizer.backend == "dist_opt":  # Megatron-Core's DDP + DistributedOptimizer (CUDA)
+            from mlite.runtime.parallel.dist_opt import build_dist_opt
+
+            self.optim = build_dist_opt(self.chunks or {0: self.model}, self.dims, job, self.mesh)
+        else:
+            self.optim = LocalAdamW(self.model.parameters(), job.optimizer,
+                                    grad_norm_fn=grad_norm if self.mesh is not None else None,
+                                    state=job.precision.optimizer_state, seed=job.trainer.seed)
         self.schedule = LRSchedule(self.optim.optimizer, job.optimizer, total_steps or job.trainer.steps)
 
     # ------------------------------------------------------------------------------------- layout

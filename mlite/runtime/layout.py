@@ -110,7 +110,8 @@ def place(job: JobConfig, arch: ModelArch) -> Placement:
     device = pick_device(job.trainer.device)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     check_job(job, arch, world, device.type, megatron_installed())
-    sharded = world > 1 or job.parallel.fsdp_one_rank  # one rank: FSDP2 over a mesh of one (rule book)
+    # one rank: FSDP2 over a mesh of one (rule book), or Megatron's DDP, which needs a process group
+    sharded = world > 1 or job.parallel.fsdp_one_rank or job.optimizer.backend == "dist_opt"
     owns = not dist.is_initialized() and sharded
     if owns:
         backend = "nccl" if device.type == "cuda" else "gloo"

@@ -64,6 +64,12 @@ def _state_tensors(rt: Runtime) -> dict[str, Any]:
     return {"model": model_state, "optimizer": optim_state}
 
 
+def _megatron(rt: Runtime) -> bool:
+    """optimizer.backend dist_opt: the masters and Adam state are Megatron's shards, which its backend
+    reads and writes in the same names and global shapes (mlite.runtime.parallel.dist_opt)."""
+    return rt.job.optimizer.backend == "dist_opt"
+
+
 def save_checkpoint(rt: Runtime, path: str | Path, extra_state: dict | None = None) -> Path:
     """Atomically write model, optimizer, schedule, RNG streams and `extra_state` (JSON-able) to `path`."""
     meta = {
@@ -75,12 +81,25 @@ def save_checkpoint(rt: Runtime, path: str | Path, extra_state: dict | None = No
         "hf_config": rt.hf_config,
         "extra": extra_state or {},
     }
-    return ckpt.save_checkpoint(path, _state_tensors(rt), {"rng": rng_state()}, meta)
+    if _megatron(rt):
+        model_state, optim_state = rt.optim.checkpoint_state()
+        tensors = {"model": model_state, "optimizer": optim_state}
+    else:
+        tensors = _state_tensors(rt)
+    return ckpt.save_checkpoint(path, tensors, {"rng": rng_state()}, meta)
 
 
 def load_checkpoint(rt: Runtime, path: str | Path, weights_only: bool = False) -> dict:
     """Restore everything `save_checkpoint` wrote (refusing a corrupt checkpoint); returns extra_state.
     `weights_only`: the model alone (export), leaving optimizer, schedule and RNG as they are."""
+    if _megatron(rt):
+        model_state, optim_state = rt.optim.checkpoint_template()
+        tensors = {"model": model_state} if weights_only else {"model": model_state, "optimizer": optim_state}
+        meta, rank_state = ckpt.load_checkpoint(path, tensors)
+        rt.optim.load_checkpoint_state(tensors["model"], tensors.get("optimizer"))
+        if not weights_only:
+            _restore_run_state(rt, meta, rank_state)
+        return meta["extra"]
     if weights_only:
         tensors = {"model": get_model_state_dict(rt.model)}
         meta, _ = ckpt.load_checkpoint(path, tensors)
@@ -90,11 +109,15 @@ def load_checkpoint(rt: Runtime, path: str | Path, weights_only: bool = False) -
     meta, rank_state = ckpt.load_checkpoint(path, tensors)
     set_state_dict(rt.model, rt.optim.optimizer, model_state_dict=tensors["model"],
                    optim_state_dict=tensors["optimizer"])
+    _restore_run_state(rt, meta, rank_state)
+    return meta["extra"]
+
+
+def _restore_run_state(rt: Runtime, meta: dict, rank_state: dict | None) -> None:
     rt.schedule.load_state_dict(meta["schedule"])
     rt.optim.skipped_steps = int(meta["skipped_steps"])
     if rank_state is not None:
         set_rng_state(rank_state["rng"])
-    return meta["extra"]
 
 
 # ------------------------------------------------------------------------------------ weight snapshots
@@ -202,6 +225,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     meta = ckpt.read_meta(path)
     job_dict = meta["job"]
     job_dict["trainer"]["device"] = "cpu"
+    job_dict["optimizer"]["backend"] = "fsdp2"  # the format is the same for both; dist_opt needs GPUs
     runtime = Runtime(job_from_dict(job_dict), hf_config=meta["hf_config"])
     runtime.load_checkpoint(path, weights_only=True)
     config = None if runtime.job.model.name is not None else meta["hf_config"]  # presets: from the arch

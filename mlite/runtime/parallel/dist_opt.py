@@ -1,24 +1,34 @@
 """The `dist_opt` optimizer backend: Megatron-Core's DistributedDataParallel + DistributedOptimizer wrapped
-around our own model (CUDA only; megatron is imported inside `build_dist_opt`, never at module import).
+around our own model, under every layout the rule book gives it (dp x cp, tp + sp, pp with vpp, ep). CUDA
+only; megatron is imported inside `build_dist_opt`, never at module import.
 
-    backend = build_dist_opt(model, dims, job)         # collective; torch.distributed up, model on its GPU
+    backend = build_dist_opt(chunks, dims, job, mesh)   # collective; process group up, chunks on their GPU
     schedule = LRSchedule(backend.optimizer, job.optimizer, total_steps)   # the lr of every fp32 shard
-    for i, batch in enumerate(micro_batches):          # forward through `model` (or backend.ddp_model)
-        with backend.no_sync() if i < len(micro_batches) - 1 else nullcontext():
-            loss_fn(model(batch)).backward()           # grads land in Megatron's fp32 main_grad buffer
-    grad_norm, skipped = backend.step()                # finish the reduce-scatter, clip, Adam, all-gather
+    loss_fn(model(batch)).backward()                     # per micro-batch: grads land in fp32 main_grad
+    grad_norm, skipped = backend.step()                  # reduce-scatter, clip, Adam, all-gather
     backend.zero_grad(); schedule.step()
 
-What Megatron owns after wrapping:
-- The parameters: cast to the compute dtype first (bf16), then moved by Megatron's DDP into one
-  contiguous param buffer (the compute weights; no autocast is needed). fp32 master weights and Adam state
-  exist only as this rank's shards inside the DistributedOptimizer (1/(dp x cp) of each).
-- The gradients: each parameter's backward hook adds `param.grad` into an fp32 `main_grad` buffer
-  (`grad_reduce_in_fp32`) and frees it; after the last micro-batch each bucket is reduce-scattered over
-  dp x cp while the backward goes on (`overlap_grad_reduce`). `no_sync()` holds the reduction back for
-  the other micro-batches (gradient accumulation: one reduce-scatter per step).
-- The step: grad norm over all shards, clipping, AdamW on the shards, then an all-gather of the updated
-  weights into every rank's param buffer.
+How our model meets Megatron. Megatron's DDP wants plain parameters it can move into one contiguous param
+buffer and gradients it can accumulate into a `main_grad` buffer. Our layouts keep DTensor parameters (TP
+shards over `tp`, experts over `ep`), which the model's forward and the TP plans need. So each parameter of
+ours gets a plain twin of its local shape (the "shadow"), and Megatron wraps the shadows:
+- storage: Megatron copies each shadow into its bf16 param buffer; our parameter is then re-pointed at the
+  same storage (a plain one through `.data`, a DTensor one as a new DTensor parameter over the buffer view,
+  registered on the modules that hold it), so the all-gather after each step updates the model in place;
+- gradients: a post-accumulate-grad hook on each of our parameters adds its local gradient into the
+  twin's `main_grad` and frees it. A replicated DTensor's partial gradient (an RMSNorm weight under sequence
+  parallel) is first reduced to its placement over `tp`; a MoE block's router (a plain parameter that sees
+  this tp rank's tokens only) is summed over `tp` (FSDP2 shards it over dp_cp_tp for the same reason);
+- Megatron's attributes on the twins: `allreduce=False` for expert weights (reduced over the expert
+  data-parallel group, which spans tp, as our `edp` mesh does), `tensor_model_parallel` + `partition_dim`
+  for TP shards (the grad norm counts each element once: replicas only on tp rank 0).
+The reduction runs at the step (`overlap_grad_reduce` off): the step's gradients are complete however many
+forward_backward calls made them, at the cost of not overlapping the reduce-scatter with the backward.
+
+What Megatron owns after wrapping: the bf16 compute weights (its param buffer); fp32 master weights and
+Adam state exist only as this rank's shards in the DistributedOptimizer (1/(dp x cp) of each dense tensor,
+1/edp of each expert tensor). The step: grad norm over all shards, clipping, AdamW on the shards, then an
+all-gather of the updated weights into every rank's param buffer.
 
 Conventions mapped onto Megatron's switches:
 - Our loss is each rank's share of the global loss (normalised by the step's global target count), so
@@ -27,29 +37,30 @@ Conventions mapped onto Megatron's switches:
 - A step with a non-finite gradient is skipped (as LocalAdamW does): a constant loss scale of 1.0 turns on
   Megatron's found-inf check (all ranks agree) without changing any gradient (x 1.0 is exact).
 - No weight decay on 1-D parameters (norms, biases), as LocalAdamW: Megatron's standard param groups mark
-  them `wd_mult=0`; the group's `weight_decay` is set from it once here (Megatron's own LR scheduler would
-  do it every step; ours only sets lr).
-- Parameter attributes Megatron reads: `allreduce` (False = expert parameter, reduced over the expert
-  data-parallel group), `shared` (skipped in the grad norm), `tensor_model_parallel` (TP shards). With
-  ep = tp = 1 and a tied embedding listed once by `named_parameters`, the defaults (absent) are right, so
-  our plain nn.Parameters are wrapped as they are.
+  them `wd_mult=0`; the group's `weight_decay` is set from it once here.
 
-Layouts: data parallel over dp x cp only (context parallel attention is the model's own, applied before
-wrapping); tp, pp, ep and etp > 1 are refused. Checkpoints through DCP are not wired for this backend.
+Checkpoints: `checkpoint_state` / `load_checkpoint_state` speak the layout-independent format of
+mlite.runtime.state (model tensors are the fp32 masters under the whole model's names and global shapes,
+the optimizer state is torch AdamW's `exp_avg`/`exp_avg_sq`/`step` under the same names), so a dist_opt run
+resumes as fsdp2 and the other way round. Saving gathers each master and moment over its data-parallel
+group into this rank's TP/EP-local shape (one tensor at a time on the GPU, held on the GPU until DCP writes).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mlite.errors import MliteError
 from mlite.plan.rules import check_dist_opt_adapter
 from mlite.runtime.parallel.megatron import NEEDS_MEGATRON, init_parallel_state
-from mlite.runtime.parallel.mesh import ParallelDims
+from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
+from mlite.runtime.parallel.parallelize import blocks, is_moe
 
 if TYPE_CHECKING:
     from mlite.config.arch import ModelArch
@@ -94,30 +105,67 @@ def megatron_transformer_config(arch: ModelArch, dims: ParallelDims, compute: st
 
 
 # ------------------------------------------------------------------------------------------- the backend
+@dataclass
+class Twin:
+    """One parameter of ours and the plain parameter Megatron wraps in its place."""
+
+    name: str  # the whole model's name (the same under every layout)
+    param: nn.Parameter  # ours: plain, or a DTensor over tp / ep; its local storage is Megatron's buffer
+    shadow: nn.Parameter  # Megatron's: plain, the local shape; `main_grad` is its fp32 gradient
+    tp_sum: bool  # its local gradient is partial over tp (a MoE router under sequence parallel)
+
+
 class DistOptBackend:
     """The OptimizerBackend (mlite.runtime.optim) over Megatron-Core's DDP + DistributedOptimizer.
 
     `optimizer` is Megatron's optimizer. Its `param_groups` are the live groups of the inner torch AdamW
     over this rank's fp32 shards, so `LRSchedule(backend.optimizer, ...)` sets the lr exactly as for
-    LocalAdamW: that is the way to set the lr per step. It is not a torch.optim.Optimizer: DCP checkpoints
-    of this backend (Megatron's `sharded_state_dict`) are not wired yet."""
+    LocalAdamW: that is the way to set the lr per step."""
 
-    def __init__(self, model: nn.Module, ddp_model, optimizer):
-        self.model = model  # our module; its parameters now live in Megatron's param buffer
-        self.ddp_model = ddp_model  # megatron.core.distributed.DistributedDataParallel around it
-        self.optimizer = optimizer  # megatron.core.optimizer ChainedOptimizer(DistributedOptimizer)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+    def __init__(self, chunks: dict[int, nn.Module], ddps: list, optimizer, twins: list[Twin],
+                 tp_group: dist.ProcessGroup | None):
+        self.chunks = chunks  # our modules; their parameters now live in Megatron's param buffers
+        self.ddps = ddps  # megatron.core.distributed.DistributedDataParallel, one per chunk
+        self.optimizer = optimizer  # megatron.core.optimizer ChainedOptimizer(DistributedOptimizer, ...)
+        self.twins = twins
+        self.params = [t.param for t in twins]
+        self.tp_group = tp_group
         self.skipped_steps = 0
+        for twin in twins:
+            twin.param.register_post_accumulate_grad_hook(self._grad_hook(twin))
+
+    @property
+    def ddp_model(self):
+        """The DDP of the first chunk (the whole model without pipeline parallel)."""
+        return self.ddps[0]
+
+    def _grad_hook(self, twin: Twin):
+        def to_main_grad(param: torch.Tensor) -> None:
+            grad = param.grad
+            if isinstance(grad, DTensor):
+                if grad.placements != param.placements:  # a replica's partial gradient: reduce it over tp
+                    grad = grad.redistribute(param.device_mesh, param.placements)
+                grad = grad.to_local()
+            if twin.tp_sum:
+                grad = grad.clone()
+                dist.all_reduce(grad, group=self.tp_group)
+            twin.shadow.main_grad.add_(grad)
+            param.grad = None
+
+        return to_main_grad
 
     def no_sync(self):
-        """Context for every micro-batch but the last: gradients accumulate locally, no reduce-scatter."""
-        return self.ddp_model.no_sync()
+        """Kept for callers that accumulate micro-batches under it: the reduction runs at `step` anyway."""
+        from contextlib import nullcontext
+
+        return nullcontext()
 
     def step(self) -> tuple[float, bool]:
-        """Finish the gradient reduce-scatter, clip, update and all-gather the new weights. Returns (grad
-        norm before clipping, skipped); a non-finite gradient on any rank skips the update on all (its norm
-        is then not computed: nan)."""
-        self.ddp_model.finish_grad_sync()
+        """Reduce-scatter the gradients, clip, update and all-gather the new weights. Returns (grad norm
+        before clipping, skipped); a non-finite gradient on any rank skips the update on all (its norm is
+        then not computed: nan)."""
+        for ddp in self.ddps:
+            ddp.finish_grad_sync()
         updated, grad_norm, _ = self.optimizer.step()
         if not updated:
             self.skipped_steps += 1
@@ -126,25 +174,139 @@ class DistOptBackend:
         return float(grad_norm), False
 
     def zero_grad(self) -> None:
-        self.ddp_model.zero_grad_buffer()  # main_grad buffers and the buckets' per-step state
+        for ddp in self.ddps:
+            ddp.zero_grad_buffer()  # main_grad buffers and the buckets' per-step state
         self.optimizer.zero_grad()  # the fp32 shards' .grad views
+        for twin in self.twins:
+            twin.param.grad = None
 
     @property
     def main_shards(self) -> list[torch.Tensor]:
         """This rank's fp32 master shards, in the optimizer's order (what the determinism test compares)."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
+    # ------------------------------------------------------------------------------------ checkpoints
+    def _owner(self, shadow: nn.Parameter):
+        """The DistributedOptimizer (of the chain: dense, experts) that holds this shadow's shard."""
+        for opt in self.optimizer.chained_optimizers:
+            if shadow in opt.model_param_gbuf_map:
+                return opt
+        raise MliteError("dist_opt: a parameter is in no optimizer shard; a runtime bug")
+
+    def _shard_state(self, shadow: nn.Parameter) -> tuple[Any, dict[str, torch.Tensor], slice]:
+        """(its optimizer, {param, exp_avg, exp_avg_sq[, step]} of this rank's shard, the shard's slice of
+        the flattened local tensor). Adam's state is created (zeros, step 0) where no step has run yet."""
+        opt = self._owner(shadow)
+        group_index, group_order = opt.model_param_group_index_map[shadow]
+        main = opt.optimizer.param_groups[group_index]["params"][group_order]
+        state = opt.optimizer.state[main]
+        if not state:
+            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(main),
+                         exp_avg_sq=torch.zeros_like(main))
+        span = opt._get_model_param_range_map(shadow)["param"]  # Megatron keeps no public getter
+        return opt, {"param": main, **state}, slice(span.start, span.end)
+
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(model state, optimizer state) in the layout-independent format (module docstring): each master
+        and moment gathered over its data-parallel group into this rank's local shape, a DTensor over the
+        parameter's own tp / ep mesh (DCP writes one copy of what several ranks hold)."""
+        model, state = {}, {}
+        for twin in self.twins:
+            opt, shard, span = self._shard_state(twin.shadow)
+            whole = {}
+            for key in ("param", "exp_avg", "exp_avg_sq"):
+                local = torch.zeros(twin.shadow.numel(), dtype=torch.float32, device=twin.shadow.device)
+                local[span] = shard[key].float()
+                dist.all_reduce(local, group=opt.data_parallel_group)  # each element held by one rank: exact
+                whole[key] = self._as_param(twin, local)
+            model[twin.name] = whole["param"]
+            state[twin.name] = {"exp_avg": whole["exp_avg"], "exp_avg_sq": whole["exp_avg_sq"],
+                                "step": torch.tensor(float(shard["step"]))}
+        groups = [{**self._group_options(decay), "params": [t.name for t in self.twins
+                                                            if (t.param.ndim >= 2) == decay]}
+                  for decay in (True, False)]
+        return model, {"state": state, "param_groups": [g for g in groups if g["params"]]}
+
+    def load_checkpoint_state(self, model: dict[str, Any], optim: dict[str, Any] | None) -> None:
+        """Put what `checkpoint_state`'s layout read back from a checkpoint into Megatron's shards (masters,
+        moments, step) and its bf16 param buffer (the compute weights, rounded from the masters)."""
+        with torch.no_grad():
+            for twin in self.twins:
+                master = _local(model[twin.name])
+                twin.shadow.data.copy_(master.view_as(twin.shadow))
+                _, shard, span = self._shard_state(twin.shadow)
+                shard["param"].copy_(master.reshape(-1)[span])
+                if optim is None:
+                    continue
+                saved = optim["state"][twin.name]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    shard[key].copy_(_local(saved[key]).reshape(-1)[span])
+                shard["step"].fill_(float(saved["step"]))
+
+    def _as_param(self, twin: Twin, flat: torch.Tensor) -> torch.Tensor:
+        local = flat.view(twin.shadow.shape)
+        if not isinstance(twin.param, DTensor):
+            return local
+        return DTensor.from_local(local, twin.param.device_mesh, twin.param.placements, run_check=False,
+                                  shape=twin.param.shape, stride=twin.param.stride())
+
+    def _group_options(self, decay: bool) -> dict[str, Any]:
+        """torch AdamW's group options, as LocalAdamW's groups save them (fused, as on GPUs)."""
+        inner = self.optimizer.param_groups[0]
+        wd = max(g["weight_decay"] for g in self.optimizer.param_groups) if decay else 0.0
+        return {"weight_decay": wd, "lr": inner["lr"], "betas": inner["betas"], "eps": inner["eps"],
+                "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                "differentiable": False, "fused": True, "decoupled_weight_decay": True}
+
+    def checkpoint_template(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Tensors of `checkpoint_state`'s names, shapes and placements for DCP to read into."""
+        model, state = {}, {}
+        for twin in self.twins:
+            empty = [self._as_param(twin, torch.empty(twin.shadow.numel(), dtype=torch.float32,
+                                                      device=twin.shadow.device)) for _ in range(3)]
+            model[twin.name] = empty[0]
+            state[twin.name] = {"exp_avg": empty[1], "exp_avg_sq": empty[2], "step": torch.tensor(0.0)}
+        return model, {"state": state}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _shard_dim(param: torch.Tensor, mesh_name: str) -> int | None:
+    """The dim a DTensor parameter is split on over the mesh dimension `mesh_name`, None where it is not."""
+    if not isinstance(param, DTensor) or mesh_name not in (param.device_mesh.mesh_dim_names or ()):
+        return None
+    placement = param.placements[param.device_mesh.mesh_dim_names.index(mesh_name)]
+    return placement.dim if placement.is_shard() else None
+
+
+def _holders(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(parameter) -> every (module, name) that registers it (a tied matrix has two)."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((sub, name))
+    return holders
+
 
 def build_dist_opt(
-    model: nn.Module, dims: ParallelDims, job: JobConfig, bucket_size: int | None = None
+    chunks: dict[int, nn.Module] | nn.Module,
+    dims: ParallelDims,
+    job: JobConfig,
+    mesh: ParallelMesh | None = None,
+    bucket_size: int | None = None,
 ) -> DistOptBackend:
-    """Wrap `model` (our decoder, mlite.runtime.models.Transformer, on this rank's GPU) in
-    Megatron-Core's DDP + DistributedOptimizer (collective: every rank calls it). `bucket_size`: parameters
-    per reduce-scatter bucket (Megatron's default, max(40M, 1M x dp), when None)."""
+    """Wrap this rank's model (or its pipeline chunks, by chunk index), laid out without FSDP2 and on this
+    rank's GPU, in Megatron-Core's DDP + DistributedOptimizer (collective: every rank calls it). `mesh`:
+    the run's meshes (needed under tp: a router's gradient is summed over `tp`). `bucket_size`: parameters
+    per reduce-scatter bucket (one bucket per buffer when None: the reduction runs at the step)."""
     check_dist_opt_job(job, dims)
     try:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
     except ImportError as exc:
         raise MliteError(f"{NEEDS_MEGATRON} (import failed: {exc})") from None
     if not torch.cuda.is_available():
@@ -155,7 +317,9 @@ def build_dist_opt(
         )
     if dist.get_world_size() != dims.world_size:
         raise MliteError(f"layout is for {dims.world_size} ranks but {dist.get_world_size()} are running")
-    off_gpu = sorted({str(p.device) for p in model.parameters() if p.device.type != "cuda"})
+    chunks = chunks if isinstance(chunks, dict) else {0: chunks}
+    off_gpu = sorted({str(_local(p).device) for c in chunks.values() for p in c.parameters()
+                      if _local(p).device.type != "cuda"})
     if off_gpu:
         raise MliteError(
             "optimizer.backend dist_opt wraps a model on the GPU, "
@@ -165,17 +329,51 @@ def build_dist_opt(
 
     init_parallel_state(dims)
     compute, opt = job.precision.compute, job.optimizer
-    model.to(COMPUTE_DTYPES[compute])  # the compute weights; fp32 masters are built from them below
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=job.precision.grad_reduce == "fp32",
-        overlap_grad_reduce=True,
+        overlap_grad_reduce=False,  # reduced at the step: complete whatever the number of backward calls
         use_distributed_optimizer=True,
         bucket_size=bucket_size,
         average_in_collective=False,  # SUM (with calculate_per_token_loss: no pre-scaling either)
     )
-    config = megatron_transformer_config(model.arch, dims, compute)
-    ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    ddp_model.broadcast_params()  # replicas start identical even if a rank's init drifted
+    tp_group = mesh.group("tp") if mesh is not None and dims.tp > 1 else None
+    twins: list[Twin] = []
+    ddps = []
+    for index, (_, chunk) in enumerate(sorted(chunks.items())):
+        chunk.to(COMPUTE_DTYPES[compute])  # the compute weights; fp32 masters are built from them below
+        moe = [layer.mlp for layer in blocks(chunk) if is_moe(layer)]
+        experts = {id(p) for mlp in moe for p in mlp.experts.parameters()}
+        routers = {id(p) for mlp in moe for p in mlp.parameters()} - experts if tp_group else set()
+        shadows = nn.Module()  # what Megatron wraps: one plain twin per parameter of ours
+        chunk_twins = []
+        for i, (name, param) in enumerate(chunk.named_parameters()):
+            if not param.requires_grad:
+                continue
+            shadow = nn.Parameter(_local(param).detach())
+            shadow.allreduce = id(param) not in experts  # False: reduced over the expert data-parallel group
+            tp_dim = _shard_dim(param, "tp")
+            if tp_dim is not None:
+                set_tensor_model_parallel_attributes(shadow, True, tp_dim, 1)
+            shadows.register_parameter(f"p{i}", shadow)
+            tp_sum = id(param) in routers and not isinstance(param, DTensor)
+            chunk_twins.append(Twin(name, param, shadow, tp_sum))
+        config = megatron_transformer_config(chunk.arch, dims, compute)
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=shadows,
+                                      disable_bucketing=index > 0)
+        ddp.broadcast_params()  # replicas start identical even if a rank's init drifted
+        holders = _holders(chunk)
+        for twin in chunk_twins:  # our parameters onto Megatron's buffer: the all-gather updates them
+            if isinstance(twin.param, DTensor):
+                param = nn.Parameter(DTensor.from_local(
+                    twin.shadow.data, twin.param.device_mesh, twin.param.placements, run_check=False,
+                    shape=twin.param.shape, stride=twin.param.stride()))
+                for module, attr in holders[id(twin.param)]:
+                    module.register_parameter(attr, param)
+                twin.param = param
+            else:
+                twin.param.data = twin.shadow.data
+        twins += chunk_twins
+        ddps.append(ddp)
     optimizer_config = OptimizerConfig(
         optimizer="adam",  # decoupled weight decay (AdamW) by default
         lr=opt.lr,
@@ -191,7 +389,7 @@ def build_dist_opt(
         loss_scale=1.0,  # turns on the found-inf check and skip; scaling by 1.0 changes nothing
     )
     # gloo groups serve Megatron's own checkpoint format only, which mlite does not use
-    optimizer = get_megatron_optimizer(optimizer_config, [ddp_model], use_gloo_process_groups=False)
+    optimizer = get_megatron_optimizer(optimizer_config, ddps, use_gloo_process_groups=False)
     for group in optimizer.param_groups:
         group["weight_decay"] = opt.weight_decay * group.get("wd_mult", 1.0)
-    return DistOptBackend(model, ddp_model, optimizer)
+    return DistOptBackend(chunks, ddps, optimizer, twins, tp_group)

@@ -213,7 +213,8 @@ def host_offloaded(model: nn.Module) -> set[int]:
 
 def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, device_type: str) -> nn.Module:
     """The whole layout for the runtime, in its fixed order: TP+SP, attention core (CP + recompute), EP,
-    FSDP2. The rule book (mlite.plan.rules.check_job) has accepted the layout before any of this runs."""
+    FSDP2 (not under optimizer.backend dist_opt: mlite.runtime.parallel.dist_opt wraps the result). The
+    rule book (mlite.plan.rules.check_job) has accepted the layout before any of this runs."""
     apply_tensor_parallel(model, mesh)
     rc = job.recompute
     cp_group = mesh.group("cp") if mesh.dims.cp > 1 else None
@@ -223,6 +224,8 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, devi
     apply_recompute(model, rc.granularity, rc.method, rc.num_layers, cp_group,
                     compile_blocks=job.model.compile)
     apply_expert_parallel(model, mesh)
+    if job.optimizer.backend == "dist_opt":  # Megatron's DDP shards the optimizer and reduces the gradients
+        return model
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     apply_fsdp(
         model,
