@@ -79,8 +79,8 @@ def check_dist_opt_job(job: JobConfig, dims: ParallelDims) -> None:
 def megatron_transformer_config(arch: ModelArch, dims: ParallelDims, compute: str):
     """The TransformerConfig Megatron's DDP and optimizer are built with. They read only the precision,
     the parallel sizes and `calculate_per_token_loss`; the shape fields describe our model for Megatron's
-    logs. MoE fields are left out on purpose: routing and experts are ours, and Megatron's MoE settings
-    bring checks (router, dispatcher, grouped GEMM) for modules that do not exist here."""
+    logs. Of the MoE fields only the expert counts are given (Megatron refuses expert parallel without
+    them); routing and experts are ours."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -95,10 +95,17 @@ def megatron_transformer_config(arch: ModelArch, dims: ParallelDims, compute: st
         gated_linear_unit=True,  # our MLP is act(gate(x)) * up(x)
         bf16=compute == "bf16",
         params_dtype=COMPUTE_DTYPES[compute],  # what the wrapped parameters are
+        pipeline_dtype=COMPUTE_DTYPES[compute],  # required with pp > 1 (our runner sends its own dtype)
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.etp,
+        # the expert counts only: Megatron checks them against ep (routing and experts are ours)
+        num_moe_experts=arch.moe.num_experts if arch.moe else None,
+        moe_router_topk=arch.moe.top_k if arch.moe else 2,
+        moe_ffn_hidden_size=arch.moe.expert_ffn if arch.moe else None,
+        add_bias_linear=False,  # describes Megatron's own layers, none of which exist here
         # our loss is already normalised by the global target count: sum gradients, do not average
         calculate_per_token_loss=True,
     )
