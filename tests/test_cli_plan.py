@@ -58,10 +58,10 @@ def test_human_report_lists_layout_memory_host_and_verdict():
     (["no_such_preset"], "unknown job preset 'no_such_preset'"),
     (["--bogus-flag"], "unrecognized arguments"),
     (["demo_sft", "--set", "model.name=gpt5"], "unknown model 'gpt5'"),
-    (["qwen3_30b_a3b_sft", "--set", "optimizer.backend=dist_opt"], "dist_opt is planned, not trained"),
+    (["qwen3_30b_a3b_sft", "--set", "optimizer.backend=dist_opt"], "parallel.ep=8 with optimizer.backend"),
     (["demo_grpo", "--set", "rollout.engine=vllm"], "rollout.engine vllm generates on CUDA GPUs"),
     (["qwen3_235b_a22b_sft", "--recommend", "--set", "optimizer.backend=dist_opt"],
-     "dist_opt is planned, not trained"),
+     "with optimizer.backend dist_opt: its first run"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message):
     result = mlite(*args)

@@ -11,10 +11,11 @@ GPU (`-m gpu`, 2 GPUs, NCCL, bf16 compute, megatron-core 0.16.1):
   inner AdamW group.
 - deterministic mode: two dist_opt runs (fresh processes) give bitwise-identical losses, grad norms,
   bf16 weights and fp32 master shards, and both ranks hold the same weights after each all-gather.
-- `mlite sft` with optimizer.backend dist_opt under tp2, pp2 (dense, MoE), ep2 (MoE) and tp2 (MoE: the
-  router's gradient summed over tp): the curve of one GPU within bf16 rounding; a run resumed from its
-  step-2 checkpoint continues it bitwise (trainer.deterministic); two runs are bitwise identical; the
-  same checkpoint resumed by fsdp2 continues the curve within bf16 rounding (the format is shared).
+- `mlite sft` with optimizer.backend dist_opt under tp2 (dense) and pp2 (dense, MoE): the curve of one GPU
+  within bf16 rounding; a run resumed from its step-2 checkpoint continues it bitwise
+  (trainer.deterministic); under tp2, two runs are bitwise identical and the same checkpoint resumed by
+  fsdp2 continues the curve within bf16 rounding (the format is shared). ep2 (MoE) is refused by the rule
+  book: its first run here did not finish in 300 s (docs/PARALLEL.md).
 
 Run on a 2-GPU machine:  . scripts/gpu_env.sh && pytest -m gpu tests/test_dist_opt.py -q -p no:cacheprovider
 """
@@ -106,23 +107,23 @@ def test_transformer_config_describes_our_arch_and_sums_gradients():
 
 @pytest.mark.parametrize(
     "layout,named",
-    [
-        ({"tp": 2}, "tp=2"),
-        ({"pp": 2}, "pp=2"),
-        ({"pp": 2, "vpp": 2}, "vpp=2"),
-        ({"dp": 2, "ep": 2}, "ep=2"),
-    ],
-    ids=["tp2", "pp2", "vpp2", "ep2"],
+    [({"pp": 2, "vpp": 2}, "parallel.vpp=2"), ({"dp": 2, "ep": 2}, "parallel.ep=2")],
+    ids=["vpp2", "ep2"],
 )
-def test_model_parallel_degrees_are_refused_with_every_degree_named(layout, named):
+def test_model_parallel_degrees_not_yet_run_on_gpus_are_refused_by_name(layout, named):
     dims = ParallelDims(2, **layout)
     # refused before megatron, CUDA or the model are looked at (the model argument is never touched)
     with pytest.raises(MliteError) as err:
         build_dist_opt(None, dims, dist_opt_job())
     message = str(err.value)
-    assert named in message and "tp=" in message and "pp=" in message and "ep=" in message
-    assert "data parallel (dp x cp) only" in message and "optimizer.backend fsdp2" in message
-    assert "\n" not in message
+    assert message.startswith(named) and "optimizer.backend fsdp2" in message and "\n" not in message
+
+
+def test_tp_and_pp_pass_the_checks_and_etp_alone_is_refused():
+    for layout in ({"tp": 2}, {"pp": 2}, {"pp": 2, "tp": 2}):
+        check_dist_opt_job(dist_opt_job(), ParallelDims(4 if len(layout) == 2 else 2, **layout))
+    with pytest.raises(MliteError, match="parallel.etp=2 with optimizer.backend dist_opt"):
+        check_dist_opt_job(dist_opt_job(), ParallelDims(4, tp=2, dp=2, etp=2))
 
 
 def test_data_and_context_parallel_layouts_pass_the_checks():
@@ -359,9 +360,8 @@ DIST_OPT = "optimizer.backend=dist_opt"
 @pytest.mark.parametrize(
     "model,layout,twice,as_fsdp2",
     [("dense", "parallel.tp=2", True, True), ("dense", "parallel.pp=2", False, False),
-     ("moe", "parallel.pp=2", False, False), ("moe", "parallel.ep=2", True, True),
-     ("moe", "parallel.tp=2", False, False)],
-    ids=["dense-tp2", "dense-pp2", "moe-pp2", "moe-ep2", "moe-tp2"],
+     ("moe", "parallel.pp=2", False, False)],
+    ids=["dense-tp2", "dense-pp2", "moe-pp2"],
 )
 def test_dist_opt_trains_a_model_parallel_layout_like_one_gpu_and_resumes(assets, one_gpu, tmp_path, model,
                                                                          layout, twice, as_fsdp2):

@@ -28,7 +28,7 @@ def sized(preset: str, overrides: list[str] = ()):
 
 # ------------------------------------------------------------------------------------ published layouts
 NO_V3 = r"deepseek-v3 \(model_type 'deepseek_v3'\) has no native model yet"
-DIST_OPT = r"optimizer.backend dist_opt is planned, not trained"
+DIST_OPT = r"with optimizer[.]backend dist_opt: its first run on 2 x H100 did not finish"
 
 
 @pytest.mark.parametrize("preset, world, dp, edp, layers, refused", [
@@ -157,7 +157,7 @@ REJECTIONS = [  # the layout (check_layout)
     ("deepseek_v4_flash_grpo", ["rollout.tp=2"], r"rollout.tp > 1 needs rollout.engine: vllm"),
 ] + [  # what the trainers run (check_runtime): valid layouts they refuse
     ("qwen3_30b_a3b_sft", ["optimizer.backend=dist_opt"],
-     r"optimizer.backend dist_opt is planned, not trained, by mlite so far: .* \(not this job's ep=8\)"),
+     r"parallel.ep=8 with optimizer.backend dist_opt: its first run on 2 x H100 did not finish"),
     ("demo_sft", ["cluster.gpus_per_node=2", "parallel.tp=2"],
      r"tied embeddings \(tie_word_embeddings\) with tp=2, pp=1 are not supported yet"),
     ("demo_sft", ["precision.compute=bf16", "precision.master=bf16"], r"precision.master: bf16 keeps param"),
@@ -231,12 +231,16 @@ def test_recommend_finds_nothing_when_nothing_fits():
     assert recommend(load_job("qwen3_235b_a22b_sft", ["optimizer.backend=fsdp2", "cluster.nodes=1"])) == []
 
 
-def test_dist_opt_jobs_are_refused_but_still_sized():
-    """The planner sizes dist_opt layouts by Megatron-Core's design, but the trainers do not run dist_opt:
-    the verdict is theirs (one line, the fsdp2 fix), and size_refused keeps the estimate for the report."""
+def test_dist_opt_jobs_its_adapter_does_not_run_are_refused_but_still_sized():
+    """The planner sizes dist_opt layouts by Megatron-Core's design; where the trainers' dist_opt adapter
+    does not run the layout (ep here) the verdict is theirs (one line, the fsdp2 fix), and size_refused
+    keeps the estimate for the report. A layout it runs (pp, dense) plans with no refusal."""
     with pytest.raises(MliteError, match=DIST_OPT) as err:
         plan_job(load_job("qwen3_30b_a3b_sft", ["optimizer.backend=dist_opt"]))
     assert "optimizer.backend fsdp2" in str(err.value)
     plan = sized("qwen3_30b_a3b_sft", ["optimizer.backend=dist_opt"])
     assert plan.refused == str(err.value) and plan.memory.fits and plan.memory.notes == []
     assert plan_job(load_job("qwen3_30b_a3b_sft")).refused is None
+    dense = plan_job(load_job("qwen3_30b_a3b_sft", ["optimizer.backend=dist_opt", "model.name=qwen3-8b",
+                                                   "parallel.ep=1", "parallel.pp=2"]))
+    assert dense.refused is None

@@ -184,8 +184,8 @@ class DistOptBackend:
         for ddp in self.ddps:
             ddp.zero_grad_buffer()  # main_grad buffers and the buckets' per-step state
         self.optimizer.zero_grad()  # the fp32 shards' .grad views
-        for twin in self.twins:
-            twin.param.grad = None
+        for param in self.params:
+            param.grad = None
 
     @property
     def main_shards(self) -> list[torch.Tensor]:
@@ -378,7 +378,8 @@ def build_dist_opt(
                     module.register_parameter(attr, param)
                 twin.param = param
             else:
-                twin.param.data = twin.shadow.data
+                param = twin.param
+                param.data = twin.shadow.data
         twins += chunk_twins
         ddps.append(ddp)
     optimizer_config = OptimizerConfig(
