@@ -30,7 +30,13 @@ from mlite.errors import MliteError
 from mlite.plan.rules import check_job, megatron_installed
 from mlite.runtime.models import build_model, seeded_init
 from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
-from mlite.runtime.parallel.parallelize import apply_recompute, host_offloaded, local_shard, parallelize_model
+from mlite.runtime.parallel.parallelize import (
+    apply_recompute,
+    host_offloaded,
+    local_shard,
+    parallelize_model,
+    parameter_holders,
+)
 from mlite.runtime.parallel.pipeline import PipelineRunner, split_layers, stage_view
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -192,11 +198,7 @@ def to_empty_tied(module: nn.Module, device: torch.device) -> None:
     """`module.to_empty(device)` with tied parameters kept tied: moving a plain meta parameter replaces it
     in each module that holds it, so a tied LM head would become a second, separate matrix. The shards of
     host-offloaded FSDP2 units (offload.optimizer) are allocated on the host, where FSDP2 keeps them."""
-    holders: dict[int, list[tuple[nn.Module, str]]] = {}
-    for sub in module.modules():
-        for name, param in sub._parameters.items():
-            if param is not None:
-                holders.setdefault(id(param), []).append((sub, name))
+    holders = parameter_holders(module)
     on_host = host_offloaded(module)
     module._apply(lambda t: torch.empty_like(t, device="cpu" if id(t) in on_host else device))
     for (first, first_name), *others in (places for places in holders.values() if len(places) > 1):

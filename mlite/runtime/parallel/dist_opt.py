@@ -1,5 +1,6 @@
 """The `dist_opt` optimizer backend: Megatron-Core's DistributedDataParallel + DistributedOptimizer wrapped
-around our own model, under every layout the rule book gives it (dp x cp, tp + sp, pp with vpp, ep). CUDA
+around our own model, under the layouts the rule book gives it (dp x cp, tp + sp, pp; ep and vpp are built
+here but refused until they have run on GPUs). CUDA
 only; megatron is imported inside `build_dist_opt`, never at module import.
 
     backend = build_dist_opt(chunks, dims, job, mesh)   # collective; process group up, chunks on their GPU
@@ -48,6 +49,7 @@ group into this rank's TP/EP-local shape (one tensor at a time on the GPU, held 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +62,7 @@ from mlite.errors import MliteError
 from mlite.plan.rules import check_dist_opt_adapter
 from mlite.runtime.parallel.megatron import NEEDS_MEGATRON, init_parallel_state
 from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
-from mlite.runtime.parallel.parallelize import blocks, is_moe
+from mlite.runtime.parallel.parallelize import blocks, is_moe, parameter_holders
 
 if TYPE_CHECKING:
     from mlite.config.arch import ModelArch
@@ -153,8 +155,7 @@ class DistOptBackend:
                 if grad.placements != param.placements:  # a replica's partial gradient: reduce it over tp
                     grad = grad.redistribute(param.device_mesh, param.placements)
                 grad = grad.to_local()
-            if twin.tp_sum:
-                grad = grad.clone()
+            if twin.tp_sum:  # in place: the gradient is dropped below
                 dist.all_reduce(grad, group=self.tp_group)
             twin.shadow.main_grad.add_(grad)
             param.grad = None
@@ -163,8 +164,6 @@ class DistOptBackend:
 
     def no_sync(self):
         """Kept for callers that accumulate micro-batches under it: the reduction runs at `step` anyway."""
-        from contextlib import nullcontext
-
         return nullcontext()
 
     def step(self) -> tuple[float, bool]:
@@ -288,27 +287,15 @@ def _shard_dim(param: torch.Tensor, mesh_name: str) -> int | None:
     return placement.dim if placement.is_shard() else None
 
 
-def _holders(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
-    """id(parameter) -> every (module, name) that registers it (a tied matrix has two)."""
-    holders: dict[int, list[tuple[nn.Module, str]]] = {}
-    for sub in module.modules():
-        for name, param in sub._parameters.items():
-            if param is not None:
-                holders.setdefault(id(param), []).append((sub, name))
-    return holders
-
-
 def build_dist_opt(
     chunks: dict[int, nn.Module] | nn.Module,
     dims: ParallelDims,
     job: JobConfig,
     mesh: ParallelMesh | None = None,
-    bucket_size: int | None = None,
 ) -> DistOptBackend:
     """Wrap this rank's model (or its pipeline chunks, by chunk index), laid out without FSDP2 and on this
     rank's GPU, in Megatron-Core's DDP + DistributedOptimizer (collective: every rank calls it). `mesh`:
-    the run's meshes (needed under tp: a router's gradient is summed over `tp`). `bucket_size`: parameters
-    per reduce-scatter bucket (one bucket per buffer when None: the reduction runs at the step)."""
+    the run's meshes (needed under tp: a router's gradient is summed over `tp`)."""
     check_dist_opt_job(job, dims)
     try:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -340,7 +327,6 @@ def build_dist_opt(
         grad_reduce_in_fp32=job.precision.grad_reduce == "fp32",
         overlap_grad_reduce=False,  # reduced at the step: complete whatever the number of backward calls
         use_distributed_optimizer=True,
-        bucket_size=bucket_size,
         average_in_collective=False,  # SUM (with calculate_per_token_loss: no pre-scaling either)
     )
     tp_group = mesh.group("tp") if mesh is not None and dims.tp > 1 else None
@@ -368,7 +354,7 @@ def build_dist_opt(
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=shadows,
                                       disable_bucketing=index > 0)
         ddp.broadcast_params()  # replicas start identical even if a rank's init drifted
-        holders = _holders(chunk)
+        holders = parameter_holders(chunk)
         for twin in chunk_twins:  # our parameters onto Megatron's buffer: the all-gather updates them
             if isinstance(twin.param, DTensor):
                 param = nn.Parameter(DTensor.from_local(

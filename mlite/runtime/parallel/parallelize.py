@@ -198,6 +198,16 @@ def unit_runs(num_layers: int, offloaded: int, unit_layers: int) -> list[tuple[i
     return list(zip(starts, [*starts[1:], num_layers]))
 
 
+def parameter_holders(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(parameter) -> every (module, name) that registers it (a tied matrix has two)."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((sub, name))
+    return holders
+
+
 def host_offloaded(model: nn.Module) -> set[int]:
     """The ids of the parameters FSDP2 keeps on the host (units sharded with CPUOffloadPolicy by
     `apply_fsdp`). A meta-built model must materialise these on the host: FSDP2 refuses offloaded shards
