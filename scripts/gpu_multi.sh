@@ -5,11 +5,14 @@
 #   scripts/gpu_multi.sh tests   at once: the 4-GPU layouts of tests/test_parallel_gpu.py; the dist_opt GPU
 #                                tests and the 2-GPU SFT runs on GPUs 2,3; the template twins on 4 GPUs
 #                                (TWINS_K, TWO_K: pytest -k filters; LIMIT: seconds per stream)
+#   scripts/gpu_multi.sh dist_opt  tests/test_dist_opt.py's GPU tests in two streams (dense on GPUs 0,1, MoE on
+#                                2,3) beside the twins (TWINS_K) on 4 GPUs; a worker alive after 150 s writes its
+#                                stacks to $out/hang-*.txt (scripts/hang_dump)
 #   scripts/gpu_multi.sh bench   the 4-GPU bench (dp4 dense, ep4 MoE), alone on the machine (LIMIT per case)
 #   scripts/gpu_multi.sh profile the same two cases through scripts/profile_step.py (LIMIT per case)
 # Each piece has its own time limit, so one that hangs leaves the others' results.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_multi.sh tests|bench|profile}
+part=${1:?usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile}
 out=${OUT:-runs/gpu_multi}
 mkdir -p "$out"
 # shellcheck source=scripts/gpu_env.sh
@@ -44,6 +47,24 @@ case $part in
     wait $four; echo "4-GPU layouts: exit $?"; grep -E "PASSED|FAILED|passed|failed" "$out/tests-4gpu.log" | tail -8
     wait $two; echo "2-GPU tests: exit $?"; grep -E "PASSED|FAILED|passed|failed" "$out/tests-2gpu.log" | tail -8
     ;;
+  dist_opt)  # two 2-GPU streams and the twins at once
+    export PYTHONPATH="$PWD/scripts/hang_dump:$PYTHONPATH" MLITE_HANG_DUMP_DIR="$out"
+    (CUDA_VISIBLE_DEVICES=0,1 timeout "${LIMIT:-540}" "${PYTEST[@]}" tests/test_dist_opt.py \
+       -k "dense or deterministic" >"$out/dist_opt-dense.log" 2>&1) &
+    dense=$!
+    (CUDA_VISIBLE_DEVICES=2,3 timeout "${LIMIT:-540}" "${PYTEST[@]}" tests/test_dist_opt.py -k moe \
+       >"$out/dist_opt-moe.log" 2>&1) &
+    moe=$!
+    if [ -n "${TWINS_K:-}" ]; then
+      timeout "${LIMIT:-540}" "${PYTEST[@]}" tests/test_template_twins_gpu.py -s -k "$TWINS_K" \
+        >"$out/tests-twins.log" 2>&1
+      echo "twins: exit $?"; grep -E "worst relative|PASSED|FAILED|passed|failed" "$out/tests-twins.log" | tail -20
+    fi
+    wait $dense; echo "dist_opt dense: exit $?"; grep -E "PASSED|FAILED|passed|failed" "$out/dist_opt-dense.log"
+    wait $moe; echo "dist_opt moe: exit $?"; grep -E "PASSED|FAILED|passed|failed" "$out/dist_opt-moe.log"
+    find "$out" -name 'hang-*.txt' -empty -delete
+    ls "$out"/hang-*.txt 2>/dev/null
+    ;;
   bench)  # alone on the machine
     bench 4 "${LIMIT:-190}" dense-1.7b-4k-dp4 moe-30b-a3b-8l-4k-ep4
     ;;
@@ -54,5 +75,5 @@ case $part in
       echo "profile $case: exit $?"; grep -E "^step|^rank 0|^compiled|^host" "$out/profile-$case.txt"
     done
     ;;
-  *) echo "usage: scripts/gpu_multi.sh tests|bench|profile" >&2; exit 2 ;;
+  *) echo "usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile" >&2; exit 2 ;;
 esac

@@ -55,6 +55,27 @@ def train_steps(rt: Runtime, steps) -> list[float]:
     return losses
 
 
+def test_a_resumed_run_keeps_its_own_way_of_stepping(tmp_path):
+    """A checkpoint written where the step ran one way (a GPU run's fused kernel, an offloaded run's foreach
+    step on the host) resumes where it runs another: the saved groups' hyperparameters come back, the
+    implementation flags stay the resuming run's (a GPU run resumed from an offloaded one kept the host's
+    `fused: None` and its fused step's skip flag reached torch's foreach step, which refuses it)."""
+    writer = Runtime(make_job())
+    train_steps(writer, range(1))
+    for group in writer.optim.optimizer.param_groups:
+        group |= {"fused": True, "foreach": None}  # as a GPU run's groups are saved
+    writer.save_checkpoint(tmp_path / "ck")
+
+    reader = Runtime(make_job())
+    own = [(g["fused"], g["foreach"]) for g in reader.optim.optimizer.param_groups]
+    assert own == [(None, True)] * len(own)  # CPU: torch's foreach step
+    reader.load_checkpoint(tmp_path / "ck")
+    assert [(g["fused"], g["foreach"]) for g in reader.optim.optimizer.param_groups] == own
+    assert [g["weight_decay"] for g in reader.optim.optimizer.param_groups] == [
+        g["weight_decay"] for g in writer.optim.optimizer.param_groups]
+    assert train_steps(reader, range(1, 2))[0] > 0  # and it steps
+
+
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen3-moe"])
 def test_save_then_load_continues_bitwise(tmp_path, model):
     straight = Runtime(make_job(model))

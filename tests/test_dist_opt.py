@@ -11,11 +11,10 @@ GPU (`-m gpu`, 2 GPUs, NCCL, bf16 compute, megatron-core 0.16.1):
   inner AdamW group.
 - deterministic mode: two dist_opt runs (fresh processes) give bitwise-identical losses, grad norms,
   bf16 weights and fp32 master shards, and both ranks hold the same weights after each all-gather.
-- `mlite sft` with optimizer.backend dist_opt under tp2 (dense) and pp2 (dense, MoE): the curve of one GPU
-  within bf16 rounding; a run resumed from its step-2 checkpoint continues it bitwise
-  (trainer.deterministic); under tp2, two runs are bitwise identical and the same checkpoint resumed by
-  fsdp2 continues the curve within bf16 rounding (the format is shared). ep2 (MoE) is refused by the rule
-  book: its first run here did not finish in 300 s (docs/PARALLEL.md).
+- `mlite sft` with optimizer.backend dist_opt under dp2, tp2, pp2, pp2 x vpp2 (dense) and pp2, ep2, tp2
+  (MoE): the curve of one GPU within bf16 rounding; a run resumed from its step-2 checkpoint continues it
+  bitwise (trainer.deterministic); under dp2, tp2 and ep2, two runs are bitwise identical; the same
+  checkpoint resumed by fsdp2 continues the curve within bf16 rounding (the format is shared).
 
 Run on a 2-GPU machine:  . scripts/gpu_env.sh && pytest -m gpu tests/test_dist_opt.py -q -p no:cacheprovider
 """
@@ -24,6 +23,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import json
 from pathlib import Path
 
 import pytest
@@ -105,23 +105,11 @@ def test_transformer_config_describes_our_arch_and_sums_gradients():
     assert not fp32.bf16 and fp32.params_dtype == torch.float32
 
 
-@pytest.mark.parametrize(
-    "layout,named",
-    [({"pp": 2, "vpp": 2}, "parallel.vpp=2"), ({"dp": 2, "ep": 2}, "parallel.ep=2")],
-    ids=["vpp2", "ep2"],
-)
-def test_model_parallel_degrees_not_yet_run_on_gpus_are_refused_by_name(layout, named):
-    dims = ParallelDims(2, **layout)
-    # refused before megatron, CUDA or the model are looked at (the model argument is never touched)
-    with pytest.raises(MliteError) as err:
-        build_dist_opt(None, dims, dist_opt_job())
-    message = str(err.value)
-    assert message.startswith(named) and "optimizer.backend fsdp2" in message and "\n" not in message
-
-
-def test_tp_and_pp_pass_the_checks_and_etp_alone_is_refused():
-    for layout in ({"tp": 2}, {"pp": 2}, {"pp": 2, "tp": 2}):
-        check_dist_opt_job(dist_opt_job(), ParallelDims(4 if len(layout) == 2 else 2, **layout))
+def test_model_parallel_layouts_pass_the_checks_and_etp_alone_is_refused():
+    # each ran on GPUs (tests below): tp, pp, pp x vpp, ep (MoE under tp as well: the model check is apart)
+    for world, layout in ((2, {"tp": 2}), (2, {"pp": 2}), (4, {"pp": 2, "tp": 2}), (2, {"pp": 2, "vpp": 2}),
+                          (2, {"dp": 2, "ep": 2}), (4, {"tp": 2, "pp": 2, "ep": 2})):
+        check_dist_opt_job(dist_opt_job(), ParallelDims(world, **layout))  # no error
     with pytest.raises(MliteError, match="parallel.etp=2 with optimizer.backend dist_opt"):
         check_dist_opt_job(dist_opt_job(), ParallelDims(4, tp=2, dp=2, etp=2))
 
@@ -319,13 +307,20 @@ def test_two_deterministic_dist_opt_runs_are_bitwise_identical(tmp_path, monkeyp
 # ----------------------------------------------------------------------------- the trainers (mlite sft)
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    return layout_assets(tmp_path_factory.mktemp("assets"))
+    assets = layout_assets(tmp_path_factory.mktemp("assets"))
+    # a 4-layer dense model for pp2 x vpp2 (two chunks of one layer per stage)
+    config = json.loads((assets["root"] / "dense" / "config.json").read_text())
+    (assets["root"] / "dense4").mkdir()
+    (assets["root"] / "dense4" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
+    return assets
 
 
 def gpu_job(assets, model: str, out, **sections) -> dict:
     job = job_dict(assets, model, out, cluster={"gpu": "h100", "gpus_per_node": 2},
                    precision={"compute": "bf16"}, **sections)
     job["trainer"] |= {"device": "cuda", "deterministic": True}
+    if model == "dense4":  # one sequence per micro-batch: 8 per step, a multiple of pp2 (vpp needs it)
+        job["data"] |= {"dynamic_batch": False, "micro_batch_size": 1, "max_tokens_per_micro_batch": None}
     return job
 
 
@@ -359,22 +354,27 @@ DIST_OPT = "optimizer.backend=dist_opt"
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "model,layout,twice,as_fsdp2",
-    [("dense", "parallel.tp=2", True, True), ("dense", "parallel.pp=2", False, False),
-     ("moe", "parallel.pp=2", False, False)],
-    ids=["dense-tp2", "dense-pp2", "moe-pp2"],
+    [("dense", [], True, True),  # dp2: the shards split the buffer, a rank may own none of a parameter
+     ("dense", ["parallel.tp=2"], True, True),
+     ("dense", ["parallel.pp=2"], False, False),
+     ("dense4", ["parallel.pp=2", "parallel.vpp=2"], False, False),
+     ("moe", ["parallel.pp=2"], False, False),
+     ("moe", ["parallel.ep=2"], True, True),  # experts: edp1; the dense rest: dp2
+     ("moe", ["parallel.tp=2"], False, True)],  # the router's gradient summed over tp
+    ids=["dense-dp2", "dense-tp2", "dense-pp2", "dense-pp2-vpp2", "moe-pp2", "moe-ep2", "moe-tp2"],
 )
-def test_dist_opt_trains_a_model_parallel_layout_like_one_gpu_and_resumes(assets, one_gpu, tmp_path, model,
-                                                                         layout, twice, as_fsdp2):
+def test_dist_opt_trains_a_layout_like_one_gpu_and_resumes(assets, one_gpu, tmp_path, model, layout, twice,
+                                                           as_fsdp2):
     need_gpus(2)
-    first = sft(tmp_path, gpu_job(assets, model, tmp_path / "a"), 2, DIST_OPT, layout)
+    first = sft(tmp_path, gpu_job(assets, model, tmp_path / "a"), 2, DIST_OPT, *layout)
     assert_same_curve(first, one_gpu(model), rtol=BF16_RTOL)
     step2 = str(CheckpointManager(tmp_path / "a").path_for(2))
-    resumed = sft(tmp_path, gpu_job(assets, model, tmp_path / "r"), 2, DIST_OPT, layout,
+    resumed = sft(tmp_path, gpu_job(assets, model, tmp_path / "r"), 2, DIST_OPT, *layout,
                   f"trainer.resume={step2}")
     assert exact(resumed) == exact(first[2:]), "resumed from step 2, dist_opt left its own curve"
     if twice:
-        again = sft(tmp_path, gpu_job(assets, model, tmp_path / "b"), 2, DIST_OPT, layout)
+        again = sft(tmp_path, gpu_job(assets, model, tmp_path / "b"), 2, DIST_OPT, *layout)
         assert exact(again) == exact(first), "two deterministic dist_opt runs differ"
     if as_fsdp2:  # the checkpoint's format is the layout's and the backend's: fsdp2 reads it
-        crossed = sft(tmp_path, gpu_job(assets, model, tmp_path / "f"), 2, layout, f"trainer.resume={step2}")
+        crossed = sft(tmp_path, gpu_job(assets, model, tmp_path / "f"), 2, *layout, f"trainer.resume={step2}")
         assert_same_curve(crossed, first[2:], rtol=BF16_RTOL)

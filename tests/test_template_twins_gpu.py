@@ -54,6 +54,11 @@ DSV4_4GPU = ["parallel.pp=2", "parallel.ep=2", "recompute.granularity=full"]
 DSV4_8GPU = [*DSV4_4GPU, "parallel.cp=2"]
 
 
+def dist_opt(overrides: list[str]) -> list[str]:
+    """The same twin under Megatron-Core's distributed optimizer (the templates' OPTIMIZER=dist_opt)."""
+    return [o for o in overrides if not o.startswith("optimizer.backend=")] + ["optimizer.backend=dist_opt"]
+
+
 def need_gpus(n: int) -> None:
     if torch.cuda.device_count() < n:
         pytest.fail(f"the twins need {n} GPUs, {torch.cuda.device_count()} visible")
@@ -111,6 +116,8 @@ def twin_grpo(tmp_path: Path, job: dict, overrides: list[str]) -> None:
 @pytest.mark.parametrize("template,overrides", [
     ("qwen3-30b", QWEN3_30B), ("qwen3-235b", QWEN3_235B_4GPU),
     ("qwen3-235b-no-offload", QWEN3_235B),  # the CPU twin's keys: tells the layout from the offload
+    ("qwen3-30b-dist_opt", dist_opt(QWEN3_30B)),
+    ("qwen3-235b-dist_opt", dist_opt(QWEN3_235B)),  # dist_opt refuses offload: the layout alone
 ])
 def test_qwen3_twin_sft_on_four_gpus_matches_one_gpu_and_resumes_there(assets, tmp_path, template, overrides):  # noqa: F811,E501
     job = sft_job(assets, tmp_path / "unused")
@@ -118,24 +125,27 @@ def test_qwen3_twin_sft_on_four_gpus_matches_one_gpu_and_resumes_there(assets, t
     twin_sft(tmp_path, job, overrides)
 
 
-def test_qwen3_235b_twin_grpo_on_four_gpus(assets, tmp_path):  # noqa: F811
-    twin_grpo(tmp_path, grpo_job(assets, tmp_path / "unused"), QWEN3_235B_4GPU)
+@pytest.mark.parametrize("overrides", [QWEN3_235B_4GPU, dist_opt(QWEN3_235B)], ids=["fsdp2", "dist_opt"])
+def test_qwen3_235b_twin_grpo_on_four_gpus(assets, tmp_path, overrides):  # noqa: F811
+    twin_grpo(tmp_path, grpo_job(assets, tmp_path / "unused"), overrides)
 
 
-def test_dsv4_twin_sft_on_four_gpus_matches_one_gpu_and_resumes_there(sft_assets, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("overrides", [DSV4_4GPU, dist_opt(DSV4_4GPU)], ids=["fsdp2", "dist_opt"])
+def test_dsv4_twin_sft_on_four_gpus_matches_one_gpu_and_resumes_there(sft_assets, tmp_path, overrides):  # noqa: F811,E501
     root, files = sft_assets
     job = dp_job(root, files, tmp_path / "unused")
     job["model"] |= LOSSES
     job["trainer"] |= {"steps": STEPS, "save_every": 1, "keep_last": STEPS}
-    twin_sft(tmp_path, job, DSV4_4GPU)
+    twin_sft(tmp_path, job, overrides)
 
 
-def test_dsv4_twin_grpo_on_four_gpus(workdir, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("overrides", [DSV4_4GPU, dist_opt(DSV4_4GPU)], ids=["fsdp2", "dist_opt"])
+def test_dsv4_twin_grpo_on_four_gpus(workdir, tmp_path, overrides):  # noqa: F811
     job = yaml.safe_load(write_job(workdir, tmp_path / "unused", model={"name": "tiny-deepseek-v4", **LOSSES},
                                    trainer={"steps": STEPS, "save_every": 1}).read_text())
     job["optimizer"] |= {"clip_grad": 1.0}
     job["cluster"]["host_memory_gb"] = 64  # the planner splits a node's host memory over its ranks
-    twin_grpo(tmp_path, job, DSV4_4GPU)
+    twin_grpo(tmp_path, job, overrides)
 
 
 def test_qwen3_235b_twin_sft_on_eight_gpus_matches_one_gpu_and_resumes_there(assets, tmp_path):  # noqa: F811

@@ -59,9 +59,9 @@ SUPPORT: dict[str, Support] = {
                                  "run on GPUs"),
     "tp + sequence parallel": Support(True, True, True, "", "set parallel.tp: 1"),
     "pp (1F1B)": Support(True, True, True, "", "set parallel.pp: 1"),
-    "vpp (interleaved 1F1B)": Support(True, True, False, "", "set parallel.vpp: 1"),
+    "vpp (interleaved 1F1B)": Support(True, True, True, "", "set parallel.vpp: 1"),
     "cp (zigzag ring attention)": Support(True, True, True, "", "set parallel.cp: 1"),
-    "ep": Support(True, True, False, "", "set parallel.ep: 1"),
+    "ep": Support(True, True, True, "", "set parallel.ep: 1"),
     "etp > 1": Support(False, True, False, "FSDP2 shards experts over edp; it does not split an expert's FFN",
                        "set parallel.etp: 1"),
     "offload.params": Support(True, False, False, "Megatron's distributed optimizer keeps parameters on the "
@@ -534,29 +534,12 @@ def check_model_layout(job: JobConfig, arch: ModelArch) -> None:
             f"tied embeddings (tie_word_embeddings) with tp={p.tp}, pp={p.pp} are not supported yet; use "
             "tp=1 and pp=1 (data, context and expert parallel work) or a model with an untied LM head"
         )
-    if job.optimizer.backend == "dist_opt" and arch.is_moe and p.tp > 1:
-        raise MliteError(
-            f"optimizer.backend dist_opt with a MoE model under parallel.tp={p.tp} has not completed a GPU "
-            "run yet; set parallel.tp: 1 (pp, dp and cp run) or use optimizer.backend fsdp2"
-        )
 
 
 def _adapter_gaps(job: JobConfig, dims: Degrees) -> list[tuple[str, str]]:
     """What mlite's dist_opt adapter does not run in this job: (short name, its one-line refusal), in the
     order the adapter refuses them. The matrix's `adapter` column says the same per feature."""
     gaps: list[tuple[str, str]] = []
-    if dims.ep > 1:  # built, but its first GPU run did not finish (docs/PARALLEL.md, dist_opt)
-        line = (
-            f"parallel.ep={dims.ep} with optimizer.backend dist_opt: its first run on 2 x H100 did not "
-            "finish (under investigation, docs/PARALLEL.md); use optimizer.backend fsdp2 for expert parallel"
-        )
-        gaps.append((f"ep={dims.ep}", line))
-    if dims.vpp > 1:
-        line = (
-            f"parallel.vpp={dims.vpp} with optimizer.backend dist_opt has not run on GPUs yet; set "
-            "parallel.vpp: 1 (pp runs) or use optimizer.backend fsdp2"
-        )
-        gaps.append((f"vpp={dims.vpp}", line))
     if dims.etp > 1:
         line = (
             f"parallel.etp={dims.etp} with optimizer.backend dist_opt: mlite does not split an expert's FFN "

@@ -59,6 +59,10 @@ def seed_everything(seed: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------- checkpoints
+# torch optimizer group options that say how a step runs, not what it computes
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
 def _state_tensors(rt: Runtime) -> dict[str, Any]:
     model_state, optim_state = get_state_dict(rt.model, rt.optim.optimizer)
     return {"model": model_state, "optimizer": optim_state}
@@ -107,8 +111,14 @@ def load_checkpoint(rt: Runtime, path: str | Path, weights_only: bool = False) -
         return meta["extra"]
     tensors = _state_tensors(rt)
     meta, rank_state = ckpt.load_checkpoint(path, tensors)
+    # the saved groups' options replace the live ones; how the step runs (fused, foreach: chosen by this
+    # run's devices and offload) is this run's, not the writer's
+    groups = rt.optim.optimizer.param_groups
+    implementation = [{k: g[k] for k in IMPLEMENTATION_KEYS if k in g} for g in groups]
     set_state_dict(rt.model, rt.optim.optimizer, model_state_dict=tensors["model"],
                    optim_state_dict=tensors["optimizer"])
+    for group, own in zip(rt.optim.optimizer.param_groups, implementation):
+        group.update(own)
     _restore_run_state(rt, meta, rank_state)
     return meta["extra"]
 

@@ -167,7 +167,11 @@ def load_checkpoint(path: str | Path,
         with _dcp_quiet():
             dcp.load(tensors, checkpoint_id=str(path / TENSORS), no_dist=not dist.is_initialized())
     except (RuntimeError, ValueError, CheckpointException) as err:  # DCP names the first tensor it misses
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if isinstance(err, CheckpointException) and err.failures:  # the lowest rank's own error, not DCP's
+            cause = err.failures[min(err.failures)][0]
+            err = RuntimeError(f"{type(cause).__name__}: {cause}")
+        text = str(err).strip()
+        first = (text.splitlines()[0] if text else type(err).__name__)[:300]
         raise MliteError(f"checkpoint {path} does not match this job's model and optimizer ({first}); "
                          "resume it with the model and keys it was written with, or start fresh "
                          "(trainer.resume: never)") from None

@@ -193,16 +193,21 @@ class DistOptBackend:
 
     # ------------------------------------------------------------------------------------ checkpoints
     def _owner(self, shadow: nn.Parameter):
-        """The DistributedOptimizer (of the chain: dense, experts) that holds this shadow's shard."""
+        """The DistributedOptimizer (of the chain: dense, experts) whose buffers hold this shadow. A rank owns
+        a shard of some parameters only (the shards split the flat buffer), so the buffers' whole index is
+        asked, not the rank's shard map."""
         for opt in self.optimizer.chained_optimizers:
-            if shadow in opt.model_param_gbuf_map:
+            if any(shadow in buffer.param_index_map for buffer in opt.buffers):
                 return opt
-        raise MliteError("dist_opt: a parameter is in no optimizer shard; a runtime bug")
+        raise MliteError("dist_opt: a parameter is in no optimizer's buffer; a runtime bug")
 
-    def _shard_state(self, shadow: nn.Parameter) -> tuple[Any, dict[str, torch.Tensor], slice]:
-        """(its optimizer, {param, exp_avg, exp_avg_sq[, step]} of this rank's shard, the shard's slice of
-        the flattened local tensor). Adam's state is created (zeros, step 0) where no step has run yet."""
+    def _shard_state(self, shadow: nn.Parameter) -> tuple[Any, dict[str, torch.Tensor] | None, slice]:
+        """(its optimizer, {param, exp_avg, exp_avg_sq, step} of this rank's shard, the shard's slice of the
+        flattened local tensor); the state is None and the slice empty where this rank owns no element of
+        it. Adam's state is created (zeros, step 0) where no step has run yet."""
         opt = self._owner(shadow)
+        if shadow not in opt.model_param_gbuf_map:  # another rank of the data-parallel group owns all of it
+            return opt, None, slice(0, 0)
         group_index, group_order = opt.model_param_group_index_map[shadow]
         main = opt.optimizer.param_groups[group_index]["params"][group_order]
         state = opt.optimizer.state[main]
@@ -215,19 +220,25 @@ class DistOptBackend:
     def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(model state, optimizer state) in the layout-independent format (module docstring): each master
         and moment gathered over its data-parallel group into this rank's local shape, a DTensor over the
-        parameter's own tp / ep mesh (DCP writes one copy of what several ranks hold)."""
+        parameter's own tp / ep mesh (DCP writes one copy of what several ranks hold). Collective: every
+        rank of a data-parallel group reduces every parameter, whether it owns a shard of it or not."""
         model, state = {}, {}
         for twin in self.twins:
             opt, shard, span = self._shard_state(twin.shadow)
-            whole = {}
-            for key in ("param", "exp_avg", "exp_avg_sq"):
-                local = torch.zeros(twin.shadow.numel(), dtype=torch.float32, device=twin.shadow.device)
-                local[span] = shard[key].float()
-                dist.all_reduce(local, group=opt.data_parallel_group)  # each element held by one rank: exact
-                whole[key] = self._as_param(twin, local)
-            model[twin.name] = whole["param"]
-            state[twin.name] = {"exp_avg": whole["exp_avg"], "exp_avg_sq": whole["exp_avg_sq"],
-                                "step": torch.tensor(float(shard["step"]))}
+            # the master and both moments in one collective; Adam's step (the same on every owner) apart
+            packed = torch.zeros(3, twin.shadow.numel(), dtype=torch.float32, device=twin.shadow.device)
+            step = torch.zeros(1, dtype=torch.float32, device=twin.shadow.device)
+            if shard is not None:
+                for row, key in enumerate(("param", "exp_avg", "exp_avg_sq")):
+                    packed[row, span] = shard[key].float()
+                step.fill_(float(shard["step"]))
+            dist.all_reduce(packed, group=opt.data_parallel_group)  # each element held by one rank: exact
+            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=opt.data_parallel_group)
+            main, exp_avg, exp_avg_sq = (self._as_param(twin, packed[row]) for row in range(3))
+            model[twin.name] = main
+            state[twin.name] = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq,
+                                "step": torch.tensor(float(step))}
+        model |= self.outside_optimizer(model)
         groups = [{**self._group_options(decay), "params": [t.name for t in self.twins
                                                             if (t.param.ndim >= 2) == decay]}
                   for decay in (True, False)]
@@ -235,12 +246,15 @@ class DistOptBackend:
 
     def load_checkpoint_state(self, model: dict[str, Any], optim: dict[str, Any] | None) -> None:
         """Put what `checkpoint_state`'s layout read back from a checkpoint into Megatron's shards (masters,
-        moments, step) and its bf16 param buffer (the compute weights, rounded from the masters)."""
+        moments, step: where this rank owns a shard) and its bf16 param buffer (the compute weights, rounded
+        from the masters: every rank)."""
         with torch.no_grad():
             for twin in self.twins:
                 master = _local(model[twin.name])
                 twin.shadow.data.copy_(master.view_as(twin.shadow))
                 _, shard, span = self._shard_state(twin.shadow)
+                if shard is None:
+                    continue
                 shard["param"].copy_(master.reshape(-1)[span])
                 if optim is None:
                     continue
@@ -265,14 +279,28 @@ class DistOptBackend:
                 "differentiable": False, "fused": True, "decoupled_weight_decay": True}
 
     def checkpoint_template(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Tensors of `checkpoint_state`'s names, shapes and placements for DCP to read into."""
+        """Tensors of `checkpoint_state`'s names, shapes and placements for DCP to read into (the tensors
+        outside the optimizer are the live ones: DCP reads into them in place)."""
         model, state = {}, {}
         for twin in self.twins:
             empty = [self._as_param(twin, torch.empty(twin.shadow.numel(), dtype=torch.float32,
                                                       device=twin.shadow.device)) for _ in range(3)]
             model[twin.name] = empty[0]
             state[twin.name] = {"exp_avg": empty[1], "exp_avg_sq": empty[2], "step": torch.tensor(0.0)}
-        return model, {"state": state}
+        return model | self.outside_optimizer(model), {"state": state}
+
+    def outside_optimizer(self, model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model state under the names fsdp2's checkpoints have that the twins' names miss: a tied
+        matrix's second name (the same tensor as its first in `model`), persistent buffers (a MoE router's
+        load-balancing bias, a hash-routing table) and frozen parameters (the live tensors)."""
+        twin_names = {id(t.param): t.name for t in self.twins}
+        found = {}
+        for chunk in self.chunks.values():
+            for name, tensor in chunk.state_dict(keep_vars=True).items():  # no copies
+                if name in model:
+                    continue
+                found[name] = model[twin_names[id(tensor)]] if id(tensor) in twin_names else tensor.detach()
+        return found
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -285,6 +313,17 @@ def _shard_dim(param: torch.Tensor, mesh_name: str) -> int | None:
         return None
     placement = param.placements[param.device_mesh.mesh_dim_names.index(mesh_name)]
     return placement.dim if placement.is_shard() else None
+
+
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+    """The parameters in `dtype`, registered where the old ones were (a tied matrix stays one); buffers keep
+    theirs, as under FSDP2's mixed precision (a router's fp32 load-balancing bias must not round to bf16)."""
+    with torch.no_grad():
+        for holders in parameter_holders(module).values():
+            old = getattr(*holders[0])
+            new = nn.Parameter(old.detach().to(dtype), requires_grad=old.requires_grad)
+            for holder, name in holders:
+                holder.register_parameter(name, new)
 
 
 def build_dist_opt(
@@ -333,7 +372,7 @@ def build_dist_opt(
     twins: list[Twin] = []
     ddps = []
     for index, (_, chunk) in enumerate(sorted(chunks.items())):
-        chunk.to(COMPUTE_DTYPES[compute])  # the compute weights; fp32 masters are built from them below
+        cast_parameters(chunk, COMPUTE_DTYPES[compute])  # the compute weights; fp32 masters come from them
         moe = [layer.mlp for layer in blocks(chunk) if is_moe(layer)]
         experts = {id(p) for mlp in moe for p in mlp.experts.parameters()}
         routers = {id(p) for mlp in moe for p in mlp.parameters()} - experts if tp_group else set()
