@@ -246,8 +246,8 @@ def test_the_adapter_column_is_what_the_dist_opt_adapter_refuses(feature):
 def test_the_trainers_run_fsdp2_and_dist_opt_where_its_adapter_has_run_on_gpus():
     assert rules.TRAINED_BACKENDS == ("fsdp2", "dist_opt")
     assert not SUPPORT["etp > 1"].fsdp2 and not SUPPORT["etp > 1"].adapter
-    ran = {"tp + sequence parallel", "pp (1F1B)", "vpp (interleaved 1F1B)", "cp (zigzag ring attention)", "ep",
-           "checkpoints (save, resume)"}
+    ran = {"tp + sequence parallel", "pp (1F1B)", "vpp (interleaved 1F1B)", "cp (zigzag ring attention)",
+           "ep", "checkpoints (save, resume)"}
     assert {name for name, row in SUPPORT.items() if row.adapter} == ran
 
 

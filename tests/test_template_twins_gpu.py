@@ -13,6 +13,10 @@ checkpoint continues on one GPU on the one-GPU curve. GRPO (the layouts' GRPO te
 with finite figures and a gradient; its samples are drawn from bf16 logits, which differ between layouts
 in the last bits, so a sampled token may differ and the figures are not compared step by step.
 
+The same twins run under `optimizer.backend=dist_opt` too (the templates' `OPTIMIZER=dist_opt`; the 235B
+one without its offload, which dist_opt refuses), against the same one-GPU fsdp2 run, and their checkpoints
+resume on one GPU under fsdp2.
+
 The twins at the templates' full set of axes need 8 GPUs (`eight_gpus` in their names): DeepSeek-V4 pp2 x ep2
 x cp2 and Qwen3-235B tp2 x pp2 x ep2 (dp2), as on CPU.
 

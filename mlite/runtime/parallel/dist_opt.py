@@ -1,7 +1,6 @@
 """The `dist_opt` optimizer backend: Megatron-Core's DistributedDataParallel + DistributedOptimizer wrapped
-around our own model, under the layouts the rule book gives it (dp x cp, tp + sp, pp; ep and vpp are built
-here but refused until they have run on GPUs). CUDA
-only; megatron is imported inside `build_dist_opt`, never at module import.
+around our own model, under the layouts the rule book gives it (dp x cp, tp + sp, pp, vpp, ep). CUDA only;
+megatron is imported inside `build_dist_opt`, never at module import.
 
     backend = build_dist_opt(chunks, dims, job, mesh)   # collective; process group up, chunks on their GPU
     schedule = LRSchedule(backend.optimizer, job.optimizer, total_steps)   # the lr of every fp32 shard
@@ -42,9 +41,11 @@ Conventions mapped onto Megatron's switches:
 
 Checkpoints: `checkpoint_state` / `load_checkpoint_state` speak the layout-independent format of
 mlite.runtime.state (model tensors are the fp32 masters under the whole model's names and global shapes,
-the optimizer state is torch AdamW's `exp_avg`/`exp_avg_sq`/`step` under the same names), so a dist_opt run
-resumes as fsdp2 and the other way round. Saving gathers each master and moment over its data-parallel
-group into this rank's TP/EP-local shape (one tensor at a time on the GPU, held on the GPU until DCP writes).
+the optimizer state is torch AdamW's `exp_avg`/`exp_avg_sq`/`step` under the same names, and the buffers
+no optimizer holds), so a dist_opt run resumes as fsdp2 and the other way round. Saving gathers each master
+and moment over its data-parallel group into this rank's TP/EP-local shape (one tensor at a time on the
+GPU, held on the GPU until DCP writes). Megatron's shards split each bucket's flat buffer, not each
+parameter, so a rank may own none of a parameter: it still joins that parameter's reduction.
 """
 
 from __future__ import annotations
