@@ -253,6 +253,9 @@ class TrainerConfig(Section):
     tensorboard: bool = True
     deterministic: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # a phase of the loop (a step, an evaluation, a save) that takes longer ends the job with every thread's
+    # stack in <output_dir>/hang/ (mlite.trainers.watchdog); null: never. Generous: a first step compiles.
+    hang_timeout_s: float | None = Field(1800.0, gt=0)
 
 
 # --------------------------------------------------------------------------------------- rollout (RL)

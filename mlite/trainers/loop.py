@@ -10,7 +10,9 @@
   the loop reads them once the next step is queued (at once before an evaluation or a save), so on a GPU
   the host never keeps the device waiting between steps;
 - the stop signal (SIGTERM/SIGUSR1 save at the next step boundary and return: Slurm preemption and
-  requeue), the PNG plot, `runtime.close()` and the summary, printed by the output rank only.
+  requeue), the PNG plot, `runtime.close()` and the summary, printed by the output rank only;
+- the hang watchdog (`trainer.hang_timeout_s`, mlite.trainers.watchdog): a phase that makes no progress
+  for that long ends the process with every thread's stack on disk.
 
 A trainer supplies only what differs: `step(index)` (one optimizer step and its metrics), `evaluate()`,
 its extra checkpoint state and its summary lines (the `Trainer` protocol below).
@@ -33,6 +35,7 @@ from mlite.runtime.engine import Runtime
 from mlite.runtime.parallel.step import host_number
 from mlite.trainers.common import StopRequest, checkpoint_to_resume, first_rank
 from mlite.trainers.metrics import MetricsWriter, ProgressDisplay, plot_metrics, read_metrics
+from mlite.trainers.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +105,8 @@ def run(job: JobConfig, runtime: Runtime, trainer: Trainer, console=None,
     """Train (or continue training) `trainer` on `runtime`; returns where everything went. The runtime's
     process group is closed on the way out, whatever happens."""
     try:
-        result = _run(job, runtime, trainer, console, show_progress)
+        with Watchdog(job.trainer.hang_timeout_s, job.trainer.output_dir, trainer.name) as watch:
+            result = _run(job, runtime, trainer, console, show_progress, watch)
     except BaseException:
         runtime.close(clean=False)
         raise
@@ -110,7 +114,7 @@ def run(job: JobConfig, runtime: Runtime, trainer: Trainer, console=None,
     return result
 
 
-def _run(job, runtime, trainer, console, show_progress) -> RunResult:
+def _run(job, runtime, trainer, console, show_progress, watch: Watchdog) -> RunResult:
     cfg = job.trainer
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,6 +125,7 @@ def _run(job, runtime, trainer, console, show_progress) -> RunResult:
     start = 0
     resume_from = checkpoint_to_resume(cfg.resume, manager)
     if resume_from is not None:
+        watch.beat(f"resuming from {resume_from}")
         extra = runtime.load_checkpoint(resume_from)
         start = int(extra.pop("step"))
         trainer.load_state_dict(extra)
@@ -133,6 +138,7 @@ def _run(job, runtime, trainer, console, show_progress) -> RunResult:
     step, stopped_by, evals = start, None, []
 
     def evaluate(at: int) -> dict[str, float]:
+        watch.beat(f"the evaluation at step {at}")
         values = trainer.evaluate()
         if values:
             evals.append({"step": at, **values})
@@ -146,6 +152,7 @@ def _run(job, runtime, trainer, console, show_progress) -> RunResult:
         """Read step `at`'s numbers (waiting for its device work) and log them. Its time runs from when it
         began or, if it was queued before, when the step ahead of it was read: the device's time for it."""
         nonlocal last_read
+        watch.beat(f"reading step {at}'s figures (waiting for its device work)")
         metrics = host_values(result.metrics)
         label, value = result.progress[0], host_number(result.progress[1])
         skipped = bool(host_number(result.skipped))
@@ -163,6 +170,7 @@ def _run(job, runtime, trainer, console, show_progress) -> RunResult:
     with StopRequest() as stop:
         while step < total:
             began = time.perf_counter()
+            watch.beat(f"step {step + 1}")
             result = trainer.step(step)
             step += 1
             if pending is not None:  # this step is queued: now the one before it is read
@@ -178,6 +186,7 @@ def _run(job, runtime, trainer, console, show_progress) -> RunResult:
             else:  # read it once the next step is queued
                 pending = (step, result, began)
             if save:
+                watch.beat(f"saving the checkpoint of step {step}")
                 extra = {"step": step, **trainer.state_dict()}
                 last_saved = manager.save(step,
                                           lambda path, extra=extra: runtime.save_checkpoint(path, extra))
