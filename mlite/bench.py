@@ -158,6 +158,9 @@ class BenchCase:
     cp: int = 1
     accum: int = 1  # micro-batches per optimizer step (gradient accumulation), on both sides
     baseline: bool = True  # also run HF transformers
+    # the parallel side's optimizer.backend; dist_opt keeps fp32 masters (Megatron's optimizer has no bf16
+    # ones), and so does its one-GPU reference then, so that the comparison is the backend's cost
+    backend: str = "fsdp2"
     note: str = ""
     config: dict = field(default_factory=dict)  # HF config keys set over the preset's (after num_layers)
 
@@ -183,6 +186,14 @@ CASES: dict[str, BenchCase] = {
         BenchCase("moe-30b-a3b-8l-4k-ep4", "qwen3-30b-a3b", 4096, num_layers=8, gpus=4, dp=4, ep=4,
                   baseline=False),
         BenchCase("dense-1.7b-16k-cp4", "qwen3-1.7b", 16384, gpus=4, cp=4, baseline=False),
+        # the same layouts under Megatron-Core's distributed optimizer (no per-unit host work: one
+        # reduce-scatter and one all-gather a step)
+        BenchCase("dense-1.7b-4k-dp2-dist-opt", "qwen3-1.7b", 4096, gpus=2, dp=2, baseline=False,
+                  backend="dist_opt"),
+        BenchCase("dense-1.7b-4k-dp4-dist-opt", "qwen3-1.7b", 4096, gpus=4, dp=4, baseline=False,
+                  backend="dist_opt"),
+        BenchCase("moe-30b-a3b-8l-4k-ep4-dist-opt", "qwen3-30b-a3b", 4096, num_layers=8, gpus=4, dp=4, ep=4,
+                  baseline=False, backend="dist_opt"),
         # DeepSeek-V4-Flash widths on one GPU: 4 layers (sliding, CSA, HCA, CSA; the first hash-routed),
         # 32 routed experts top-6 + 1 shared; the layers of ../shared/REFERENCE.md section 4's HF anchor
         BenchCase("dsv4-flash-4l-4k", "deepseek-v4-flash", 4096, num_layers=4, config=_DSV4_4L),
@@ -350,6 +361,14 @@ def case_arch(case: BenchCase) -> ModelArch:
     return arch_from_hf_config(case_hf_config(case), name=case.model)
 
 
+def case_precision(case: BenchCase, cuda: bool) -> dict:
+    """bf16 parameters and Adam state on GPUs (the precision of the HF baseline beside it), fp32 masters
+    under dist_opt; fp32 on CPU."""
+    if not cuda:
+        return {"compute": "fp32", "master": "fp32"}
+    return {"compute": "bf16", "master": "fp32" if case.backend == "dist_opt" else "bf16"}
+
+
 def case_job(case: BenchCase, device: str, one_gpu: bool = False, overrides: Sequence[str] = ()):
     """The job the Runtime runs for the case. `one_gpu`: the one-GPU reference of a multi-rank case;
     `overrides`: job keys as on the trainers' command line (`mlite bench --set model.compile=false`),
@@ -364,9 +383,8 @@ def case_job(case: BenchCase, device: str, one_gpu: bool = False, overrides: Seq
         "parallel": {"ep": ep, "cp": cp},
         "data": {"seq_len": case.seq_len, "micro_batch_size": 1,
                  "global_batch_size": (gpus // cp) * case.accum},
-        # bf16 parameters and Adam state on GPUs: the precision of the HF baseline beside it
-        "precision": {"compute": "bf16", "master": "bf16"} if cuda else {"compute": "fp32", "master": "fp32"},
-        "optimizer": {"lr": 1e-5},
+        "precision": case_precision(case, cuda),
+        "optimizer": {"lr": 1e-5, "backend": "fsdp2" if one_gpu else case.backend},
         "trainer": {"device": "cuda" if cuda else "cpu"},
     }
     return job_from_dict(apply_overrides(job, overrides))
@@ -583,7 +601,7 @@ def measure(make: Callable[[], tuple], device: str, steps: int, warmup: int,
 
 def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str,
                         overrides: Sequence[str] = ()) -> float | None:
-    """The planner's per-GPU peak for this case (bf16 params and optimizer state, as benchmarked), with
+    """The planner's per-GPU peak for this case (its backend and precision, as benchmarked), with
     the run's `--set` keys (optimizer state, recompute) applied as they are to the Runtime's job."""
     from mlite.config import apply_overrides, job_from_dict
     from mlite.plan import plan_job
@@ -594,8 +612,8 @@ def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str,
         "model": {"name": case.model},
         "cluster": {"nodes": 1, "gpus_per_node": case.gpus, "gpu": gpu},
         "parallel": {"ep": case.ep, "cp": case.cp},
-        "optimizer": {"backend": "fsdp2"},
-        "precision": {"compute": "bf16", "master": "bf16"},
+        "optimizer": {"backend": case.backend},
+        "precision": case_precision(case, cuda=True),
         "data": {"seq_len": case.seq_len, "micro_batch_size": 1, "global_batch_size": case.dp * case.accum,
                  "dynamic_batch": False},
     }, overrides))

@@ -8,7 +8,8 @@
 #   scripts/gpu_multi.sh dist_opt  tests/test_dist_opt.py's GPU tests in two streams (dense on GPUs 0,1, MoE on
 #                                2,3) beside the twins (TWINS_K) on 4 GPUs; a worker alive after 150 s writes its
 #                                stacks to $out/hang-*.txt (scripts/hang_dump)
-#   scripts/gpu_multi.sh bench   the 4-GPU bench (dp4 dense, ep4 MoE), alone on the machine (LIMIT per case)
+#   scripts/gpu_multi.sh bench   the 4-GPU bench (dp4 dense, ep4 MoE; CASES: others, e.g. their -dist-opt twins),
+#                                alone on the machine (LIMIT per case)
 #   scripts/gpu_multi.sh profile the same two cases through scripts/profile_step.py (LIMIT per case)
 # Each piece has its own time limit, so one that hangs leaves the others' results.
 set -uo pipefail
@@ -66,7 +67,7 @@ case $part in
     ls "$out"/hang-*.txt 2>/dev/null
     ;;
   bench)  # alone on the machine
-    bench 4 "${LIMIT:-190}" dense-1.7b-4k-dp4 moe-30b-a3b-8l-4k-ep4
+    bench 4 "${LIMIT:-190}" ${CASES:-dense-1.7b-4k-dp4 moe-30b-a3b-8l-4k-ep4}
     ;;
   profile)  # where the multi-GPU step's time goes (rank 0's kernels, NCCL apart), alone on the machine
     for case in dense-1.7b-4k-dp4 moe-30b-a3b-8l-4k-ep4; do

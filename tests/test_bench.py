@@ -168,6 +168,24 @@ def test_replicas_draw_their_own_sequences_and_the_ranks_of_one_replica_the_same
     assert [replica_seed(CASES["dense-1.7b-16k-cp4"], "cpu", r, 4) for r in range(4)] == [0, 0, 0, 0]
 
 
+def test_dist_opt_cases_run_megatrons_optimizer_against_one_gpu_with_the_same_masters():
+    """A `-dist-opt` case is its fsdp2 twin under optimizer.backend dist_opt, with fp32 masters (Megatron's
+    optimizer keeps no bf16 ones); the one-GPU reference keeps them too, so scaling is the backend's cost.
+    The planner sizes what runs: fp32 masters and Adam state, sharded over dp, cost more than bf16 ones."""
+    from mlite.bench import CASES, case_arch, case_job, planner_estimate_gb
+
+    for name in ("dense-1.7b-4k-dp2", "dense-1.7b-4k-dp4", "moe-30b-a3b-8l-4k-ep4"):
+        fsdp2, ours = CASES[name], CASES[f"{name}-dist-opt"]
+        job, one_gpu = case_job(ours, "cuda"), case_job(ours, "cuda", one_gpu=True)
+        assert (job.optimizer.backend, job.precision.master) == ("dist_opt", "fp32")
+        assert (one_gpu.optimizer.backend, one_gpu.precision.master, one_gpu.cluster.world_size) == (
+            "fsdp2", "fp32", 1)
+        assert (job.parallel.ep, job.cluster.world_size) == (fsdp2.ep, fsdp2.gpus)
+        assert case_job(fsdp2, "cuda").precision.master == "bf16"
+        planned = planner_estimate_gb(ours, case_arch(ours), "h100")
+        assert planned > planner_estimate_gb(fsdp2, case_arch(fsdp2), "h100")
+
+
 def test_case_step_runs_a_multi_rank_case_in_its_layout_under_torchrun(tmp_path):
     """What scripts/profile_step.py profiles for a multi-GPU case: the bench's parallel step, here ep2 on 2
     gloo ranks; every rank's step reports the global loss and grad norm (the same on both ranks)."""
