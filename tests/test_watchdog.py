@@ -1,6 +1,7 @@
 """The hang watchdog (trainer.hang_timeout_s, mlite.trainers.watchdog): a rank that makes no progress ends
 the job with status 124, one line naming the rank and the phase, and every thread's stack on disk. The hang
-is real: a GRPO reward that waits on a scoring server which never replies (tests/stuck_reward.py)."""
+is real: a GRPO reward that waits on a scoring server which never replies (tests/stuck_reward.py), or whose
+module waits for it while it is imported, at start-up (tests/stuck_at_import_reward.py)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,16 @@ def silent_server(monkeypatch):
         server.bind(("127.0.0.1", 0))
         server.listen(64)
         monkeypatch.setenv("STUCK_REWARD_PORT", str(server.getsockname()[1]))
+        monkeypatch.setenv("STUCK_REWARD_AFTER", "8")  # step 1's 2 prompts x 4 responses; step 2 hangs
         yield
 
 
-def hung_job(workdir, out: Path, **changes) -> Path:  # noqa: F811
-    # no held-out prompts: the first thing to score is step 1's rollout
-    return write_job(workdir, out, data={"val_files": []}, trainer={"hang_timeout_s": 3, "steps": 2},
-                     grpo={"reward": "stuck_reward:stuck_reward", "mini_batches": 2}, **changes)
+def hung_job(workdir, out: Path, grpo: dict | None = None, startup_s: float = 300, **changes) -> Path:  # noqa: F811,E501
+    """3 s a phase once the first step is done; the start-up (imports, the model: slow on a busy CI machine)
+    and the first step get `startup_s`. No held-out prompts: the rewards are the steps' only."""
+    grpo = {"reward": "stuck_reward:stuck_reward", "mini_batches": 2, **(grpo or {})}
+    trainer = {"hang_timeout_s": 3, "startup_timeout_s": startup_s, "steps": 3}
+    return write_job(workdir, out, data={"val_files": []}, trainer=trainer, grpo=grpo, **changes)
 
 
 def test_a_rank_stuck_in_its_reward_ends_the_run_with_its_stack(workdir, tmp_path, silent_server,  # noqa: F811
@@ -46,17 +50,30 @@ def test_a_rank_stuck_in_its_reward_ends_the_run_with_its_stack(workdir, tmp_pat
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert re.search(r"mlite grpo: error: rank 0 made no progress for \d+ s "
-                     r"\(trainer.hang_timeout_s=3\) in: step 1; every thread's stack is in \S+rank00000.txt",
+                     r"\(trainer.hang_timeout_s=3\) in: step 2; every thread's stack is in \S+rank00000.txt",
                      errors[0]), errors[0]
     stacks = (tmp_path / "run" / "hang" / "rank00000.txt").read_text()
     assert stacks.startswith("rank 0: no progress for")
     assert "in stuck_reward" in stacks and "in score_responses" in stacks  # where it waits, by name
 
 
+def test_a_start_up_that_hangs_is_watched_too(workdir, tmp_path, silent_server):  # noqa: F811
+    """The watchdog runs from the start of train_grpo (and train_sft), not from the first step: here the
+    reward module waits for its server while it is imported, when the trainer is built."""
+    done = mlite_grpo(hung_job(workdir, tmp_path / "run", grpo={"reward": "stuck_at_import_reward:reward"},
+                               startup_s=45))
+    assert done.returncode == EXIT_HANG, done.stderr[-3000:]
+    line = (r"error: rank 0 made no progress for \d+ s \(trainer.startup_timeout_s=45\) in: start-up: "
+            r"the rollout engine, the reward and the reference policy;")
+    assert re.search(line, done.stderr), done.stderr[-3000:]
+    stacks = (tmp_path / "run" / "hang" / "rank00000.txt").read_text()
+    assert "stuck_at_import_reward.py" in stacks and "in load_reward" in stacks
+
+
 def test_two_ranks_end_when_one_waits_forever_and_the_other_in_a_collective(workdir, tmp_path,  # noqa: F811
                                                                             silent_server, monkeypatch):
-    """Rank 1 waits on its reward server; rank 0 scores, then waits in the step's next collective for rank 1
-    (gloo's own timeout is 30 minutes). The launcher ends both within the watchdog's limit."""
+    """At step 2 rank 1 waits on its reward server; rank 0 scores, then waits in the step's next collective
+    for rank 1 (gloo's own timeout is 30 minutes). The launcher ends both within the watchdog's limit."""
     monkeypatch.setenv("STUCK_REWARD_RANKS", "1")
     config = hung_job(workdir, tmp_path / "run", cluster={"gpus_per_node": 2})
     env = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -76,8 +93,12 @@ def test_two_ranks_end_when_one_waits_forever_and_the_other_in_a_collective(work
         assert "in stuck_reward" not in dumps["rank00000.txt"]
 
 
-def test_beats_keep_it_quiet_and_off_means_no_thread(tmp_path):
-    with Watchdog(0.4, tmp_path, "sft") as watch:
+def test_beats_keep_it_quiet_the_start_up_has_its_own_limit_and_off_means_no_thread(tmp_path):
+    with Watchdog(0.4, tmp_path, "sft", startup_s=None) as watch:
+        assert watch.limit is None
+        time.sleep(1.0)  # an unwatched start-up: 2.5 times the steady limit
+        watch.settle()
+        assert watch.limit == 0.4
         for step in range(8):  # 1.6 s of steps of 0.2 s: four times the limit, each within it
             watch.beat(f"step {step}")
             time.sleep(0.2)

@@ -254,8 +254,10 @@ class TrainerConfig(Section):
     deterministic: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # a phase of the loop (a step, an evaluation, a save) that takes longer ends the job with every thread's
-    # stack in <output_dir>/hang/ (mlite.trainers.watchdog); null: never. Generous: a first step compiles.
+    # stack in <output_dir>/hang/ (mlite.trainers.watchdog); null: never. startup_timeout_s: the same for
+    # each phase of the start-up (process group, model, weights, data) and the first step (it compiles)
     hang_timeout_s: float | None = Field(1800.0, gt=0)
+    startup_timeout_s: float | None = Field(3600.0, gt=0)
 
 
 # --------------------------------------------------------------------------------------- rollout (RL)

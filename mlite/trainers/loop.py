@@ -11,8 +11,9 @@
   the host never keeps the device waiting between steps;
 - the stop signal (SIGTERM/SIGUSR1 save at the next step boundary and return: Slurm preemption and
   requeue), the PNG plot, `runtime.close()` and the summary, printed by the output rank only;
-- the hang watchdog (`trainer.hang_timeout_s`, mlite.trainers.watchdog): a phase that makes no progress
-  for that long ends the process with every thread's stack on disk.
+- the hang watchdog (`trainer.hang_timeout_s`, `trainer.startup_timeout_s` until the first step is done;
+  mlite.trainers.watchdog): a phase that makes no progress for that long ends the process with every
+  thread's stack on disk.
 
 A trainer supplies only what differs: `step(index)` (one optimizer step and its metrics), `evaluate()`,
 its extra checkpoint state and its summary lines (the `Trainer` protocol below).
@@ -20,6 +21,7 @@ its extra checkpoint state and its summary lines (the `Trainer` protocol below).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -101,11 +103,12 @@ def total_steps(job: JobConfig, steps_per_epoch: int) -> int:
 
 
 def run(job: JobConfig, runtime: Runtime, trainer: Trainer, console=None,
-        show_progress: bool = True) -> RunResult:
+        show_progress: bool = True, watch: Watchdog | None = None) -> RunResult:
     """Train (or continue training) `trainer` on `runtime`; returns where everything went. The runtime's
-    process group is closed on the way out, whatever happens."""
+    process group is closed on the way out, whatever happens. `watch`: the caller's running watchdog (it
+    watched the start-up too); without one the loop runs its own."""
     try:
-        with Watchdog(job.trainer.hang_timeout_s, job.trainer.output_dir, trainer.name) as watch:
+        with contextlib.nullcontext(watch) if watch is not None else Watchdog.for_job(job) as watch:
             result = _run(job, runtime, trainer, console, show_progress, watch)
     except BaseException:
         runtime.close(clean=False)
@@ -193,6 +196,8 @@ def _run(job, runtime, trainer, console, show_progress, watch: Watchdog) -> RunR
             if stopped:
                 stopped_by = stop.received
                 break
+            if not watch.settled:  # the first step has compiled: every phase now gets hang_timeout_s
+                watch.settle()
         if pending is not None:
             publish(*pending, {})
     progress.close()

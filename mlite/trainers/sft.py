@@ -20,6 +20,7 @@ from mlite.runtime.loss import sft_loss
 from mlite.trainers import loop
 from mlite.trainers.common import first_rank
 from mlite.trainers.metrics import PLOT_FILE, read_metrics
+from mlite.trainers.watchdog import Watchdog
 
 
 @dataclass
@@ -93,13 +94,16 @@ def train_sft(job: JobConfig, console=None, show_progress: bool = True) -> SFTRe
     """Train (or continue training) the job; returns where everything went."""
     if job.job != "sft":
         raise MliteError(f"this job is '{job.job}'; run it with `mlite {job.job}`")
-    runtime = Runtime(job)
-    try:
-        trainer = SFTTrainer(job, runtime)
-    except BaseException:
-        runtime.close(clean=False)
-        raise
-    if first_rank() and console is not None:
-        console.print(trainer.data.summary(), highlight=False)
-    result = loop.run(job, runtime, trainer, console, show_progress)
+    with Watchdog.for_job(job) as watch:
+        watch.beat("start-up: the runtime (process group, model, weights)")
+        runtime = Runtime(job)
+        try:
+            watch.beat("start-up: the data")
+            trainer = SFTTrainer(job, runtime)
+        except BaseException:
+            runtime.close(clean=False)
+            raise
+        if first_rank() and console is not None:
+            console.print(trainer.data.summary(), highlight=False)
+        result = loop.run(job, runtime, trainer, console, show_progress, watch)
     return SFTResult(**vars(result), data_report=trainer.data.report)

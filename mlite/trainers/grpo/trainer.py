@@ -45,6 +45,7 @@ from mlite.trainers.grpo.rewards import RewardFailure, load_reward, score_respon
 from mlite.trainers.grpo.rollout import BuiltinRollout, Completion, RolloutEngine, SamplingParams
 from mlite.trainers.grpo.vllm_rollout import VLLMRollout, require_vllm
 from mlite.trainers.metrics import read_metrics
+from mlite.trainers.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 PLOT_KEYS = ("reward/mean", "eval/reward_mean", "response/length_mean", "actor/pg_loss")
@@ -464,23 +465,27 @@ def train_grpo(job: JobConfig, console=None, show_progress: bool = True, tokeniz
     source = job.data.tokenizer or job.model.path
     if tokenizer is None and source is None:
         raise MliteError("GRPO needs a tokenizer: set data.tokenizer (a tokenizer dir) or use model.path")
-    tokenizer = tokenizer or load_tokenizer(source)
-    train_prompts = load_prompts(job.data.train_files, tokenizer, job, "train")
-    val_prompts = load_prompts(job.data.val_files, tokenizer, job, "held-out") if job.data.val_files else []
-
-    runtime = Runtime(job)
-    engine = None
-    try:  # the reference snapshot is taken here, before the loop loads any checkpoint
-        if job.rollout.engine == "vllm":
-            engine = VLLMRollout(job, runtime, Path(job.trainer.output_dir) / "vllm_model")
-        trainer = GRPOTrainer(job, runtime, tokenizer, train_prompts, val_prompts, engine)
-    except BaseException:
-        runtime.close(clean=False)
-        raise
-    try:
-        result = loop.run(job, runtime, trainer, console, show_progress)
-    finally:
-        trainer.engine.close()
+    with Watchdog.for_job(job) as watch:
+        watch.beat("start-up: the tokenizer and the prompts")
+        tokenizer = tokenizer or load_tokenizer(source)
+        train_prompts = load_prompts(job.data.train_files, tokenizer, job, "train")
+        val_prompts = (load_prompts(job.data.val_files, tokenizer, job, "held-out") if job.data.val_files
+                       else [])
+        watch.beat("start-up: the runtime (process group, model, weights)")
+        runtime = Runtime(job)
+        engine = None
+        try:  # the reference snapshot is taken here, before the loop loads any checkpoint
+            watch.beat("start-up: the rollout engine, the reward and the reference policy")
+            if job.rollout.engine == "vllm":
+                engine = VLLMRollout(job, runtime, Path(job.trainer.output_dir) / "vllm_model")
+            trainer = GRPOTrainer(job, runtime, tokenizer, train_prompts, val_prompts, engine)
+        except BaseException:
+            runtime.close(clean=False)
+            raise
+        try:
+            result = loop.run(job, runtime, trainer, console, show_progress, watch)
+        finally:
+            trainer.engine.close()
     before, after = held_out_before_after(result)
     return GRPOResult(**vars(result), eval_before=before, eval_after=after, reward_failures=trainer.failures,
                       eval_sampling=trainer.eval_sampling())
