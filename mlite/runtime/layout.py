@@ -31,6 +31,7 @@ from mlite.plan.rules import check_job, megatron_installed
 from mlite.runtime.models import build_model, seeded_init
 from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
 from mlite.runtime.parallel.parallelize import (
+    COMPUTE_DTYPES,
     apply_recompute,
     host_offloaded,
     local_shard,
@@ -38,8 +39,6 @@ from mlite.runtime.parallel.parallelize import (
     parameter_holders,
 )
 from mlite.runtime.parallel.pipeline import PipelineRunner, split_layers, stage_view
-
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def pick_device(choice: str) -> torch.device:

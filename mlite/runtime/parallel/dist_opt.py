@@ -63,13 +63,12 @@ from mlite.errors import MliteError
 from mlite.plan.rules import check_dist_opt_adapter
 from mlite.runtime.parallel.megatron import NEEDS_MEGATRON, init_parallel_state
 from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
-from mlite.runtime.parallel.parallelize import blocks, is_moe, parameter_holders
+from mlite.runtime.parallel.parallelize import COMPUTE_DTYPES, blocks, is_moe, parameter_holders
 
 if TYPE_CHECKING:
     from mlite.config.arch import ModelArch
     from mlite.config.schema import JobConfig
 
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 # ------------------------------------------------------------------------------ checks (CPU, no megatron)

@@ -42,6 +42,9 @@ from mlite.runtime.parallel.context import context_geometry, context_parallel_at
 from mlite.runtime.parallel.expert import expert_parallel_dispatch, local_slice, token_group_stats
 from mlite.runtime.parallel.mesh import ParallelMesh
 
+# precision.compute -> torch dtype (the one map: layout, FSDP2, dist_opt, vLLM and verl read it)
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
 if TYPE_CHECKING:
     from mlite.config.schema import JobConfig
 
@@ -236,13 +239,13 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, devi
     apply_expert_parallel(model, mesh)
     if job.optimizer.backend == "dist_opt":  # Megatron's DDP shards the optimizer and reduces the gradients
         return model
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     apply_fsdp(
         model,
         mesh,
-        compute_dtype=dtypes[job.precision.compute] if device_type == "cuda" else torch.float32,  # CPU: fp32
+        # CPU: fp32
+        compute_dtype=COMPUTE_DTYPES[job.precision.compute] if device_type == "cuda" else torch.float32,
         offload_fraction=job.offload.optimizer_fraction if job.offload.optimizer else 0.0,
-        reduce_dtype=dtypes[job.precision.grad_reduce],
+        reduce_dtype=COMPUTE_DTYPES[job.precision.grad_reduce],
         unit_layers=job.parallel.fsdp_unit_layers,
     )
     return model
