@@ -10,10 +10,13 @@ GPU (`-m gpu`, 2 GPUs, NCCL, bf16 compute, megatron-core 0.16.1):
   bf16 rounding (2e-2 relative); the LR set through `LRSchedule(backend.optimizer, ...)` reaches every
   inner AdamW group.
 - deterministic mode: two dist_opt runs (fresh processes) give bitwise-identical losses, grad norms,
-  bf16 weights and fp32 master shards, and both ranks hold the same weights after each all-gather.
+  bf16 weights and fp32 master shards, and both ranks hold the same weights after each all-gather; a third
+  run with the overlap off (every reduce-scatter at the step) gives the same bits. With it on, every
+  bucket group after the first step starts its reduce-scatter during the last micro-batch's backward.
 - `mlite sft` with optimizer.backend dist_opt under dp2, tp2, pp2, pp2 x vpp2 (dense) and pp2, ep2, tp2
   (MoE): the curve of one GPU within bf16 rounding; a run resumed from its step-2 checkpoint continues it
-  bitwise (trainer.deterministic); under dp2, tp2 and ep2, two runs are bitwise identical; the same
+  bitwise (trainer.deterministic); under dp2, tp2 and ep2, two runs are bitwise identical, and so is a
+  third with `optimizer.overlap_grad_reduce: false` (reduced at the step, not during the backward); the same
   checkpoint resumed by fsdp2 continues the curve within bf16 rounding (the format is shared).
 
 Run on a 2-GPU machine:  . scripts/gpu_env.sh && pytest -m gpu tests/test_dist_opt.py -q -p no:cacheprovider
@@ -22,7 +25,7 @@ Run on a 2-GPU machine:  . scripts/gpu_env.sh && pytest -m gpu tests/test_dist_o
 from __future__ import annotations
 
 import builtins
-import contextlib
+import itertools
 import json
 from pathlib import Path
 
@@ -60,10 +63,11 @@ STEPS = 3
 BF16_RTOL = 2e-2
 
 
-def dist_opt_job(**sections):
+def dist_opt_job(overlap: bool = True, **sections):
     """The harness's optimizer (AdamW, lr 1e-3, betas (0.9, 0.999), weight decay 0.01, clip 1.0) as a job."""
     optimizer = {
         "backend": "dist_opt",
+        "overlap_grad_reduce": overlap,
         "lr": LR,
         "weight_decay": 0.01,
         "betas": [0.9, 0.999],
@@ -160,24 +164,28 @@ def test_without_megatron_core_it_is_one_clear_line(monkeypatch):
 # --------------------------------------------------------------------------------------------- GPU
 def train_dist_opt(model, backend, schedule, rank, world, steps) -> list[tuple[float, float]]:
     """The harness's training steps (its batches, loss and split of micro-batches over dp ranks) through
-    the dist_opt backend: `no_sync` for all but the last micro-batch, then backend.step()."""
+    the dist_opt backend: the last micro-batch's backward marked as the step's last (as the runtime does),
+    then backend.step(). `backend.overlapped` collects, per step, how many bucket groups started their
+    reduce-scatter during the backward."""
     batches = [b.to(device()) for b in make_batches(MAX_STEPS * MICRO_BATCHES)]
     history = []
+    backend.overlapped = []
     for step in steps:
         step_batches = batches[step * MICRO_BATCHES : (step + 1) * MICRO_BATCHES]
         targets = total_targets(step_batches)
         mine = step_batches[rank::world]
         ce_total, aux_total = torch.zeros((), device=device()), torch.zeros((), device=device())
         for i, batch in enumerate(mine):
-            with backend.no_sync() if i < len(mine) - 1 else contextlib.nullcontext():
-                out = model(batch)
-                ce = ce_loss(model, out.hidden, batch, targets)
-                (ce + out.aux_loss).backward()
+            backend.set_gradient_sync(0, i == len(mine) - 1)
+            out = model(batch)
+            ce = ce_loss(model, out.hidden, batch, targets)
+            (ce + out.aux_loss).backward()
             ce_total += ce.detach()
             aux_total += out.aux_loss.detach()
         dist.all_reduce(ce_total)
         dist.all_reduce(aux_total)
         norm, skipped = backend.step()
+        backend.overlapped.append(backend.overlapped_buckets)
         assert not skipped, f"rank {rank} step {step}: update skipped (non-finite gradient), norm {norm}"
         backend.zero_grad()
         schedule.step()
@@ -201,7 +209,9 @@ def _parity_worker(rank, world, moe, out):
     LRSchedule(backend.optimizer, job.optimizer.model_copy(update={"warmup_steps": 4}), total_steps=10)
     inner_lrs = [g["lr"] for o in backend.optimizer.chained_optimizers for g in o.optimizer.param_groups]
     facts = {
-        "reduced at the step": not backend.ddp_model.ddp_config.overlap_grad_reduce,
+        "overlaps": backend.ddp_model.ddp_config.overlap_grad_reduce,
+        "bucket groups": len(backend.bucket_groups),
+        "started in the backward, per step": backend.overlapped,
         "param dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "inner lrs": inner_lrs,
         "weight decays": sorted({g["weight_decay"] for g in backend.optimizer.param_groups}),
@@ -211,10 +221,10 @@ def _parity_worker(rank, world, moe, out):
         torch.save({"fsdp2": fsdp2, "dist_opt": dist_opt, "facts": facts}, out)
 
 
-def _determinism_worker(rank, world, out):
+def _determinism_worker(rank, world, out, overlap):
     torch.use_deterministic_algorithms(True)
     dims = ParallelDims(world, dp=world)
-    job = dist_opt_job()
+    job = dist_opt_job(overlap)
     model = make_model(False)
     backend = build_dist_opt(model, dims, job)
     schedule = LRSchedule(backend.optimizer, job.optimizer, total_steps=10)
@@ -224,6 +234,7 @@ def _determinism_worker(rank, world, out):
             "history": history,
             "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
             "shards": [s.detach().cpu() for s in backend.main_shards],
+            "overlapped": backend.overlapped,
         },
         f"{out}.{rank}",
     )
@@ -264,7 +275,10 @@ def test_dist_opt_dp2_matches_fsdp2_and_one_gpu_in_bf16(tmp_path, monkeypatch, m
     facts = result["facts"]
     report = f"\n{table(runs)}\nfacts (rank 0): {facts}"
 
-    assert facts["reduced at the step"], report  # complete gradients whatever the backward calls
+    # the first step learns each bucket's count and reduces at the step; then every bucket group starts
+    # its reduce-scatter in the last micro-batch's backward
+    assert facts["overlaps"], report
+    assert facts["started in the backward, per step"] == [0] + [facts["bucket groups"]] * (STEPS - 1), report
     assert facts["param dtypes"] == ["torch.bfloat16"], report
     assert facts["inner lrs"] and all(lr == pytest.approx(LR / 4) for lr in facts["inner lrs"]), report
     assert facts["weight decays"] == [0.0, 0.01], report  # none on norms, 0.01 on matrices
@@ -283,13 +297,16 @@ def test_two_deterministic_dist_opt_runs_are_bitwise_identical(tmp_path, monkeyp
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts in the spawned ranks
     monkeypatch.setenv("NCCL_ALGO", "Ring")  # one reduction order for every collective
     runs = []
-    for name in ("a", "b"):
-        launch(2, _determinism_worker, str(tmp_path / name), backend="nccl")  # fresh processes each time
+    # a and b overlap the reduce-scatter with the backward; c reduces at the step: the same sums, same bits
+    for name, overlap in (("a", True), ("b", True), ("c", False)):
+        launch(2, _determinism_worker, str(tmp_path / name), overlap, backend="nccl")  # fresh processes
         runs.append([torch.load(tmp_path / f"{name}.{rank}") for rank in range(2)])
-    first, second = runs
-    report = "\n" + table({"run a (rank 0)": first[0]["history"], "run b (rank 0)": second[0]["history"]})
+    first, _, at_step = runs
+    report = "\n" + table({f"run {name} (rank 0)": run[0]["history"] for name, run in zip("abc", runs)})
+    assert first[0]["overlapped"][1:] and all(first[0]["overlapped"][1:]), report  # it did overlap
+    assert at_step[0]["overlapped"] == [0] * STEPS, report  # it did not
 
-    for rank in range(2):
+    for rank, second in itertools.product(range(2), runs[1:]):
         assert first[rank]["history"] == second[rank]["history"], f"rank {rank}: histories differ{report}"
         differing = [
             n for n, p in first[rank]["params"].items() if not torch.equal(p, second[rank]["params"][n])
@@ -375,6 +392,10 @@ def test_dist_opt_trains_a_layout_like_one_gpu_and_resumes(assets, one_gpu, tmp_
     if twice:
         again = sft(tmp_path, gpu_job(assets, model, tmp_path / "b"), 2, DIST_OPT, *layout)
         assert exact(again) == exact(first), "two deterministic dist_opt runs differ"
+        # reduced at the step instead of during the backward: the same sums of the same buckets
+        at_step = sft(tmp_path, gpu_job(assets, model, tmp_path / "c"), 2, DIST_OPT, *layout,
+                      "optimizer.overlap_grad_reduce=false")
+        assert exact(at_step) == exact(first), "overlap_grad_reduce false changed the curve"
     if as_fsdp2:  # the checkpoint's format is the layout's and the backend's: fsdp2 reads it
         crossed = sft(tmp_path, gpu_job(assets, model, tmp_path / "f"), 2, *layout, f"trainer.resume={step2}")
         assert_same_curve(crossed, first[2:], rtol=BF16_RTOL)

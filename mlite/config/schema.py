@@ -133,6 +133,9 @@ class OptimizerConfig(Section):
     clip_grad: float = Field(1.0, ge=0)  # 0 disables clipping
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    # dist_opt: start each gradient bucket's reduce-scatter while the step's last backward still runs (as
+    # Megatron's overlap_grad_reduce); false reduces everything at the step. FSDP2 always overlaps.
+    overlap_grad_reduce: bool = True
 
     @field_validator("betas", mode="before")
     @classmethod

@@ -480,6 +480,7 @@ def check_runtime_keys(
     check_model_losses(job, arch)
     check_fsdp_one_rank(job, world_size)
     check_fsdp_units(job, world_size)
+    check_overlap_grad_reduce(job)
     check_backend_trained(job, device_type, has_megatron)
     check_precision(job, world_size, device_type)
     check_offload(job, world_size, device_type)
@@ -658,6 +659,17 @@ def check_fsdp_units(job: JobConfig, world_size: int) -> None:
         raise MliteError(
             f"parallel.fsdp_unit_layers: {n} groups FSDP2's units, and one plain process has none; start "
             "several ranks (torchrun), set parallel.fsdp_one_rank: true, or remove parallel.fsdp_unit_layers"
+        )
+
+
+def check_overlap_grad_reduce(job: JobConfig) -> None:
+    """optimizer.overlap_grad_reduce switches dist_opt's overlap; FSDP2 reduce-scatters each unit as its
+    backward ends, always."""
+    if not job.optimizer.overlap_grad_reduce and job.optimizer.backend != "dist_opt":
+        raise MliteError(
+            "optimizer.overlap_grad_reduce: false turns off dist_opt's overlap, and optimizer.backend is "
+            f"{job.optimizer.backend}, whose reduce-scatter always overlaps the backward; remove "
+            "optimizer.overlap_grad_reduce, or use optimizer.backend dist_opt"
         )
 
 

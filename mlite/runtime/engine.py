@@ -34,7 +34,7 @@ from mlite.runtime import forward, state
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.layout import COMPUTE_DTYPES, build_parallel_model, hf_config_of, place
 from mlite.runtime.optim import LocalAdamW, LRSchedule
-from mlite.runtime.parallel.parallelize import grad_norm
+from mlite.runtime.parallel.parallelize import grad_norm, set_gradient_sync
 from mlite.runtime.state import export_checkpoint, seed_everything
 
 log = logging.getLogger(__name__)
@@ -124,10 +124,21 @@ class Runtime:
         forward_only: bool = False,
         with_entropy: bool = False,
         temperature: float = 1.0,
+        ends_step: bool = True,
     ) -> list[dict[str, Any]]:
         """Run each micro-batch forward (and backward unless forward_only); gradients accumulate
-        (mlite.runtime.forward.forward_backward)."""
-        return forward.forward_backward(self, micro_batches, loss_fn, forward_only, with_entropy, temperature)
+        (mlite.runtime.forward.forward_backward). `ends_step` False: another call adds micro-batches to
+        this optimizer step, so the gradients are not reduced yet."""
+        return forward.forward_backward(self, micro_batches, loss_fn, forward_only, with_entropy, temperature,
+                                        ends_step)
+
+    def set_gradient_sync(self, chunk: int, last: bool) -> None:
+        """Whether the next backward through pipeline chunk `chunk` (0 without a pipeline) is the step's last:
+        only then do FSDP2's units and dist_opt's buckets reduce, as that backward produces the gradients."""
+        if self.job.optimizer.backend == "dist_opt":
+            self.optim.set_gradient_sync(chunk, last)
+        elif self.mesh is not None:  # FSDP2 (one plain process reduces nothing)
+            set_gradient_sync(self.chunks[chunk] if self.chunks else self.model, last)
 
     def zero_grad(self) -> None:
         self.optim.zero_grad()

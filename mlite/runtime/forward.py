@@ -24,7 +24,6 @@ import torch
 from mlite.plan.rules import context_chunk_multiple
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.loss import token_logprobs
-from mlite.runtime.parallel.parallelize import set_gradient_sync
 from mlite.runtime.parallel.pipeline import forward_only as forward_only_schedule
 from mlite.runtime.parallel.pipeline import one_f_one_b
 from mlite.runtime.parallel.step import (
@@ -49,9 +48,12 @@ def forward_backward(
     forward_only: bool = False,
     with_entropy: bool = False,
     temperature: float = 1.0,
+    ends_step: bool = True,
 ) -> list[dict[str, Any]]:
     """Per micro-batch: {"loss", "metrics", "logprobs" [T], "entropy" [T] or None, "num_tokens"}; log-probs
-    of IGNORE labels are 0. With loss_fn None (forward_only), only the log-probs are computed."""
+    of IGNORE labels are 0. With loss_fn None (forward_only), only the log-probs are computed. `ends_step`
+    False: more micro-batches of this optimizer step follow in another call, so no gradient is reduced
+    yet (the backends reduce in the step's last backward)."""
     if loss_fn is None and not forward_only:
         raise ValueError("forward_backward needs a loss_fn unless forward_only")
     fulls = [b.to(rt.device, non_blocking=True) for b in micro_batches]
@@ -60,10 +62,11 @@ def forward_backward(
     with torch.set_grad_enabled(not forward_only), _autocast(rt), _vocab_parallel(rt):
         if rt.pipeline is not None:
             computed = _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperature,
-                                  aux_weight)
+                                  aux_weight, ends_step)
         else:
             computed = [_one(rt, full, share, loss_fn, forward_only, with_entropy, temperature, aux_weight,
-                             last=i == len(fulls) - 1) for i, (full, share) in enumerate(zip(fulls, shares))]
+                             last=ends_step and i == len(fulls) - 1)
+                        for i, (full, share) in enumerate(zip(fulls, shares))]
     outputs = []
     for full, share, (loss, metrics, logprobs, entropy) in zip(fulls, shares, computed):
         # loss and metrics stay 0-dim tensors (numbers after a pipeline's broadcast): reading one
@@ -89,8 +92,8 @@ def whole_stream(rt: Runtime, values: torch.Tensor, share: PackedBatch, full: Pa
 
 
 def _one(rt, full, share, loss_fn, forward_only, with_entropy, temperature, aux_weight, last):
-    if rt.mesh is not None and not forward_only:  # one gradient reduction per step, on the last
-        set_gradient_sync(rt.model, last)
+    if not forward_only:  # one gradient reduction per step, in the last backward
+        rt.set_gradient_sync(0, last)
     out = rt.model(share)
     logprobs, entropy = _token_logprobs(rt, out.hidden, share.labels, temperature, with_entropy,
                                         real_token_mask(share, full), rt.model.compute_logits)
@@ -101,7 +104,7 @@ def _one(rt, full, share, loss_fn, forward_only, with_entropy, temperature, aux_
     return loss.detach() if loss is not None else None, metrics, logprobs, entropy
 
 
-def _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperature, aux_weight):
+def _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperature, aux_weight, ends_step):
     """pp > 1: the 1F1B schedule (interleaved with vpp > 1) for training, the forward-only schedule
     otherwise. The last stage computes log-probs and the loss; its per-micro-batch outputs are then
     broadcast over `pp`, so every rank returns the same outputs as without a pipeline. A MoE model's
@@ -129,11 +132,11 @@ def _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperatu
             for m, hidden in result["outputs"].items():
                 last_stage(chunks[last_chunk], hidden, shares[m])
     else:
-        for chunk in chunks.values():
-            set_gradient_sync(chunk, False)
+        for c in chunks:
+            rt.set_gradient_sync(c, False)
         result = rt.pipeline.run(
             one_f_one_b(dims.pp, dims.vpp, pp_rank, len(shares)), shares, loss_fn=last_stage,
-            before_backward=lambda c, last: set_gradient_sync(chunks[c], last),
+            before_backward=lambda c, last: rt.set_gradient_sync(c, ends_step and last),
             dtype=rt.pipeline.activation_dtype, aux_weight=aux_weight,
         )
     outputs = [broadcast_outputs(computed.get(m), share.num_tokens, with_entropy, rt.mesh, rt.device)

@@ -284,11 +284,14 @@ class MliteEngine(BaseEngine):
         # as verl's FSDP engine: a training step keeps the per-token outputs only when the caller asks (they
         # grow with the mini-batch); inference always returns them
         keep_output = forward_only or bool(tu.get_non_tensor_data(data, "return_model_output", False))
-        outputs = [self._micro_step(mb, loss_function, forward_only, keep_output) for mb in micro_batches]
+        # one optimizer step over the micro-batches: the gradients are reduced in the last one's backward
+        outputs = [self._micro_step(mb, loss_function, forward_only, keep_output, i == len(micro_batches) - 1)
+                   for i, mb in enumerate(micro_batches)]
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
 
     def _micro_step(
-        self, micro_batch: TensorDict, loss_function: Callable | None, forward_only: bool, keep_output: bool
+        self, micro_batch: TensorDict, loss_function: Callable | None, forward_only: bool, keep_output: bool,
+        ends_step: bool,
     ) -> dict:
         """One micro-batch through the runtime with verl's loss, which reads jagged per-token tensors."""
         batch = packed_from_jagged(micro_batch)
@@ -317,6 +320,7 @@ class MliteEngine(BaseEngine):
             forward_only=forward_only,
             with_entropy=want_entropy,
             temperature=temperature,
+            ends_step=ends_step,
         )
         loss = 0.0 if out["loss"] is None else float(out["loss"])  # verl reads numbers
         result = {"loss": loss, "metrics": {key: host_number(value) for key, value in out["metrics"].items()}}

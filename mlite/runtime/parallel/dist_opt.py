@@ -22,8 +22,13 @@ ours gets a plain twin of its local shape (the "shadow"), and Megatron wraps the
 - Megatron's attributes on the twins: `allreduce=False` for expert weights (reduced over the expert
   data-parallel group, which spans tp, as our `edp` mesh does), `tensor_model_parallel` + `partition_dim`
   for TP shards (the grad norm counts each element once: replicas only on tp rank 0).
-The reduction runs at the step (`overlap_grad_reduce` off): the step's gradients are complete however many
-forward_backward calls made them, at the cost of not overlapping the reduce-scatter with the backward.
+The reduction overlaps the backward (`optimizer.overlap_grad_reduce`, on by default): the runtime says
+which backward is the step's last for each chunk (`set_gradient_sync`, as it tells FSDP2), and in that
+backward a bucket's reduce-scatter starts as soon as its last gradient has landed, while the backward goes
+on. The count of gradients a bucket receives in the last backward is learnt in the first step, whose
+reductions all start at the step; one that receives fewer in a later step (a parameter without a
+gradient) is reduced at the step too. Off, everything is reduced at the step. Both give the same bits:
+the same buckets are summed in the same order.
 
 What Megatron owns after wrapping: the bf16 compute weights (its param buffer); fp32 master weights and
 Adam state exist only as this rank's shards in the DistributedOptimizer (1/(dp x cp) of each dense tensor,
@@ -50,7 +55,6 @@ parameter, so a rank may own none of a parameter: it still joins that parameter'
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +126,8 @@ class Twin:
     param: nn.Parameter  # ours: plain, or a DTensor over tp / ep; its local storage is Megatron's buffer
     shadow: nn.Parameter  # Megatron's: plain, the local shape; `main_grad` is its fp32 gradient
     tp_sum: bool  # its local gradient is partial over tp (a MoE router under sequence parallel)
+    chunk: int = 0  # the pipeline chunk it belongs to (0 without pipeline parallel)
+    bucket_group: Any = None  # Megatron's bucket group whose reduce-scatter carries its gradient
 
 
 class DistOptBackend:
@@ -132,7 +138,7 @@ class DistOptBackend:
     LocalAdamW: that is the way to set the lr per step."""
 
     def __init__(self, chunks: dict[int, nn.Module], ddps: list, optimizer, twins: list[Twin],
-                 tp_group: dist.ProcessGroup | None):
+                 tp_group: dist.ProcessGroup | None, overlap: bool):
         self.chunks = chunks  # our modules; their parameters now live in Megatron's param buffers
         self.ddps = ddps  # megatron.core.distributed.DistributedDataParallel, one per chunk
         self.optimizer = optimizer  # megatron.core.optimizer ChainedOptimizer(DistributedOptimizer, ...)
@@ -140,6 +146,14 @@ class DistOptBackend:
         self.params = [t.param for t in twins]
         self.tp_group = tp_group
         self.skipped_steps = 0
+        self.overlap = overlap
+        self.bucket_groups = [group for ddp in ddps
+                              for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups]
+        self._last_backward = {chunk: True for chunk in chunks}  # the next backward is the step's last
+        self._landed: dict[Any, int] = {}  # bucket group -> gradients landed in this step's last backward
+        self._expected: dict[Any, int] = {}  # the same, learnt in the first step (the trigger count)
+        self._started: list = []  # bucket groups whose reduce-scatter the backward started, in order
+        self.overlapped_buckets = 0  # of the last step: how many bucket groups reduced during the backward
         for twin in twins:
             twin.param.register_post_accumulate_grad_hook(self._grad_hook(twin))
 
@@ -147,6 +161,11 @@ class DistOptBackend:
     def ddp_model(self):
         """The DDP of the first chunk (the whole model without pipeline parallel)."""
         return self.ddps[0]
+
+    def set_gradient_sync(self, chunk: int, last: bool) -> None:
+        """Whether the next backward through `chunk` is the step's last (the runtime says so before each,
+        as it tells FSDP2): only then may a bucket's reduce-scatter start during the backward."""
+        self._last_backward[chunk] = last
 
     def _grad_hook(self, twin: Twin):
         def to_main_grad(param: torch.Tensor) -> None:
@@ -159,19 +178,38 @@ class DistOptBackend:
                 dist.all_reduce(grad, group=self.tp_group)
             twin.shadow.main_grad.add_(grad)
             param.grad = None
+            if self.overlap and self._last_backward[twin.chunk]:
+                self._landed_in(twin.bucket_group)
 
         return to_main_grad
 
-    def no_sync(self):
-        """Kept for callers that accumulate micro-batches under it: the reduction runs at `step` anyway."""
-        return nullcontext()
+    def _landed_in(self, group) -> None:
+        """One more gradient of the last backward in `group`'s buffer: start its reduce-scatter (async, on
+        NCCL's stream) once all have landed. The launch order is the backward's, the same on every rank."""
+        if group in self._started:
+            raise MliteError(
+                "dist_opt: a gradient landed in a bucket whose reduce-scatter had started; a backward ran "
+                "after the one the runtime was told was the step's last (set optimizer.overlap_grad_reduce: "
+                "false to reduce at the step)"
+            )
+        landed = self._landed[group] = self._landed.get(group, 0) + 1
+        if landed == self._expected.get(group):
+            group.start_grad_sync()
+            self._started.append(group)
 
     def step(self) -> tuple[float, bool]:
-        """Reduce-scatter the gradients, clip, update and all-gather the new weights. Returns (grad norm
-        before clipping, skipped); a non-finite gradient on any rank skips the update on all (its norm is
-        then not computed: nan)."""
-        for ddp in self.ddps:
-            ddp.finish_grad_sync()
+        """Reduce-scatter the gradients (wait for those the backward started), clip, update and all-gather
+        the new weights. Returns (grad norm before clipping, skipped); a non-finite gradient on any rank
+        skips the update on all (its norm is then not computed: nan)."""
+        for group in self.bucket_groups:
+            if group not in self._started:
+                group.start_grad_sync()  # async under overlap; reduced right here without it
+            if self.overlap:
+                group.finish_grad_sync()  # waits for it
+        self.overlapped_buckets = len(self._started)
+        if self.overlap and not self._expected:  # the first step: learn each bucket's count
+            self._expected = dict(self._landed)
+        self._landed, self._started = {}, []
         updated, grad_norm, _ = self.optimizer.step()
         if not updated:
             self.skipped_steps += 1
@@ -180,6 +218,7 @@ class DistOptBackend:
         return float(grad_norm), False
 
     def zero_grad(self) -> None:
+        self._landed, self._started = {}, []
         for ddp in self.ddps:
             ddp.zero_grad_buffer()  # main_grad buffers and the buckets' per-step state
         self.optimizer.zero_grad()  # the fp32 shards' .grad views
@@ -364,14 +403,16 @@ def build_dist_opt(
     compute, opt = job.precision.compute, job.optimizer
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=job.precision.grad_reduce == "fp32",
-        overlap_grad_reduce=False,  # reduced at the step: complete whatever the number of backward calls
+        # async reduce-scatters: the backend starts each bucket's in the step's last backward (its hooks, not
+        # Megatron's: Megatron's would watch the shadows, which autograd never reaches)
+        overlap_grad_reduce=opt.overlap_grad_reduce,
         use_distributed_optimizer=True,
         average_in_collective=False,  # SUM (with calculate_per_token_loss: no pre-scaling either)
     )
     tp_group = mesh.group("tp") if mesh is not None and dims.tp > 1 else None
     twins: list[Twin] = []
     ddps = []
-    for index, (_, chunk) in enumerate(sorted(chunks.items())):
+    for index, (chunk_index, chunk) in enumerate(sorted(chunks.items())):
         cast_parameters(chunk, COMPUTE_DTYPES[compute])  # the compute weights; fp32 masters come from them
         moe = [layer.mlp for layer in blocks(chunk) if is_moe(layer)]
         experts = {id(p) for mlp in moe for p in mlp.experts.parameters()}
@@ -388,11 +429,13 @@ def build_dist_opt(
                 set_tensor_model_parallel_attributes(shadow, True, tp_dim, 1)
             shadows.register_parameter(f"p{i}", shadow)
             tp_sum = id(param) in routers and not isinstance(param, DTensor)
-            chunk_twins.append(Twin(name, param, shadow, tp_sum))
+            chunk_twins.append(Twin(name, param, shadow, tp_sum, chunk=chunk_index))
         config = megatron_transformer_config(chunk.arch, dims, compute)
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=shadows,
                                       disable_bucketing=index > 0)
         ddp.broadcast_params()  # replicas start identical even if a rank's init drifted
+        for twin in chunk_twins:
+            twin.bucket_group = ddp.param_to_bucket_group[twin.shadow]
         holders = parameter_holders(chunk)
         for twin in chunk_twins:  # our parameters onto Megatron's buffer: the all-gather updates them
             if isinstance(twin.param, DTensor):
@@ -425,4 +468,4 @@ def build_dist_opt(
     optimizer = get_megatron_optimizer(optimizer_config, ddps, use_gloo_process_groups=False)
     for group in optimizer.param_groups:
         group["weight_decay"] = opt.weight_decay * group.get("wd_mult", 1.0)
-    return DistOptBackend(chunks, ddps, optimizer, twins, tp_group)
+    return DistOptBackend(chunks, ddps, optimizer, twins, tp_group, opt.overlap_grad_reduce)
