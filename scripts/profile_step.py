@@ -156,8 +156,9 @@ def profile(name: str, rows: int, overrides: list[str], keep_gathered: bool = Fa
         say(f"rank 0: NCCL kernels {nccl_ms:.1f} ms (own streams); other kernels {compute_ms:.1f} ms; "
             f"the compute stream idles {wall_ms - compute_ms:.1f} ms of the step (collectives or host)")
     if hasattr(runtime.optim, "overlapped_buckets"):  # dist_opt
-        say(f"dist_opt: {runtime.optim.overlapped_buckets} of {len(runtime.optim.bucket_groups)} bucket groups "
-            "started their reduce-scatter during the backward")
+        optim = runtime.optim
+        say(f"dist_opt: {optim.overlapped_buckets} of {len(optim.bucket_groups)} bucket groups started their "
+            "reduce-scatter during the backward")
     say(f"compiled graphs {graphs}; graph breaks {sum(breaks.values())}")
     for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])[:10]:
         say(f"  {n:4d} x {reason[:200]}")

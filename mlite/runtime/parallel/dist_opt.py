@@ -65,7 +65,7 @@ from torch.distributed.tensor import DTensor
 
 from mlite.errors import MliteError
 from mlite.plan.rules import check_dist_opt_adapter
-from mlite.runtime.parallel.megatron import NEEDS_MEGATRON, init_parallel_state
+from mlite.runtime.parallel.megatron import NEEDS_MEGATRON, init_parallel_state, use_sync_free_fallbacks
 from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
 from mlite.runtime.parallel.parallelize import COMPUTE_DTYPES, blocks, is_moe, parameter_holders
 
@@ -400,6 +400,7 @@ def build_dist_opt(
         )
 
     init_parallel_state(dims)
+    use_sync_free_fallbacks()  # without TE or Apex, Megatron's own fallback syncs once per tensor a step
     compute, opt = job.precision.compute, job.optimizer
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=job.precision.grad_reduce == "fp32",
