@@ -90,13 +90,24 @@ def pack_micro_batches(
     loss_masks: Sequence[list[int]],
     extras: dict[str, Sequence[torch.Tensor]],
     max_tokens: int,
+    dp_size: int = 1,
+    dp_rank: int = 0,
 ) -> list[tuple[list[int], PackedBatch]]:
-    """Sequences into micro-batches of at most `max_tokens` tokens, by the SFT data's planner (one rank's
-    share of mlite.runtime.data.packing.plan_step). Returns (indices of the sequences, batch) pairs;
-    `extras` are per-sequence per-token tensors."""
-    (bins,) = plan_step([len(s) for s in sequences], 1, max_tokens=max_tokens)
+    """This dp rank's share of the sequences in micro-batches of at most `max_tokens` tokens, by the SFT
+    data's planner (mlite.runtime.data.packing.plan_step: balanced by tokens, the same number of micro-batches
+    on every rank). Returns (indices of the sequences, batch) pairs; `extras` are per-sequence per-token
+    tensors. Under dp, a micro-batch left without a sequence is one pad token with no target (zero extras):
+    it adds nothing to the loss and keeps the ranks' collectives in lockstep."""
+    plan = plan_step([len(s) for s in sequences], dp_size, max_tokens=max_tokens)
     out = []
-    for idx in (b for b in bins if b):
+    for idx in plan[dp_rank]:
+        if not idx:
+            if dp_size == 1:
+                continue
+            pad = PackedBatch.from_sequences([[0]], [[0]])
+            pad.extras = {name: torch.zeros(1, dtype=values[0].dtype) for name, values in extras.items()}
+            out.append((idx, pad))
+            continue
         batch = PackedBatch.from_sequences([sequences[i] for i in idx], [loss_masks[i] for i in idx])
         batch.extras = {name: torch.cat([values[i] for i in idx]) for name, values in extras.items()}
         out.append((idx, batch))
@@ -236,13 +247,17 @@ class GRPOTrainer:
                 seqs = [ro.sequences[i] for i in idx]
                 masks = [ro.loss_masks[i] for i in idx]
                 mini_extras = {k: [v[i] for i in idx] for k, v in extras.items()}
-                micro = [b for _, b in pack_micro_batches(seqs, masks, mini_extras, self.max_tokens)]
-                # global counts: summed over the loss group (dp_cp), whose cp ranks each hold the whole
-                # mini-batch here (the runtime splits every micro-batch over cp), so divided by cp
+                # every rank holds the whole rollout; each dp rank trains on its share of the mini-batch
+                packed = pack_micro_batches(seqs, masks, mini_extras, self.max_tokens,
+                                            self.runtime.dp_size, self.runtime.dp_rank)
+                micro = [b for _, b in packed]
+                mine = [masks[i] for chosen, _ in packed for i in chosen]
+                # global counts: summed over the loss group (dp_cp), whose cp ranks each hold this dp
+                # rank's whole share (the runtime splits every micro-batch over cp), so divided by cp
                 cp = self.runtime.dims.cp
                 norm = LossNorm(
-                    num_tokens=int(self.runtime.global_sum(sum(sum(m) for m in masks))) // cp,
-                    num_sequences=int(self.runtime.global_sum(sum(1 for m in masks if any(m)))) // cp,
+                    num_tokens=int(self.runtime.global_sum(sum(sum(m) for m in mine))) // cp,
+                    num_sequences=int(self.runtime.global_sum(sum(1 for m in mine if any(m)))) // cp,
                     horizon=self.rollout_cfg.max_response_length,
                 )
 
@@ -282,7 +297,7 @@ class GRPOTrainer:
                         else:
                             totals[key] = totals.get(key, 0.0) + value * tokens
                             weights[key] = weights.get(key, 0.0) + tokens
-        # each rank's figures cover its share of the tokens (a cp share; under dp its replica of the step's
+        # each rank's figures cover its share of the tokens (a cp share of its dp share of the step's
         # responses, the pg_loss shares normalised by the global counts): summed over the loss group they
         # are the step's, as SFT's loss is (one process: the sums are the values)
         metrics = {}
