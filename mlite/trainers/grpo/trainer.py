@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
+from itertools import accumulate, pairwise
 from pathlib import Path
 
 import torch
@@ -180,12 +180,22 @@ class GRPOTrainer:
     def _per_sequence_logprobs(
         self, model_fn: Callable[[list[PackedBatch]], list[torch.Tensor]], ro: RolloutBatch
     ):
-        packed = pack_micro_batches(ro.sequences, ro.loss_masks, {}, self.max_tokens)
-        per_seq: list[torch.Tensor | None] = [None] * len(ro.sequences)
+        """Each response's per-token log-probs under `model_fn`. Under dp each rank computes its share (split
+        as the update splits a mini-batch, in lockstep) and writes it into the step's flat stream, zeros
+        elsewhere; one sum over dp (each value written by one rank: exact) gives every rank all of them."""
+        rt = self.runtime
+        lengths = [len(s) for s in ro.sequences]
+        starts = [0, *accumulate(lengths)]
+        stream = torch.zeros(starts[-1], dtype=torch.float32)
+        packed = pack_micro_batches(ro.sequences, ro.loss_masks, {}, self.max_tokens, rt.dp_size, rt.dp_rank)
         for (idx, batch), logprobs in zip(packed, model_fn([b for _, b in packed])):
             for i, values in zip(idx, batch.split(logprobs.cpu())):
-                per_seq[i] = values
-        return per_seq
+                stream[starts[i] : starts[i + 1]] = values
+        if rt.dp_size > 1:
+            on_device = stream.to(rt.device)
+            torch.distributed.all_reduce(on_device, group=rt.dp_group)
+            stream = on_device.cpu()
+        return list(stream.split(lengths))
 
     def old_logprobs(self, ro: RolloutBatch) -> list[torch.Tensor]:
         def run(batches):
