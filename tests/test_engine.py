@@ -390,6 +390,37 @@ def test_fsdp_one_rank_runs_the_sharded_path_on_one_process_with_the_plain_numbe
     assert rounded[1:] != plain[1:]
 
 
+@pytest.mark.parametrize("mode", ["unsharded", "sharded"])
+def test_fsdp_grad_accumulation_reduces_at_the_steps_end_or_after_every_micro_batch(mode):
+    """parallel.fsdp_grad_accumulation on FSDP2 (one process over a one-rank mesh): `unsharded` keeps the
+    gradients whole until the step's last backward, so no sharded gradient exists after an earlier call
+    (`forward_backward(ends_step=False)`); `sharded` reduce-scatters after every micro-batch. Both give the
+    plain model's accumulated gradients."""
+    from torch.distributed.tensor import DTensor
+
+    seqs = sequences([9, 14, 6, 11, 5])
+    masks = prompt_masks(seqs)
+    parts = [PackedBatch.from_sequences(seqs[:2], masks[:2]), PackedBatch.from_sequences(seqs[2:], masks[2:])]
+    loss = sft_loss(sum(p.num_target_tokens for p in parts))
+    plain = Runtime(make_job())
+    plain.forward_backward(parts, loss)
+    want = grads(plain.model)
+
+    job = make_job()
+    job.parallel = job.parallel.model_copy(update={"fsdp_one_rank": True, "fsdp_grad_accumulation": mode})
+    rt = Runtime(job)
+    assert rt.reduce_every_micro_batch == (mode == "sharded")
+    rt.forward_backward(parts[:1], loss, ends_step=False)
+    reduced = [n for n, p in rt.model.named_parameters() if p.grad is not None]
+    assert reduced == ([n for n, _ in rt.model.named_parameters()] if mode == "sharded" else [])
+    rt.forward_backward(parts[1:], loss)  # the step's last backward
+    got = {n: g.full_tensor() if isinstance(g, DTensor) else g for n, g in grads(rt.model).items()}
+    rt.close()
+    assert got.keys() == want.keys()
+    for name, g in got.items():
+        torch.testing.assert_close(g, want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_a_moe_block_is_one_fsdp2_unit_where_its_experts_share_the_layers_ranks():
     """Without ep, etp or tp the experts and the router live on the layer's ranks, so a MoE block is one
     FSDP2 unit: the compiled block then has no graph break at FSDP2's hooks (which a unit inside it would

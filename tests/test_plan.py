@@ -95,6 +95,34 @@ def test_fsdp_unit_layers_holds_that_many_layers_gathered():
     assert two.memory.train_gb > one.memory.train_gb and not two.refused
 
 
+def test_fsdp2_accumulates_whole_gradients_only_where_they_fit():
+    """Without gradient sync FSDP2 keeps each unit's gradient whole (reduce dtype) until the step's last
+    backward. DeepSeek-V4's template (16 micro-batches, experts over edp 4) would need 87 GB that way, so
+    `auto` reduce-scatters after every micro-batch there, and the runtime asks the same estimate; Qwen3-30B's
+    (experts whole on each rank, edp 1) fits either way and keeps one reduce-scatter a step."""
+    dsv4 = sized("deepseek_v4_flash_grpo")
+    whole = sized("deepseek_v4_flash_grpo", ["parallel.fsdp_grad_accumulation=unsharded"])
+    modes = (dsv4.memory.fsdp_grad_accumulation, whole.memory.fsdp_grad_accumulation)
+    assert modes == ("sharded", "unsharded")
+    assert dsv4.memory.fits and not whole.memory.fits
+    sp = stage_params(whole.arch, whole.layout, whole.memory.stage)
+    grads = (sp.dense + sp.experts) * 4 + sp.largest_unit * 2  # fp32 reduce; one bf16 unit being reduced
+    assert items(whole)["gradients"] == pytest.approx(grads / GIB)
+    assert items(whole)["gradients"] > 4 * items(dsv4)["gradients"]
+    assert whole.memory.as_dict()["fsdp_grad_accumulation"] == "unsharded"
+
+    qwen = sized("qwen3_30b_a3b_sft")  # 8 micro-batches a step
+    assert qwen.memory.fsdp_grad_accumulation == "unsharded" and qwen.memory.fits
+    sharded = sized("qwen3_30b_a3b_sft", ["parallel.fsdp_grad_accumulation=sharded"])
+    # bf16 whole gradients (grad_reduce bf16) are smaller than the fp32 shards of the edp1 experts: the
+    # peak is the shards either way
+    assert items(qwen)["gradients"] == pytest.approx(items(sharded)["gradients"])
+    one_micro_batch = sized("qwen3_30b_a3b_sft", ["data.global_batch_size=8"])
+    assert one_micro_batch.layout.micro_batches == 1 and one_micro_batch.memory.fsdp_grad_accumulation is None
+    dist_opt = sized("qwen3_30b_a3b_sft", ["optimizer.backend=dist_opt"])
+    assert dist_opt.memory.fsdp_grad_accumulation is None  # its own whole gradient buffer
+
+
 def test_activations_follow_recompute_sp_cp_and_pipeline():
     base = ["parallel.pp=1", "parallel.cp=1", "parallel.ep=1", "parallel.pp_first_stage_layers=null",
             "parallel.pp_last_stage_layers=null", "cluster.nodes=1", "cluster.gpus_per_node=1",

@@ -125,6 +125,13 @@ BAD_JOBS = [
     ("fsdp-units-dist_opt", "qwen3_30b_a3b_sft",
      ["parallel.fsdp_unit_layers=2", "optimizer.backend=dist_opt"],
      "parallel.fsdp_unit_layers: 2 groups FSDP2's units, and optimizer.backend is dist_opt", None),
+    ("fsdp-grad-accumulation-one-process", "demo_sft", ["parallel.fsdp_grad_accumulation=sharded"],
+     "parallel.fsdp_grad_accumulation: sharded chooses how FSDP2 accumulates gradients, and one plain "
+     "process", "sft"),
+    ("fsdp-grad-accumulation-dist_opt", "qwen3_30b_a3b_sft",
+     ["parallel.fsdp_grad_accumulation=unsharded", "optimizer.backend=dist_opt"],
+     "parallel.fsdp_grad_accumulation: unsharded chooses how FSDP2 accumulates gradients, and "
+     "optimizer.backend is dist_opt", None),
     ("overlap-fsdp2", "demo_sft", ["optimizer.overlap_grad_reduce=false"],
      "optimizer.overlap_grad_reduce: false turns off dist_opt's overlap, and optimizer.backend is fsdp2",
      "sft"),

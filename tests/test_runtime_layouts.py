@@ -62,12 +62,14 @@ LAYOUTS = [
     ("moe", ["parallel.tp=2"]),
     # FSDP2 units of two layers, around the experts' own units under ep
     ("moe", ["parallel.ep=2", "parallel.fsdp_unit_layers=2"]),
+    # a reduce-scatter after every micro-batch instead of one a step
+    ("dense", ["parallel.fsdp_grad_accumulation=sharded"]),
 ]
 
 
 @pytest.mark.parametrize("model,overrides", LAYOUTS,
                          ids=["pp2", "cp2", "fsdp2-dp2", "ep2", "moe-pp2", "moe-cp2", "moe-tp2",
-                              "moe-ep2-units2"])
+                              "moe-ep2-units2", "fsdp2-dp2-sharded-grads"])
 def test_sft_cli_on_two_ranks_matches_one_process(assets, one_process, tmp_path, model, overrides):
     out = tmp_path / "run"
     done = mlite_cli(tmp_path, job_dict(assets, model, out), 2, *overrides)

@@ -104,6 +104,11 @@ class ParallelConfig(Section):
     # with its units (scripts/fsdp_host_probe.py), so small layers on fast GPUs gain from 2-4 a unit, at
     # the memory of that many layers held gathered (the planner counts it); 1 is torchtitan's layout
     fsdp_unit_layers: int = Field(1, ge=1)
+    # a step of several micro-batches under FSDP2: `unsharded` keeps each unit's gradient whole (in the
+    # reduce dtype: the whole local model) until the step's last backward, one reduce-scatter a step;
+    # `sharded` reduce-scatters after every micro-batch (memory of the shards only, more traffic); `auto`:
+    # unsharded where the planner's estimate with it fits the GPU, else sharded
+    fsdp_grad_accumulation: Literal["auto", "unsharded", "sharded"] = "auto"
 
     @model_validator(mode="after")
     def _consistent(self):

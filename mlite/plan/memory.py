@@ -55,6 +55,9 @@ class MemoryEstimate:
     stage_totals_gb: list[float]  # per pipeline rank
     rollout_items: list[MemoryItem] = field(default_factory=list)  # per GPU, GRPO generation phase
     notes: list[str] = field(default_factory=list)
+    # how FSDP2 accumulates a step of several micro-batches (parallel.fsdp_grad_accumulation, `auto`
+    # resolved here); None where no FSDP2 shards are accumulated into (one micro-batch, dist_opt)
+    fsdp_grad_accumulation: str | None = None
 
     @property
     def train_gb(self) -> float:
@@ -89,7 +92,7 @@ class MemoryEstimate:
             "items": [asdict(i) for i in self.items],
             "rollout_items": [asdict(i) for i in self.rollout_items],
             "host_items": [asdict(i) for i in self.host_items], "stage_totals_gb": self.stage_totals_gb,
-            "notes": self.notes,
+            "notes": self.notes, "fsdp_grad_accumulation": self.fsdp_grad_accumulation,
         }
 
 
@@ -203,9 +206,10 @@ def in_flight_micro_batches(layout: Layout, stage: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- stages
-def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout,
-                 stage: int) -> tuple[list[MemoryItem], float, list[MemoryItem]]:
-    """(training items per GPU, bytes offloaded to the host per GPU, resident state items for rollout)."""
+def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
+                 unsharded_grads: bool = False) -> tuple[list[MemoryItem], float, list[MemoryItem]]:
+    """(training items per GPU, bytes offloaded to the host per GPU, resident state items for rollout).
+    `unsharded_grads`: FSDP2 accumulates the step's micro-batches into whole gradients."""
     w = DTYPE_BYTES[job.precision.compute]
     act = w
     g = 4 if job.precision.grad_reduce == "fp32" else 2
@@ -244,9 +248,21 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout,
             else 0.0,  # one unsharded bf16 copy needs none
             f"{job.precision.compute}, {FSDP_PREFETCH_LAYERS} units of {job.parallel.fsdp_unit_layers} "
             "layer(s) unsharded at a time")
-        put("gradients", sharded * mb + sp.largest_unit * w,
-            f"{master} shards + one unsharded unit being reduced",
-            (sharded * mb / (sharded * mb + sp.largest_unit * w)) if off.grads else 0.0)
+        # FSDP2 without gradient sync keeps each unit's gradient whole, in the reduce dtype, until the step's
+        # last backward reduce-scatters it unit by unit into the shards (which exist only from then on)
+        whole = (full * (g if master == "fp32" else mb)
+                 if unsharded_grads and sharded < full and layout.micro_batches > 1 else 0.0)
+        accumulated = (f"whole until the step's last backward ({layout.micro_batches} micro-batches, "
+                       "parallel.fsdp_grad_accumulation: unsharded)")
+        if whole and not off.grads:
+            put("gradients", max(whole, sharded * mb) + sp.largest_unit * w,
+                f"{accumulated}, then {master} shards")
+        else:
+            put("gradients", sharded * mb + sp.largest_unit * w,
+                f"{master} shards + one unsharded unit being reduced",
+                (sharded * mb / (sharded * mb + sp.largest_unit * w)) if off.grads else 0.0)
+            if whole:  # the shards on the host, the whole gradients on the GPU
+                put("gradients: accumulated whole", whole, accumulated)
         if job.precision.optimizer_state == "fp8":  # e4m3 moments and an fp32 scale per 128 of each
             put("optimizer state", sharded * 2 * (1 + 4 / 128), "Adam m, v e4m3 with block scales", frac)
         else:
@@ -353,11 +369,32 @@ def _kv_bytes_per_sequence(arch: ModelArch, layer: int, length: int, act: int) -
 
 # ------------------------------------------------------------------------------------------------ entry
 def estimate_memory(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstimate:
-    """Itemised memory of the fullest pipeline rank, and host memory per node."""
+    """Itemised memory of the fullest pipeline rank, and host memory per node. A step of several
+    micro-batches under FSDP2 accumulates its gradients as `parallel.fsdp_grad_accumulation` says; `auto`
+    is `unsharded` where that estimate fits, else `sharded` (the runtime asks `fsdp_grad_accumulation`)."""
+    mode = job.parallel.fsdp_grad_accumulation
+    fsdp = job.optimizer.backend == "fsdp2" and (layout.world > 1 or job.parallel.fsdp_one_rank)
+    if not fsdp or (mode == "auto" and layout.micro_batches == 1):  # nothing accumulates
+        return _estimate(job, arch, layout, None)
+    if mode != "sharded":
+        whole = _estimate(job, arch, layout, "unsharded")
+        if mode == "unsharded" or whole.fits:
+            return whole
+    return _estimate(job, arch, layout, "sharded")
+
+
+def fsdp_grad_accumulation(job: JobConfig, arch: ModelArch, layout: Layout) -> str | None:
+    """How FSDP2 accumulates this job's micro-batches: "unsharded" (one reduce-scatter a step, at the last
+    backward), "sharded" (a reduce-scatter after every micro-batch) or None (nothing to choose). The one
+    rule: the planner reports it, the runtime does it."""
+    return estimate_memory(job, arch, layout).fsdp_grad_accumulation
+
+
+def _estimate(job: JobConfig, arch: ModelArch, layout: Layout, accumulation: str | None) -> MemoryEstimate:
     c = job.cluster
     cpu = c.gpu == "cpu"
     capacity = c.host_memory_gb / c.gpus_per_node if cpu else c.memory_per_gpu_gb
-    stages = [_stage_items(job, arch, layout, s) for s in range(layout.pp)]
+    stages = [_stage_items(job, arch, layout, s, accumulation == "unsharded") for s in range(layout.pp)]
     totals = [sum(i.gb for i in items) for items, _, _ in stages]
     worst = max(range(layout.pp), key=lambda s: totals[s])
     items, _, resident = stages[worst]
@@ -376,4 +413,4 @@ def estimate_memory(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEs
                                      f"{HOST_OVERHEAD_PER_RANK_GB:g} GB x {c.gpus_per_node} ranks"))
     return MemoryEstimate(stage=worst, items=items, capacity_gb=capacity, host_items=host_items,
                           host_capacity_gb=c.host_memory_gb, stage_totals_gb=totals, rollout_items=rollout,
-                          notes=notes)
+                          notes=notes, fsdp_grad_accumulation=accumulation)

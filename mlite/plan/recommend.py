@@ -160,11 +160,14 @@ def step_cost(job: JobConfig, arch: ModelArch, layout: Layout, memory: MemoryEst
         ep_comm = volume * (layout.ep - 1) / layout.ep / bw(layout.ep * layout.etp)
     sp = max((stage_params(arch, layout, s) for s in range(layout.pp)), key=lambda p: p.dense + p.experts)
     grad_bytes = 4 if job.precision.grad_reduce == "fp32" else 2
-    dp_comm = 0.0  # reduce-scatter gradients + all-gather parameters
+    # reduce-scatter gradients (once a step, or after every micro-batch where FSDP2 cannot hold them whole)
+    # + all-gather parameters
+    reduces = layout.micro_batches if memory.fsdp_grad_accumulation == "sharded" else 1
+    dp_comm = 0.0
     if layout.dp * layout.cp > 1:
-        dp_comm += 2 * sp.dense * grad_bytes / bw(layout.tp * layout.cp * layout.dp)
+        dp_comm += (reduces + 1) * sp.dense * grad_bytes / bw(layout.tp * layout.cp * layout.dp)
     if layout.edp > 1:
-        dp_comm += 2 * sp.experts * grad_bytes / bw(layout.tp * layout.cp * layout.dp)
+        dp_comm += (reduces + 1) * sp.experts * grad_bytes / bw(layout.tp * layout.cp * layout.dp)
     offloaded = sum(i.gb for i in memory.host_items if i.name == "offloaded state") / c.gpus_per_node
     offload = 2 * offloaded * 2**30 / (PCIE_GBPS * 1e9)  # state out and back every step
     return {"compute": compute, "bubble": bubble, "tp_comm": tp_comm, "cp_comm": cp_comm, "ep_comm": ep_comm,

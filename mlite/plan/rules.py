@@ -480,6 +480,7 @@ def check_runtime_keys(
     check_model_losses(job, arch)
     check_fsdp_one_rank(job, world_size)
     check_fsdp_units(job, world_size)
+    check_fsdp_grad_accumulation(job, world_size)
     check_overlap_grad_reduce(job)
     check_backend_trained(job, device_type, has_megatron)
     check_precision(job, world_size, device_type)
@@ -659,6 +660,25 @@ def check_fsdp_units(job: JobConfig, world_size: int) -> None:
         raise MliteError(
             f"parallel.fsdp_unit_layers: {n} groups FSDP2's units, and one plain process has none; start "
             "several ranks (torchrun), set parallel.fsdp_one_rank: true, or remove parallel.fsdp_unit_layers"
+        )
+
+
+def check_fsdp_grad_accumulation(job: JobConfig, world_size: int) -> None:
+    """parallel.fsdp_grad_accumulation chooses how FSDP2 accumulates a step's gradients, so it needs FSDP2."""
+    mode = job.parallel.fsdp_grad_accumulation
+    if mode == "auto":
+        return
+    if job.optimizer.backend != "fsdp2":
+        raise MliteError(
+            f"parallel.fsdp_grad_accumulation: {mode} chooses how FSDP2 accumulates gradients, and "
+            f"optimizer.backend is {job.optimizer.backend} (its gradient buffer is whole); use "
+            "optimizer.backend fsdp2, or remove parallel.fsdp_grad_accumulation"
+        )
+    if world_size == 1 and not job.parallel.fsdp_one_rank:
+        raise MliteError(
+            f"parallel.fsdp_grad_accumulation: {mode} chooses how FSDP2 accumulates gradients, and one plain "
+            "process has no FSDP2; start several ranks (torchrun), set parallel.fsdp_one_rank: true, or "
+            "remove parallel.fsdp_grad_accumulation"
         )
 
 

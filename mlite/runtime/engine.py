@@ -30,6 +30,7 @@ import torch
 
 from mlite.config.arch import ModelArch, arch_from_hf_config
 from mlite.config.schema import JobConfig
+from mlite.plan.memory import fsdp_grad_accumulation
 from mlite.runtime import forward, state
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.layout import COMPUTE_DTYPES, build_parallel_model, hf_config_of, place
@@ -70,6 +71,10 @@ class Runtime:
         self.model, self.pipeline, self.chunks = build_parallel_model(job, self.placement, self.arch,
                                                                       master, weights)
         self._rollout_replica = None  # built on the first rollout_model() of a parallelized model
+        # a step of several micro-batches under FSDP2: reduce-scatter after each one where the planner found
+        # that whole gradients until the step's end do not fit (parallel.fsdp_grad_accumulation)
+        accumulation = fsdp_grad_accumulation(job, self.arch, self.placement.layout)
+        self.reduce_every_micro_batch = accumulation == "sharded"
         if job.optimizer.backend == "dist_opt":  # Megatron-Core's DDP + DistributedOptimizer (CUDA)
             from mlite.runtime.parallel.dist_opt import build_dist_opt
 
@@ -138,7 +143,8 @@ class Runtime:
         if self.job.optimizer.backend == "dist_opt":
             self.optim.set_gradient_sync(chunk, last)
         elif self.mesh is not None:  # FSDP2 (one plain process reduces nothing)
-            set_gradient_sync(self.chunks[chunk] if self.chunks else self.model, last)
+            set_gradient_sync(self.chunks[chunk] if self.chunks else self.model,
+                              last or self.reduce_every_micro_batch)
 
     def zero_grad(self) -> None:
         self.optim.zero_grad()

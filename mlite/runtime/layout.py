@@ -27,7 +27,7 @@ from torch import nn
 from mlite.config.arch import ModelArch
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
-from mlite.plan.rules import check_job, megatron_installed
+from mlite.plan.rules import Layout, check_job, megatron_installed
 from mlite.runtime.models import build_model, seeded_init
 from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
 from mlite.runtime.parallel.parallelize import (
@@ -76,6 +76,7 @@ class Placement:
     dims: ParallelDims
     mesh: ParallelMesh | None
     owns_process_group: bool  # this runtime started the process group, and ends it in `close`
+    layout: Layout  # the rule book's verdict for this world
 
     @property
     def loss_group(self) -> dist.ProcessGroup | None:
@@ -114,7 +115,7 @@ def place(job: JobConfig, arch: ModelArch) -> Placement:
     """Ask the rule book, then start the process group (several ranks) and build the meshes."""
     device = pick_device(job.trainer.device)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    check_job(job, arch, world, device.type, megatron_installed())
+    layout = check_job(job, arch, world, device.type, megatron_installed())
     # one rank: FSDP2 over a mesh of one (rule book), or Megatron's DDP, which needs a process group
     sharded = world > 1 or job.parallel.fsdp_one_rank or job.optimizer.backend == "dist_opt"
     owns = not dist.is_initialized() and sharded
@@ -126,7 +127,7 @@ def place(job: JobConfig, arch: ModelArch) -> Placement:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     dims = ParallelDims.from_job(job, world)
     mesh = dims.build(device.type) if sharded else None
-    return Placement(device, dims, mesh, owns)
+    return Placement(device, dims, mesh, owns, layout)
 
 
 def build_parallel_model(job: JobConfig, placement: Placement, arch: ModelArch,
