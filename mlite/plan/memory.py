@@ -385,8 +385,9 @@ def estimate_memory(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEs
 
 def fsdp_grad_accumulation(job: JobConfig, arch: ModelArch, layout: Layout) -> str | None:
     """How FSDP2 accumulates this job's micro-batches: "unsharded" (one reduce-scatter a step, at the last
-    backward), "sharded" (a reduce-scatter after every micro-batch) or None (nothing to choose). The one
-    rule: the planner reports it, the runtime does it."""
+    backward), "sharded" (a reduce-scatter after every micro-batch) or None (the plan has one micro-batch a
+    step: nothing to choose; the runtime reduces every micro-batch a caller brings beyond it). The one rule:
+    the planner reports it, the runtime does it."""
     return estimate_memory(job, arch, layout).fsdp_grad_accumulation
 
 

@@ -71,10 +71,11 @@ class Runtime:
         self.model, self.pipeline, self.chunks = build_parallel_model(job, self.placement, self.arch,
                                                                       master, weights)
         self._rollout_replica = None  # built on the first rollout_model() of a parallelized model
-        # a step of several micro-batches under FSDP2: reduce-scatter after each one where the planner found
-        # that whole gradients until the step's end do not fit (parallel.fsdp_grad_accumulation)
+        # a step of several micro-batches under FSDP2: gradients stay whole until the step's last backward
+        # only where the planner sized that (parallel.fsdp_grad_accumulation: it fits, or asked for); a caller
+        # that brings more micro-batches than the plan's (verl's) gets a reduce-scatter after each
         accumulation = fsdp_grad_accumulation(job, self.arch, self.placement.layout)
-        self.reduce_every_micro_batch = accumulation == "sharded"
+        self.reduce_every_micro_batch = accumulation != "unsharded"
         if job.optimizer.backend == "dist_opt":  # Megatron-Core's DDP + DistributedOptimizer (CUDA)
             from mlite.runtime.parallel.dist_opt import build_dist_opt
 
