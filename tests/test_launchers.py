@@ -346,10 +346,16 @@ DSV4_TRAINED = {"EP": "1", "EXTRA_OVERRIDES": "model.name=qwen3-8b parallel.pp_f
 
 
 def rule_book_refusal(preset: str) -> str | None:
-    """The planner's one line when it refuses the preset's job (exit 2), None when it passes it."""
+    """The planner's one line when it refuses the preset's job (exit 2), None when it passes it (whether or
+    not it fits: exit 0 or 3)."""
     done = run([sys.executable, "-m", "mlite", "plan", preset])
-    assert done.returncode in (0, 2), done.stderr[-2000:]
+    assert done.returncode in (0, 2, 3), done.stderr[-2000:]
     return done.stderr.strip() if done.returncode == 2 else None
+
+
+# GRPO at the templates' scale: the training step fits, the built-in rollout's whole-model replica on every
+# rank does not (docs/PLANNER.md, "Known gap"), so the launch is refused before it starts
+GRPO_AT_SCALE = {"grpo_dsv4_128gpu", "grpo_qwen3_235b_32gpu", "grpo_qwen3_30b_8gpu"}
 
 
 def test_refused_dry_run_stops_at_the_planners_line(tmp_path):
@@ -432,6 +438,11 @@ def test_every_template_dry_runs_through_the_planner(name, tmp_path):
     if refusal:  # the trainers would refuse it at start-up: so does the planner, in the same line
         assert done.returncode == 2 and refusal in done.stderr, done.stderr
         return
+    if name in GRPO_AT_SCALE:
+        assert done.returncode == 2 and "does not fit in memory" in done.stderr, done.stderr
+        (report,) = tmp_path.glob("*/logs/job-0-restart-0/plan.txt")
+        assert "the built-in rollout replicates the whole model on every rank" in report.read_text()
+        return
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr
     assert "# planner: FITS" in done.stdout
 
@@ -473,9 +484,11 @@ def test_container_mode_is_one_knob(mode, expect, absent, tmp_path):
 
 def test_ray_bring_up_dry_run_starts_head_then_all_workers_in_one_srun(tmp_path):
     env = {"RAY": "1", "LAUNCHER": "ray", "CONTAINER": "none", "OUTPUT_ROOT": str(tmp_path)}
-    # a layout the trainers run on the template's 4 nodes (its own, PP8 + dist_opt, is refused)
-    env |= {"OPTIMIZER": "fsdp2", "PP": "1",
-            "EXTRA_OVERRIDES": "parallel.pp_first_stage_layers=null parallel.pp_last_stage_layers=null"}
+    # a job the trainers run on the template's 4 nodes: 235B's GRPO rollout does not fit (GRPO_AT_SCALE), so
+    # a dense 8B model, with a layout the rule book passes
+    env |= {"OPTIMIZER": "fsdp2", "PP": "1", "EP": "1",
+            "EXTRA_OVERRIDES": "parallel.pp_first_stage_layers=null parallel.pp_last_stage_layers=null "
+                               "model.name=qwen3-8b"}
     done = mlite_sbatch("grpo_qwen3_235b_32gpu", "--dry-run", env=env)
     assert done.returncode == 0, done.stderr
     sruns = [line for line in done.stdout.splitlines() if line.startswith("srun ")]

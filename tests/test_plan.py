@@ -9,7 +9,7 @@ import re
 import pytest
 
 from mlite.config import load_job
-from mlite.config.catalog import preset_arch
+from mlite.config.catalog import count_params, preset_arch
 from mlite.errors import MliteError
 from mlite.plan import check_layout, plan_job
 from mlite.plan.memory import GIB, HEADROOM, stage_params
@@ -36,7 +36,6 @@ DIST_OPT = r"offload[.]\* with optimizer[.]backend dist_opt: Megatron-Core's opt
     ("qwen3_235b_a22b_sft", 32, 1, 1, [11] + [12] * 6 + [11], None),
     ("qwen3_30b_a3b_sft", 8, 8, 1, [48], None),
     ("deepseek_v4_flash_sft", 128, 8, 4, [11, 11, 11, 10], None),
-    ("deepseek_v4_flash_grpo", 128, 8, 4, [11, 11, 11, 10], None),
 ])
 def test_published_layouts_are_valid_and_fit(preset, world, dp, edp, layers, refused):
     """Every published layout is valid and fits by design; the trainers run the Qwen3 ones (no native
@@ -52,6 +51,22 @@ def test_published_layouts_are_valid_and_fit(preset, world, dp, edp, layers, ref
         assert re.match(refused, plan.refused), plan.refused
         with pytest.raises(MliteError, match=refused):
             plan_job(load_job(preset))  # the verdict: the trainers refuse it at start-up
+
+
+@pytest.mark.parametrize("preset, overrides", [("deepseek_v4_flash_grpo", []),
+                                               ("qwen3_30b_a3b_sft", ["job=grpo"])])
+def test_grpo_at_scale_does_not_fit_the_builtin_rollouts_whole_model_replica(preset, overrides):
+    """The built-in rollout on several ranks decodes with a plain fp32 replica of the whole model on every
+    rank (Runtime.rollout_model): the training step of the GRPO templates fits, their rollout cannot, and the
+    plan says why. One process decodes with the model itself: no replica."""
+    plan = sized(preset, overrides)
+    assert plan.layout.world > 1 and plan.memory.train_gb <= plan.memory.usable_gb
+    rollout = {i.name: i.gb for i in plan.memory.rollout_items}
+    assert rollout["rollout replica"] == pytest.approx(4 * count_params(plan.arch).total / GIB)
+    assert not plan.memory.fits and plan.memory.rollout_gb > plan.memory.usable_gb
+    assert any("replicates the whole model on every rank" in note for note in plan.memory.notes)
+    one = sized("demo_grpo")
+    assert one.memory.fits and "rollout replica" not in {i.name for i in one.memory.rollout_items}
 
 
 def test_deepseek_v3_does_not_fit_without_offload():
@@ -97,11 +112,11 @@ def test_fsdp_unit_layers_holds_that_many_layers_gathered():
 
 def test_fsdp2_accumulates_whole_gradients_only_where_they_fit():
     """Without gradient sync FSDP2 keeps each unit's gradient whole (reduce dtype) until the step's last
-    backward. DeepSeek-V4's template (16 micro-batches, experts over edp 4) would need 87 GB that way, so
+    backward. DeepSeek-V4's SFT template (16 micro-batches, experts over edp 4) would need 87 GB that way, so
     `auto` reduce-scatters after every micro-batch there, and the runtime asks the same estimate; Qwen3-30B's
     (experts whole on each rank, edp 1) fits either way and keeps one reduce-scatter a step."""
-    dsv4 = sized("deepseek_v4_flash_grpo")
-    whole = sized("deepseek_v4_flash_grpo", ["parallel.fsdp_grad_accumulation=unsharded"])
+    dsv4 = sized("deepseek_v4_flash_sft")
+    whole = sized("deepseek_v4_flash_sft", ["parallel.fsdp_grad_accumulation=unsharded"])
     modes = (dsv4.memory.fsdp_grad_accumulation, whole.memory.fsdp_grad_accumulation)
     assert modes == ("sharded", "unsharded")
     assert dsv4.memory.fits and not whole.memory.fits

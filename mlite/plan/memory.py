@@ -346,10 +346,16 @@ def _rollout_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int, 
     sequences = math.ceil(r.prompts_per_step * r.n / layout.dp)
     length = r.max_prompt_length + r.max_response_length
     kv = sum(_kv_bytes_per_sequence(arch, i, length, act) for i in layout.stage_layers[stage]) / layout.tp
-    sp = stage_params(arch, layout, stage, job.parallel.fsdp_unit_layers)
-    if job.optimizer.backend == "fsdp2":
-        items.append(MemoryItem("gathered weights", FSDP_PREFETCH_LAYERS * sp.largest_unit * act / GIB,
-                                "FSDP2 unshards unit by unit while generating"))
+    if layout.world > 1 or job.parallel.fsdp_one_rank:
+        # the built-in engine decodes with a plain replica of the whole model on every rank, gathered from
+        # the shards and stages once per rollout (Runtime.rollout_model), fp32 as the masters
+        replica = count_params(arch).total * 4 / GIB
+        items.append(MemoryItem("rollout replica", replica,
+                                "the whole model in fp32 on every rank (Runtime.rollout_model)"))
+        if replica > capacity_gb * HEADROOM:
+            notes.append(f"the built-in rollout replicates the whole model on every rank ({replica:.0f} GB): "
+                         "a GPU cannot hold it; roll out with verl and vLLM (mlite's own vLLM rollout runs "
+                         "on one GPU in this version)")
     items.append(MemoryItem("KV cache", sequences * kv / GIB, f"{sequences} sequences x {length} tokens"))
     cpu = job.cluster.gpu == "cpu"
     items.append(MemoryItem("framework overhead", CPU_OVERHEAD_GB if cpu else GPU_OVERHEAD_GB, ""))

@@ -70,7 +70,7 @@ class Runtime:
         weights = job.model.path if job.model.load_weights and hf_config is None else None
         self.model, self.pipeline, self.chunks = build_parallel_model(job, self.placement, self.arch,
                                                                       master, weights)
-        self._rollout_replica = None  # built on the first rollout_model() of a parallelized model
+        self._rollout_replica = None  # a parallelized model's, built for a rollout session, dropped after it
         # a step of several micro-batches under FSDP2: gradients stay whole until the step's last backward
         # only where the planner sized that (parallel.fsdp_grad_accumulation: it fits, or asked for); a caller
         # that brings more micro-batches than the plan's (verl's) gets a reduce-scatter after each
@@ -191,6 +191,10 @@ class Runtime:
         sequence split, vocab-parallel loss, pipeline): the GRPO reference policy on any layout."""
         with state.swapped_weights(self.model, snapshot):
             return self.forward_backward(micro_batches, None, forward_only=True, temperature=temperature)
+
+    def release_rollout_model(self) -> None:
+        """Drop the rollout replica (after each rollout session: training does not hold it)."""
+        self._rollout_replica = None
 
     def rollout_model(self) -> torch.nn.Module:
         """The model the native sampler decodes with (mlite.trainers.grpo.rollout): the model itself on one

@@ -136,7 +136,11 @@ class BuiltinRollout:
     def session(self, seed: int) -> Iterator[Sampler]:
         self.runtime.eval()
         model = self.runtime.rollout_model()
-        yield ModelSampler(model, torch.Generator(device=self.runtime.device).manual_seed(seed))
+        try:
+            yield ModelSampler(model, torch.Generator(device=self.runtime.device).manual_seed(seed))
+        finally:  # a parallelized model's replica is the whole model: training does not keep it
+            del model
+            self.runtime.release_rollout_model()
 
     def close(self) -> None:
         pass
