@@ -107,7 +107,7 @@ class ParallelConfig(Section):
     # a step of several micro-batches under FSDP2: `unsharded` keeps each unit's gradient whole (in the
     # reduce dtype: the whole local model) until the step's last backward, one reduce-scatter a step;
     # `sharded` reduce-scatters after every micro-batch (memory of the shards only, more traffic); `auto`:
-    # unsharded where the planner's estimate with it fits the GPU, else sharded
+    # unsharded where the plan has several micro-batches a step and its estimate with it fits, else sharded
     fsdp_grad_accumulation: Literal["auto", "unsharded", "sharded"] = "auto"
 
     @model_validator(mode="after")
