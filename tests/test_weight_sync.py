@@ -123,6 +123,10 @@ def _worker(rank, world, root):
         steps = [(name, shape, dtype, [(p.offsets, tuple(p.tensor.shape)) for p in pieces])
                  for name, shape, dtype, pieces in sync.lockstep_shards(models, DTYPE)]
         result[label] = {"shards": shards, "held": _held_bytes(models), "lockstep": steps}
+        for consumer_tp in (1, 2):  # one engine per rank, or one engine over both ranks
+            stats: dict = {}
+            result[label][f"engine-tp{consumer_tp}"] = (
+                [(name, t.clone()) for name, t in rt.tp_group_weights(DTYPE, consumer_tp, stats)], stats)
         if label == EXPORTED:
             sync.export_hf(models, rt.arch, root / "export", dtype=DTYPE)
     from torch.distributed.device_mesh import init_device_mesh
@@ -250,6 +254,44 @@ def test_a_consumer_recuts_the_pieces_for_its_own_tensor_parallel_degree(run, la
             got = sync.recut(pieces[name], dim, consumer_tp, r)
             assert torch.equal(got, _expected(full).chunk(consumer_tp, dim)[r]), (name, r)
     assert split > 0
+
+
+@pytest.mark.parametrize("label", list(LAYOUTS))
+@pytest.mark.parametrize("consumer_tp", [1, 2])
+def test_a_tensor_parallel_engine_over_the_ranks_gets_its_slabs(run, label, consumer_tp):
+    """vLLM over the training ranks (each rank tensor-parallel rank r % tp of an engine): every rank sees
+    every HF tensor in one order, full-shaped, its slab equal to the model's and the rest NaN; it got from
+    other ranks only what its slab needs and it does not hold."""
+    _, reference, ranks = run
+    want = reference[LAYOUTS[label][0]]
+    arch_kv = MODELS[LAYOUTS[label][0]].get("num_key_value_heads")
+    streams = [r[label][f"engine-tp{consumer_tp}"] for r in ranks]
+    assert [n for n, _ in streams[0][0]] == [n for n, _ in streams[1][0]]
+    assert sorted(n for n, _ in streams[0][0]) == sorted(want)
+    cut = 0
+    for rank, (stream, stats) in enumerate(streams):
+        kept = 0
+        for name, got in stream:
+            full = _expected(want[name])
+            assert got.shape == full.shape and got.dtype == full.dtype, name
+            slab = sync.consumer_slab(name, tuple(full.shape), consumer_tp, rank % consumer_tp, arch_kv)
+            inside = [slice(None)] * full.dim()
+            if slab is not None:
+                dim, lo, hi = slab
+                inside[dim] = slice(lo, hi)
+                outside = torch.ones(full.shape, dtype=torch.bool)
+                outside[tuple(inside)] = False
+                assert bool(got[outside].isnan().all()), f"{label}: {name}: values outside rank {rank}'s slab"
+                cut += 1
+            assert torch.equal(got[tuple(inside)], full[tuple(inside)]), f"{label}: {name} on rank {rank}"
+            kept += got[tuple(inside)].numel() * got.element_size()
+        assert stats["tensors"] == len(want) and stats["bytes"] == kept
+        # what came over the wire is at most the slabs less what the rank holds itself
+        assert stats["received_bytes"] <= kept
+    assert (cut > 0) == (consumer_tp > 1)
+    if label == "dense-tp2" and consumer_tp == 2:
+        # the engine's tensor-parallel slabs are the training tp shards, norms are on both: nothing travels
+        assert [stats["received_bytes"] for _, stats in streams] == [0, 0]
 
 
 def test_split_dims_and_padded_slabs():

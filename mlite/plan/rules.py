@@ -716,18 +716,14 @@ def check_offload(job: JobConfig, world_size: int, device_type: str) -> None:
 
 
 def check_rollout_engine(job: JobConfig, world_size: int, device_type: str) -> None:
-    """Where the vLLM rollout runs. Whether vLLM is installed is the trainers' start-up check
-    (`mlite.trainers.grpo.vllm_rollout.require_vllm`): the planner may run where the job will not."""
+    """Where the vLLM rollout runs: colocated on the job's GPUs, world / rollout.tp engines of rollout.tp
+    ranks each (check_rollout: it divides the world and the heads). Whether vLLM is installed is the
+    trainers' start-up check (`mlite.trainers.grpo.vllm_rollout.require_vllm`): the planner may run where
+    the job will not."""
     if job.rollout is None or job.rollout.engine != "vllm":
         return
     if device_type != "cuda":
         raise MliteError(
             "rollout.engine vllm generates on CUDA GPUs and this job runs on the CPU; use rollout.engine "
             "builtin, or run on GPUs"
-        )
-    if world_size > 1:
-        raise MliteError(
-            f"rollout.engine vllm runs colocated on one GPU in this version, and this job has {world_size} "
-            "ranks (vLLM over several ranks, its tp shards re-cut from ours, is not wired yet); run on one "
-            "GPU, or use rollout.engine builtin"
         )

@@ -216,3 +216,9 @@ class Runtime:
         """This rank's pieces of the HF tensors (HF name, piece, offsets, full shape) in `dtype`, for rollout
         weight sync: only what it holds, each element sent by one rank of the world (mlite.runtime.state)."""
         return state.weight_shards(self, dtype)
+
+    def tp_group_weights(self, dtype: torch.dtype | None, tp_size: int, stats: dict | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+        """For a rollout engine of `tp_size` consecutive ranks (collective, every rank drains it): each HF
+        tensor in full shape, holding the slab this rank's engine reads (NaN elsewhere)."""
+        return state.tp_group_weights(self, dtype, tp_size, stats)

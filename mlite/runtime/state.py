@@ -255,3 +255,11 @@ def weight_shards(rt: Runtime, dtype: torch.dtype | None = None):
     from mlite.runtime.ckpt.sync import weight_shards as shards
 
     return shards(held_models(rt), dtype)
+
+
+def tp_group_weights(rt: Runtime, dtype: torch.dtype | None, tp_size: int, stats: dict | None = None):
+    """Every HF tensor whole-shaped on every rank, holding the slab that rank's tensor-parallel rollout
+    engine reads (mlite.runtime.ckpt.sync.tp_group_weights)."""
+    from mlite.runtime.ckpt.sync import tp_group_weights as stream
+
+    return stream(held_models(rt), dtype, tp_size, rt.arch.num_kv_heads, stats)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,8 +36,8 @@ from mlite.errors import MliteError
 if TYPE_CHECKING:
     from mlite.config.arch import ModelArch
 
-__all__ = ["WeightShard", "assemble", "export_hf", "gather_hf_weights", "lockstep_shards", "recut",
-           "sync_plan", "tp_slab", "vllm_split_dim", "weight_shards"]
+__all__ = ["WeightShard", "assemble", "consumer_slab", "export_hf", "gather_hf_weights", "lockstep_shards",
+           "recut", "sync_plan", "tp_group_weights", "tp_slab", "vllm_split_dim", "weight_shards"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,8 @@ class SyncPlan:
     mine: list[_Piece]
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
     pieces: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]]  # name -> (rank, offsets, size)
+    holders: dict[tuple, frozenset[int]]  # each piece's key -> every rank holding it (the sender among them)
+    held: dict[tuple, _Piece]  # what this rank holds, sender or not
 
 
 # ------------------------------------------------------------------------------------------- the plan
@@ -200,6 +202,7 @@ def sync_plan(models: nn.Module | Iterable[nn.Module]) -> SyncPlan:
         tables = [None] * world
         dist.all_gather_object(tables, table)
     owner: dict[tuple, int] = {}
+    holders: dict[tuple, set[int]] = {}
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     pieces: dict[str, list] = {}
     for rank, listed in enumerate(tables):
@@ -207,6 +210,7 @@ def sync_plan(models: nn.Module | Iterable[nn.Module]) -> SyncPlan:
             if shapes.setdefault(name, (shape, dtype)) != (shape, dtype):
                 raise MliteError(f"weight sync: ranks disagree on {name}'s shape or dtype "
                                  f"({shapes[name]} and {(shape, dtype)}); a runtime bug")
+            holders.setdefault((name, offsets, size), set()).add(rank)
             if (name, offsets, size) not in owner:
                 owner[name, offsets, size] = rank
                 pieces.setdefault(name, []).append((rank, offsets, size))
@@ -215,7 +219,8 @@ def sync_plan(models: nn.Module | Iterable[nn.Module]) -> SyncPlan:
         if sent != math.prod(shape):
             raise MliteError(f"weight sync: the ranks' pieces of {name} add up to {sent} elements, its shape "
                              f"{list(shape)} has {math.prod(shape)}; a runtime bug (overlapping shards)")
-    plan = SyncPlan([p for p in candidates if owner[p.key] == me], shapes, pieces)
+    plan = SyncPlan([p for p in candidates if owner[p.key] == me], shapes, pieces,
+                    {key: frozenset(ranks) for key, ranks in holders.items()}, {p.key: p for p in candidates})
     _PLANS[models[0]] = (tuple(map(id, models)), plan)
     return plan
 
@@ -294,6 +299,81 @@ def gather_hf_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtyp
             yield name, whole
 
 
+def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype | None, tp_size: int,
+                     kv_heads: int | None = None, stats: dict | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF tensor of the whole model, one at a time and in one order on every rank, for a consumer run
+    by consecutive groups of `tp_size` ranks (vLLM's torchrun launcher: rank r is tensor-parallel rank
+    r % tp_size of its engine), which cuts its shard from a whole-shaped tensor itself.
+
+    Each yielded tensor has the full shape, but only this rank's slab (`consumer_slab`) holds the weights:
+    the rest is NaN (floats), so a consumer that read outside its slab would show it at once. Each rank
+    receives only the parts of other ranks' pieces that overlap its slab (point to point, per tensor) and
+    copies what it holds itself; no rank holds more than one whole-shaped tensor at a time. Collective:
+    every rank must drain the iterator. `stats` (optional) counts tensors, the slab bytes the consumer gets
+    and the bytes that came from other ranks."""
+    models = _modules(models)
+    plan = sync_plan(models)
+    tensors = _named_tensors(models)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    world, me = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in tensors.values()]
+    device = locals_[0].device if locals_ else torch.device("cpu")
+    stats = {} if stats is None else stats
+    for key in ("tensors", "bytes", "received_bytes"):
+        stats.setdefault(key, 0)
+
+    def overlap(offsets, size, slab) -> tuple[slice, ...] | None:
+        """The part of a piece (a box of the whole tensor) inside a consumer's slab, in whole-tensor
+        coordinates; None if they do not meet."""
+        box = [slice(o, o + n) for o, n in zip(offsets, size)]
+        if slab is not None:
+            dim, lo, hi = slab
+            a, b = max(lo, offsets[dim]), min(hi, offsets[dim] + size[dim])
+            if a >= b:
+                return None
+            box[dim] = slice(a, b)
+        return tuple(box)
+
+    for name, (shape, native) in plan.tensors.items():
+        out_dtype = _out_dtype(native, dtype)
+        slabs = [consumer_slab(name, shape, tp_size, rank % tp_size, kv_heads) for rank in range(world)]
+        fill = float("nan") if out_dtype.is_floating_point else 0
+        whole = torch.full(shape, fill, dtype=out_dtype, device=device)
+        ops, received = [], []
+        for sender, offsets, size in plan.pieces[name]:
+            holders = plan.holders[name, offsets, size]
+            piece = None  # this rank's copy, cut when first needed
+            for rank in range(world):
+                where = overlap(offsets, size, slabs[rank])
+                if where is None or me not in (sender, rank) or (rank in holders and rank != me):
+                    continue  # a rank that holds the piece itself (replicated over tp or dp) copies it
+                inside = tuple(slice(w.start - o, w.stop - o) for w, o in zip(where, offsets))
+                if me in holders and piece is None:
+                    held = plan.held[name, offsets, size]
+                    piece = _cut(held, tensors[held.param], dtype).tensor
+                if rank == me and me in holders:
+                    whole[where] = piece[inside]
+                elif sender == me:
+                    ops.append(dist.P2POp(dist.isend, piece[inside].contiguous(), rank))
+                else:
+                    buffer = torch.empty([w.stop - w.start for w in where], dtype=out_dtype, device=device)
+                    ops.append(dist.P2POp(dist.irecv, buffer, sender))
+                    received.append((where, buffer))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for where, buffer in received:
+            whole[where] = buffer
+            stats["received_bytes"] += buffer.numel() * buffer.element_size()
+        slab = slabs[me]
+        kept = whole.numel() if slab is None else whole.numel() // shape[slab[0]] * (slab[2] - slab[1])
+        stats["tensors"] += 1
+        stats["bytes"] += kept * whole.element_size()
+        yield name, whole
+        del whole, received
+
+
 def export_hf(models: nn.Module | Iterable[nn.Module], arch: ModelArch, out_dir: str | Path,
               config: dict | None = None, dtype: torch.dtype | None = None, dst: int = 0) -> Path | None:
     """An HF checkpoint of the model as the ranks hold it, written by rank `dst` (collective: every rank
@@ -324,6 +404,27 @@ def tp_slab(size: int, tp_size: int, tp_rank: int, pad_to: int = 1) -> tuple[int
         raise MliteError(f"a dim of {size} (padded to {padded}) does not split evenly {tp_size} ways")
     per = padded // tp_size
     return min(tp_rank * per, size), min((tp_rank + 1) * per, size)
+
+
+# the vocabulary (embedding and LM head), which vLLM pads to a multiple of 64 before splitting it
+_VOCAB = {"embed_tokens", "lm_head", "embed", "head"}
+_KV = {"k_proj", "v_proj"}
+
+
+def consumer_slab(name: str, shape: Sequence[int], tp_size: int, tp_rank: int, kv_heads: int | None = None
+                  ) -> tuple[int, int, int] | None:
+    """(dim, start, stop): the slab of HF tensor `name` that rank `tp_rank` of a vLLM-style consumer at
+    `tp_size` reads, or None where it reads the tensor whole. With fewer KV heads than ranks vLLM gives each
+    rank one KV head, shared by tp_size / kv_heads ranks."""
+    dim = vllm_split_dim(name)
+    if dim is None or tp_size == 1:
+        return None
+    leaf = name.rpartition(".")[0].rpartition(".")[2]
+    ways, rank = tp_size, tp_rank
+    if leaf in _KV and kv_heads is not None and kv_heads < tp_size:
+        ways, rank = kv_heads, tp_rank * kv_heads // tp_size
+    lo, hi = tp_slab(shape[dim], ways, rank, pad_to=64 if leaf in _VOCAB else 1)
+    return dim, lo, hi
 
 
 def recut(pieces: Iterable[WeightShard], dim: int | None = None, tp_size: int = 1, tp_rank: int = 0,

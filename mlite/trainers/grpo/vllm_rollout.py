@@ -12,6 +12,14 @@ training has the GPU to itself. One session:
 2. wake the KV cache, generate from token ids (no tokenizer in vLLM: `skip_tokenizer_init`);
 3. sleep again and give the memory back.
 
+On several ranks (torchrun), every rank runs one vLLM worker in its own process and vLLM's torchrun
+launcher (`distributed_executor_backend="external_launcher"`) ties consecutive groups of `rollout.tp` ranks
+into one engine, tensor-parallel over them; the world holds world / rollout.tp engines. Each rank feeds its
+worker full-shaped HF tensors holding only the slab its tp rank reads (`Runtime.tp_group_weights`: the
+parts of other ranks' pieces that overlap it come point to point; nobody gathers the model). The engines
+split each batch of requests (request i to engine i mod engines, its seed unchanged) and one all-gather
+gives every rank all completions, the same as one engine generating them all.
+
 The engine is built with `load_format="dummy"` from the runtime's config.json alone: it never reads a
 checkpoint, the first session brings the weights. Sampled tokens come back with their log-probs under
 logits / temperature (`logprobs_mode="processed_logprobs"`; with top-k / top-p off that is exactly what the
@@ -29,6 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from mlite.errors import MliteError
 from mlite.runtime.state import rng_state, set_rng_state
@@ -66,9 +75,15 @@ class VLLMRollout:
         r = job.rollout
         self.runtime = runtime
         self.dtype = COMPUTE_DTYPES[job.precision.compute]
-        model_dir = Path(model_dir)
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world > 1 else 0
+        self.tp = r.tp
+        model_dir = Path(model_dir) / f"rank{self.rank}"  # each rank its own: no shared file system needed
         model_dir.mkdir(parents=True, exist_ok=True)
         write_hf_config(model_dir / "config.json", runtime.arch, runtime.hf_config, self.dtype)
+        several = {}
+        if self.world > 1:  # a worker per rank, engines of rollout.tp consecutive ranks (torchrun mode)
+            several = {"distributed_executor_backend": "external_launcher", "disable_custom_all_reduce": True}
         started = time.perf_counter()
         streams = rng_state()  # in-process, LLM(seed=...) reseeds the process's generators: keep the run's
         self.llm = LLM(
@@ -83,33 +98,40 @@ class VLLMRollout:
             enable_sleep_mode=True,
             enforce_eager=r.enforce_eager,
             logprobs_mode="processed_logprobs",
-            tensor_parallel_size=1,
+            tensor_parallel_size=r.tp,
+            **several,
         )
         set_rng_state(streams)
         self.start_s = time.perf_counter() - started
         self.llm.sleep(level=2)
         self.stats: dict[str, float] = {}  # the last session's: sync seconds and bytes, generated tokens
 
+    def weights(self, sent: dict) -> Iterator[tuple[str, torch.Tensor]]:
+        """What this rank's vLLM worker loads: on one process every HF tensor whole, as the trainer holds
+        it; on several, each tensor full-shaped with this rank's slab filled (collective: vLLM's
+        load_weights drains it on every rank, in one order)."""
+        if self.world > 1:
+            yield from self.runtime.tp_group_weights(self.dtype, self.tp, sent)
+            return
+        for shard in self.runtime.weight_shards(self.dtype):
+            if tuple(shard.tensor.shape) != tuple(shard.shape):  # one process holds every tensor whole
+                raise MliteError(f"weight sync: {shard.name} arrived as a piece on one process")
+            sent["tensors"] += 1
+            sent["bytes"] += shard.tensor.numel() * shard.tensor.element_size()
+            yield shard.name, shard.tensor
+
     def load_weights(self) -> None:
         """The trainer's current weights into vLLM, one HF tensor at a time in the rollout dtype."""
-        sent = {"tensors": 0, "bytes": 0}
-
-        def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for shard in self.runtime.weight_shards(self.dtype):
-                if tuple(shard.tensor.shape) != tuple(shard.shape):  # one process holds every tensor whole
-                    raise MliteError(f"weight sync: {shard.name} arrived as a piece on one process")
-                sent["tensors"] += 1
-                sent["bytes"] += shard.tensor.numel() * shard.tensor.element_size()
-                yield shard.name, shard.tensor
-
+        sent = {"tensors": 0, "bytes": 0, "received_bytes": 0}
         started = time.perf_counter()
         with torch.no_grad():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.weights(sent)})
         self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
         torch.cuda.synchronize()
         self.stats.update({"time/sync_s": time.perf_counter() - started,
                            "rollout/sync_tensors": float(sent["tensors"]),
-                           "rollout/sync_gb": sent["bytes"] / 1e9})
+                           "rollout/sync_gb": sent["bytes"] / 1e9,
+                           "rollout/sync_received_gb": sent["received_bytes"] / 1e9})
 
     @contextmanager
     def session(self, seed: int) -> Iterator[VLLMSampler]:
@@ -119,7 +141,8 @@ class VLLMRollout:
         self.load_weights()
         self.llm.wake_up(tags=["kv_cache"])
         self.stats["time/wake_s"] = time.perf_counter() - started - self.stats["time/sync_s"]
-        sampler = VLLMSampler(self.llm, seed)
+        sampler = VLLMSampler(self.llm, seed, engines=self.world // self.tp, engine=self.rank // self.tp,
+                              leader=self.rank % self.tp == 0)
         try:
             yield sampler
         finally:
@@ -133,16 +156,22 @@ class VLLMRollout:
 
 class VLLMSampler:
     """Requests from token ids, one per prompt, each with its own seed (the session's seed plus a running
-    count), so a resumed run draws what the uninterrupted run drew."""
+    count), so a resumed run draws what the uninterrupted run drew. With several engines (`engines`, this
+    rank's is `engine`), request i goes to engine i mod engines with the seed it would have had on one, and
+    every rank gets all completions back."""
 
-    def __init__(self, llm, seed: int):
+    def __init__(self, llm, seed: int, engines: int = 1, engine: int = 0, leader: bool = True):
         self.llm, self.seed, self.requests, self.generated = llm, seed, 0, 0
+        self.engines, self.engine, self.leader = engines, engine, leader
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
         from vllm import SamplingParams as VLLMParams
 
+        first, self.requests = self.requests, self.requests + len(prompts)
+        ours = [i for i in range(len(prompts)) if i % self.engines == self.engine]
         requests = []
-        for prompt in prompts:
+        for i in ours:
+            prompt = prompts[i]
             requests.append((
                 {"prompt_token_ids": list(map(int, prompt))},
                 VLLMParams(
@@ -154,17 +183,23 @@ class VLLMSampler:
                     stop_token_ids=list(params.stop_token_ids),
                     ignore_eos=True,  # the stop tokens are exactly ours (EOS among them)
                     logprobs=0,  # the sampled token's log-prob only
-                    seed=self.seed * 1_000_003 + self.requests,
+                    seed=self.seed * 1_000_003 + first + i,
                     detokenize=False,
                 ),
             ))
-            self.requests += 1
-        outputs = self.llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
-        completions = []
-        for prompt, output in zip(prompts, outputs):
+        outputs = []
+        if requests:  # every rank of an engine has the same requests, so its ranks skip (or not) together
+            outputs = self.llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+        completions = {}
+        for i, output in zip(ours, outputs):
             out = output.outputs[0]
             ids = list(out.token_ids)
             logprobs = [float(step[token].logprob) for step, token in zip(out.logprobs or [], ids)]
-            completions.append(Completion(list(map(int, prompt)), ids, out.finish_reason == "stop", logprobs))
-            self.generated += len(ids)
-        return completions
+            stopped = out.finish_reason == "stop"
+            completions[i] = Completion(list(map(int, prompts[i])), ids, stopped, logprobs)
+        if self.engines > 1:  # every rank gets every engine's completions, sent by the engine's first rank
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, completions if self.leader else {})
+            completions = {i: c for part in everyone for i, c in part.items()}
+        self.generated += sum(len(c.response_ids) for c in completions.values())
+        return [completions[i] for i in range(len(prompts))]
