@@ -69,6 +69,22 @@ def test_grpo_at_scale_does_not_fit_the_builtin_rollouts_whole_model_replica(pre
     assert one.memory.fits and "rollout replica" not in {i.name for i in one.memory.rollout_items}
 
 
+def test_vllm_rollout_fits_where_its_share_holds_its_slab_of_the_weights():
+    """GRPO at scale on vLLM over the ranks: the trainer's resident state plus vLLM's share of each GPU, no
+    replica. vLLM's weights at rollout.tp must fit its share: beyond it vLLM cannot start, whatever the
+    total says."""
+    vllm = ["job=grpo", "rollout.engine=vllm"]
+    ok = sized("qwen3_30b_a3b_sft", [*vllm, "rollout.tp=4", "rollout.gpu_memory_utilization=0.3"])
+    rollout = {i.name: i.gb for i in ok.memory.rollout_items}
+    assert ok.memory.fits and "rollout replica" not in rollout
+    assert rollout["vLLM (weights + KV cache)"] == pytest.approx(0.3 * ok.memory.capacity_gb)
+    short = sized("qwen3_235b_a22b_sft", [*vllm, "rollout.tp=8", "rollout.gpu_memory_utilization=0.3"])
+    assert short.memory.total_gb <= short.memory.usable_gb and not short.memory.fits
+    assert any("vLLM needs" in note and "rollout.tp=8" in note for note in short.memory.notes)
+    wider = sized("qwen3_235b_a22b_sft", [*vllm, "rollout.tp=16", "rollout.gpu_memory_utilization=0.4"])
+    assert wider.memory.fits
+
+
 def test_deepseek_v3_does_not_fit_without_offload():
     plan = sized("deepseek_v3_sft", ["offload.optimizer=false", "offload.optimizer_fraction=null"])
     assert not plan.memory.fits

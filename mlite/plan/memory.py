@@ -38,6 +38,10 @@ FSDP_PREFETCH_LAYERS = 2  # FSDP2 holds the current layer and the prefetched nex
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
+# the rollout item that says vLLM's weights exceed its share of the GPU (no total makes that fit)
+VLLM_SHORT = "vLLM weights beyond its share"
+
+
 @dataclass(frozen=True)
 class MemoryItem:
     name: str
@@ -82,7 +86,10 @@ class MemoryEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.total_gb <= self.usable_gb and self.host_total_gb <= self.host_capacity_gb * HEADROOM
+        # vLLM never grows past its share: weights beyond it fail its start, whatever else is free
+        short = any(i.name == VLLM_SHORT for i in self.rollout_items)
+        return (self.total_gb <= self.usable_gb and self.host_total_gb <= self.host_capacity_gb * HEADROOM
+                and not short)
 
     def as_dict(self) -> dict:
         return {
@@ -339,8 +346,8 @@ def _rollout_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int, 
             notes.append(f"vLLM needs {weights_gb:.1f} GB per GPU for weights at rollout.tp={r.tp}, "
                          f"more than its {share:.1f} GB share: raise rollout.tp or "
                          "rollout.gpu_memory_utilization")
-            items.append(MemoryItem("vLLM weights beyond its share", weights_gb - share * HEADROOM,
-                                    "does not fit"))
+            items.append(MemoryItem(VLLM_SHORT, weights_gb - share * HEADROOM,
+                                    "does not fit: vLLM fails to start"))
         return items
     act = DTYPE_BYTES[job.precision.compute]
     sequences = math.ceil(r.prompts_per_step * r.n / layout.dp)

@@ -29,6 +29,7 @@ trainer's forward computes), which the trainer compares with its own (`rollout/l
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import time
@@ -81,6 +82,10 @@ class VLLMRollout:
         model_dir = Path(model_dir) / f"rank{self.rank}"  # each rank its own: no shared file system needed
         model_dir.mkdir(parents=True, exist_ok=True)
         write_hf_config(model_dir / "config.json", runtime.arch, runtime.hf_config, self.dtype)
+        config = json.loads((model_dir / "config.json").read_text())
+        if config.pop("quantization_config", None) is not None:  # a quantized source (DeepSeek's fp8): the
+            # sync sends unquantized tensors in the rollout dtype, so vLLM must build unquantized layers
+            (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         several = {}
         if self.world > 1:  # a worker per rank, engines of rollout.tp consecutive ranks (torchrun mode)
             several = {"distributed_executor_backend": "external_launcher", "disable_custom_all_reduce": True}
