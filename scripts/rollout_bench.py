@@ -1,8 +1,13 @@
-"""Rollout throughput on one GPU: the built-in sampler against vLLM (`rollout.engine: vllm`), on the same
-model, prompts and sampling, through the engines the GRPO trainer uses. Random weights (a catalog preset),
-random prompt tokens, no stop token (every response runs to --new tokens), temperature 1.
+"""Rollout throughput: the built-in sampler against vLLM (`rollout.engine: vllm`), on the same model, prompts
+and sampling, through the engines the GRPO trainer uses. Random weights (a catalog preset), random prompt
+tokens, no stop token (every response runs to --new tokens), temperature 1.
 
     . scripts/gpu_env.sh && . scripts/gpu_vllm_env.sh && python3 scripts/rollout_bench.py qwen3-1.7b
+
+Under torchrun (several GPUs: FSDP2 over them, or --train-tp), vLLM runs over the ranks as in GRPO: world /
+--tp engines that split the prompts; the built-in sampler is skipped there. Rank 0 prints.
+
+    torchrun --nproc-per-node 2 scripts/rollout_bench.py qwen3-1.7b --tp 2
 
 Prints one JSON line per engine: generated tokens/s, and for vLLM its start, the weight sync (seconds,
 GB, GB/s) and the wake-up. The first vLLM session is a warm-up (its kernels and, without --eager, its
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 
@@ -33,14 +39,19 @@ def main() -> None:
     parser.add_argument("--gpu-memory", type=float, default=0.4, help="rollout.gpu_memory_utilization")
     parser.add_argument("--eager", action="store_true", help="rollout.enforce_eager")
     parser.add_argument("--skip-builtin", action="store_true")
+    parser.add_argument("--tp", type=int, default=1, help="rollout.tp: GPUs per vLLM engine (torchrun)")
+    parser.add_argument("--train-tp", type=int, default=1, help="parallel.tp of the trainer (torchrun)")
     args = parser.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    first = int(os.environ.get("RANK", "0")) == 0
 
     job = job_from_dict({
-        "job": "grpo", "model": {"name": args.model}, "cluster": {"gpus_per_node": 1, "gpu": "h100"},
+        "job": "grpo", "model": {"name": args.model}, "cluster": {"gpus_per_node": world, "gpu": "h100"},
+        "parallel": {"tp": args.train_tp},
         "precision": {"compute": "bf16"}, "trainer": {"device": "cuda", "output_dir": tempfile.mkdtemp()},
         "data": {"seq_len": args.prompt_len + args.new},
         "rollout": {"engine": "vllm", "max_prompt_length": args.prompt_len, "max_response_length": args.new,
-                    "gpu_memory_utilization": args.gpu_memory, "enforce_eager": args.eager},
+                    "gpu_memory_utilization": args.gpu_memory, "enforce_eager": args.eager, "tp": args.tp},
         "grpo": {"reward": "arithmetic"},
     })
     runtime = Runtime(job)
@@ -48,9 +59,10 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab, (args.prompts, args.prompt_len), generator=generator).tolist()
     params = SamplingParams(max_new_tokens=args.new, temperature=1.0)
-    shape = {"model": args.model, "prompts": args.prompts, "prompt_len": args.prompt_len, "new": args.new}
+    shape = {"model": args.model, "prompts": args.prompts, "prompt_len": args.prompt_len, "new": args.new,
+             "gpus": world, "rollout_tp": args.tp, "train_tp": args.train_tp}
 
-    if not args.skip_builtin:
+    if not args.skip_builtin and world == 1:
         builtin = BuiltinRollout(runtime)
         with builtin.session(1) as sampler:
             sampler.generate(prompts[:8], SamplingParams(max_new_tokens=8, temperature=1.0))  # warm-up
@@ -74,14 +86,16 @@ def main() -> None:
         done = time.perf_counter()
     tokens = sum(len(c.response_ids) for c in out)
     stats = engine.stats
-    print(json.dumps({
-        "engine": "vllm", **shape, "enforce_eager": args.eager, "tokens": tokens,
-        "seconds": round(done - awake, 3), "tokens_per_s": round(tokens / (done - awake)),
-        "session_s": round(time.perf_counter() - started, 3), "start_s": round(engine.start_s, 1),
-        "sync_s": round(stats["time/sync_s"], 3), "sync_gb": round(stats["rollout/sync_gb"], 3),
-        "sync_gb_per_s": round(stats["rollout/sync_gb"] / stats["time/sync_s"], 1),
-        "wake_s": round(stats["time/wake_s"], 3), "sync_tensors": int(stats["rollout/sync_tensors"]),
-    }), flush=True)
+    if first:
+        print(json.dumps({
+            "engine": "vllm", **shape, "enforce_eager": args.eager, "tokens": tokens,
+            "seconds": round(done - awake, 3), "tokens_per_s": round(tokens / (done - awake)),
+            "session_s": round(time.perf_counter() - started, 3), "start_s": round(engine.start_s, 1),
+            "sync_s": round(stats["time/sync_s"], 3), "sync_gb": round(stats["rollout/sync_gb"], 3),
+            "sync_received_gb": round(stats["rollout/sync_received_gb"], 3),
+            "sync_gb_per_s": round(stats["rollout/sync_gb"] / stats["time/sync_s"], 1),
+            "wake_s": round(stats["time/wake_s"], 3), "sync_tensors": int(stats["rollout/sync_tensors"]),
+        }), flush=True)
     engine.close()
 
 

@@ -138,28 +138,30 @@ def tiny_qwen3_moe(folder: Path, tokenizer) -> Path:
     return folder
 
 
-# rollout.tp x the training layout on 2 GPUs: one engine over both ranks whose slabs are the training tp
+# rollout.tp x the training layout: on 2 GPUs, one engine over both ranks whose slabs are the training tp
 # shards (dense tp2), one engine over both ranks fed from FSDP2 shards, two engines (rollout.tp 1) that
-# split each batch, and an MoE engine over both ranks fed from expert-parallel shards
-TWO_RANK_RUNS = {
-    "dense-tp2-rollout-tp2": ("dense", {"tp": 2}, 2),
-    "dense-fsdp2-rollout-tp2": ("dense", {}, 2),
-    "dense-fsdp2-rollout-tp1": ("dense", {}, 1),
-    "moe-ep2-rollout-tp2": ("moe", {"ep": 2}, 2),
+# split each batch, and an MoE engine over both ranks fed from expert-parallel shards; on 4 GPUs, the
+# Qwen3-30B template's shape (experts over all ranks, FSDP2, two vLLM engines of rollout.tp ranks)
+RANK_RUNS = {
+    "dense-tp2-rollout-tp2": ("dense", {"tp": 2}, 2, 2),
+    "dense-fsdp2-rollout-tp2": ("dense", {}, 2, 2),
+    "dense-fsdp2-rollout-tp1": ("dense", {}, 1, 2),
+    "moe-ep2-rollout-tp2": ("moe", {"ep": 2}, 2, 2),
+    "moe-ep4-rollout-tp2-4gpus": ("moe", {"ep": 4}, 2, 4),
 }
 
 
-@pytest.mark.parametrize("label", list(TWO_RANK_RUNS))
-def test_grpo_on_two_gpus_with_vllm_over_the_ranks(tmp_path, label):
-    """`torchrun --nproc-per-node 2 -m mlite grpo` with rollout.engine vllm: world / rollout.tp engines in
+@pytest.mark.parametrize("label", list(RANK_RUNS))
+def test_grpo_on_several_gpus_with_vllm_over_the_ranks(tmp_path, label):
+    """`torchrun --nproc-per-node N -m mlite grpo` with rollout.engine vllm: world / rollout.tp engines in
     vLLM's torchrun mode, each rank feeding its engine worker only its slab of each tensor. Its log-probs
     match the trainer's forward every step (the weights arrive whole and current: a slab left NaN or stale
     would show), every rank sees the whole batch, and the run trains."""
     import yaml
 
-    if torch.cuda.device_count() < 2:
-        pytest.fail(f"this test needs 2 GPUs, {torch.cuda.device_count()} visible")
-    model, layout, rollout_tp = TWO_RANK_RUNS[label]
+    model, layout, rollout_tp, world = RANK_RUNS[label]
+    if torch.cuda.device_count() < world:
+        pytest.fail(f"this test needs {world} GPUs, {torch.cuda.device_count()} visible")
     tokenizer = char_tokenizer(tmp_path / "tok")
     model_dir = (tiny_qwen3 if model == "dense" else tiny_qwen3_moe)(tmp_path / "model", tokenizer)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
@@ -167,7 +169,7 @@ def test_grpo_on_two_gpus_with_vllm_over_the_ranks(tmp_path, label):
     job = {
         "job": "grpo",
         "model": {"path": str(model_dir), "attention_backend": "auto"},
-        "cluster": {"gpus_per_node": 2, "gpu": "h100"},
+        "cluster": {"gpus_per_node": world, "gpu": "h100"},
         "parallel": layout,
         "precision": {"compute": "bf16"},
         "optimizer": {"lr": 1e-3, "schedule": "constant"},
@@ -182,7 +184,7 @@ def test_grpo_on_two_gpus_with_vllm_over_the_ranks(tmp_path, label):
     config.write_text(yaml.safe_dump(job))
     path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
     result = subprocess.run([*torchrun, "-m", "mlite", "grpo", str(config), "--no-progress"],
                             capture_output=True, text=True, cwd=ROOT, env=env, timeout=600, check=False)
     print(result.stdout[-3000:])
