@@ -83,6 +83,8 @@ def test_vllm_rollout_fits_where_its_share_holds_its_slab_of_the_weights():
     assert any("vLLM needs" in note and "rollout.tp=8" in note for note in short.memory.notes)
     wider = sized("qwen3_235b_a22b_sft", [*vllm, "rollout.tp=16", "rollout.gpu_memory_utilization=0.4"])
     assert wider.memory.fits
+    assert any("rollout.tp=16 spans 2 nodes of 8 GPUs" in note for note in wider.memory.notes)
+    assert not any("spans" in note for note in ok.memory.notes)
 
 
 def test_deepseek_v3_does_not_fit_without_offload():

@@ -342,6 +342,10 @@ def _rollout_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int, 
         items.append(MemoryItem("vLLM (weights + KV cache)", share,
                                 f"rollout.gpu_memory_utilization x {capacity_gb:.0f} GB"))
         weights_gb = count_params(arch).total * DTYPE_BYTES[job.precision.compute] / r.tp / GIB
+        per_node = job.cluster.gpus_per_node
+        if r.tp > per_node:
+            notes.append(f"rollout.tp={r.tp} spans {r.tp // per_node} nodes of {per_node} GPUs: vLLM's "
+                         "tensor-parallel all-reduces cross the network at every decode step")
         if weights_gb > share * HEADROOM:
             notes.append(f"vLLM needs {weights_gb:.1f} GB per GPU for weights at rollout.tp={r.tp}, "
                          f"more than its {share:.1f} GB share: raise rollout.tp or "
