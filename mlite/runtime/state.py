@@ -262,4 +262,4 @@ def tp_group_weights(rt: Runtime, dtype: torch.dtype | None, tp_size: int, stats
     engine reads (mlite.runtime.ckpt.sync.tp_group_weights)."""
     from mlite.runtime.ckpt.sync import tp_group_weights as stream
 
-    return stream(held_models(rt), dtype, tp_size, rt.arch.num_kv_heads, stats)
+    return stream(held_models(rt), dtype, tp_size, rt.arch.num_kv_heads, stats, rt.device)

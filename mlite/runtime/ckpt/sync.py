@@ -300,8 +300,8 @@ def gather_hf_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtyp
 
 
 def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype | None, tp_size: int,
-                     kv_heads: int | None = None, stats: dict | None = None
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+                     kv_heads: int | None = None, stats: dict | None = None,
+                     device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF tensor of the whole model, one at a time and in one order on every rank, for a consumer run
     by consecutive groups of `tp_size` ranks (vLLM's torchrun launcher: rank r is tensor-parallel rank
     r % tp_size of its engine), which cuts its shard from a whole-shaped tensor itself.
@@ -311,14 +311,16 @@ def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype
     receives only the parts of other ranks' pieces that overlap its slab (point to point, per tensor) and
     copies what it holds itself; no rank holds more than one whole-shaped tensor at a time. Collective:
     every rank must drain the iterator. `stats` (optional) counts tensors, the slab bytes the consumer gets
-    and the bytes that came from other ranks."""
+    and the bytes that came from other ranks. `device`: where the tensors are built and travel (the compute
+    device: parameters offloaded to the host move there a piece at a time); default, the parameters'."""
     models = _modules(models)
     plan = sync_plan(models)
     tensors = _named_tensors(models)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     world, me = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
-    locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in tensors.values()]
-    device = locals_[0].device if locals_ else torch.device("cpu")
+    if device is None:
+        locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in tensors.values()]
+        device = locals_[0].device if locals_ else torch.device("cpu")
     stats = {} if stats is None else stats
     for key in ("tensors", "bytes", "received_bytes"):
         stats.setdefault(key, 0)
@@ -351,7 +353,7 @@ def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype
                 inside = tuple(slice(w.start - o, w.stop - o) for w, o in zip(where, offsets))
                 if me in holders and piece is None:
                     held = plan.held[name, offsets, size]
-                    piece = _cut(held, tensors[held.param], dtype).tensor
+                    piece = _cut(held, tensors[held.param], dtype).tensor.to(device)
                 if rank == me and me in holders:
                     whole[where] = piece[inside]
                 elif sender == me:
