@@ -78,6 +78,9 @@ def test_vllm_rollout_fits_where_its_share_holds_its_slab_of_the_weights():
     rollout = {i.name: i.gb for i in ok.memory.rollout_items}
     assert ok.memory.fits and "rollout replica" not in rollout
     assert rollout["vLLM (weights + KV cache)"] == pytest.approx(0.3 * ok.memory.capacity_gb)
+    (how,) = [i.note for i in ok.memory.rollout_items if i.name.startswith("vLLM")]
+    weights = count_params(ok.arch).total * 2 / 4 / GIB  # bf16, a quarter per GPU
+    assert f"2 engine(s) of rollout.tp=4, {weights:.1f} GB of weights per GPU" in how
     short = sized("qwen3_235b_a22b_sft", [*vllm, "rollout.tp=8", "rollout.gpu_memory_utilization=0.3"])
     assert short.memory.total_gb <= short.memory.usable_gb and not short.memory.fits
     assert any("vLLM needs" in note and "rollout.tp=8" in note for note in short.memory.notes)

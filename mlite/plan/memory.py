@@ -339,9 +339,11 @@ def _rollout_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int, 
              if i.name not in ("gathered weights", "gradients") and i.gb > 0]
     if r.engine == "vllm":
         share = r.gpu_memory_utilization * capacity_gb
-        items.append(MemoryItem("vLLM (weights + KV cache)", share,
-                                f"rollout.gpu_memory_utilization x {capacity_gb:.0f} GB"))
         weights_gb = count_params(arch).total * DTYPE_BYTES[job.precision.compute] / r.tp / GIB
+        engines = layout.world // r.tp
+        items.append(MemoryItem("vLLM (weights + KV cache)", share,
+                                f"rollout.gpu_memory_utilization x {capacity_gb:.0f} GB; {engines} "
+                                f"engine(s) of rollout.tp={r.tp}, {weights_gb:.1f} GB of weights per GPU"))
         per_node = job.cluster.gpus_per_node
         if r.tp > per_node:
             notes.append(f"rollout.tp={r.tp} spans {r.tp // per_node} nodes of {per_node} GPUs: vLLM's "
