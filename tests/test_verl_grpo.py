@@ -25,8 +25,11 @@ PROMPTS = 2  # per step
 GROUP = 4  # responses per prompt
 
 
-def overrides(root: Path, out: Path) -> list[str]:
+def overrides(root: Path, out: Path, ranks: int = 1) -> list[str]:
+    """main_ppo's command line; `ranks` training ranks (each also a rollout replica), splitting each batch."""
     from mlite.integrations.verl import reward
+
+    per_rank = PROMPTS * GROUP // ranks
 
     return [
         f"hydra.searchpath=[{CONFIG_SEARCHPATH}]",
@@ -45,22 +48,22 @@ def overrides(root: Path, out: Path) -> list[str]:
         "actor_rollout_ref.actor.optim.lr=1e-2",
         "actor_rollout_ref.actor.optim.weight_decay=0.0",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={PROMPTS * GROUP}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={per_rank}",
         "actor_rollout_ref.actor.use_dynamic_bsz=false",
         "actor_rollout_ref.actor.use_kl_loss=true",  # the reference policy runs on the mlite engine too
         "actor_rollout_ref.actor.kl_loss_coef=0.01",
         "actor_rollout_ref.actor.use_torch_compile=false",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={PROMPTS * GROUP}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={per_rank}",
         "actor_rollout_ref.rollout.name=mlite",
         f"actor_rollout_ref.rollout.n={GROUP}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={PROMPTS * GROUP}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={per_rank}",
         "actor_rollout_ref.rollout.agent.num_workers=1",
         "actor_rollout_ref.rollout.calculate_log_probs=false",  # the built-in rollout returns none
         "reward.num_workers=1",
         f"reward.custom_reward_function.path={reward.__file__}",
         "trainer.device=cpu",
-        "trainer.n_gpus_per_node=1",
+        f"trainer.n_gpus_per_node={ranks}",
         "trainer.nnodes=1",
         f"trainer.total_training_steps={STEPS}",
         "trainer.logger=[console,file]",
@@ -72,7 +75,7 @@ def overrides(root: Path, out: Path) -> list[str]:
         "trainer.experiment_name=verl_grpo",
         "ray_kwargs.ray_init.num_cpus=16",  # Ray's scheduling units, not cores: verl starts ~8 actors
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
-        "+ray_kwargs.ray_init.num_gpus=1",  # one training-rank slot (platform_cpu.py)
+        f"+ray_kwargs.ray_init.num_gpus={ranks}",  # training-rank slots (platform_cpu.py)
         # a Ray of its own: never join a cluster another test (the Slurm Ray job) has running on this machine
         "+ray_kwargs.ray_init.address=local",
     ]
@@ -150,7 +153,10 @@ def test_rollout_layout_other_than_one_rank_per_replica_is_refused():
 
 
 @pytest.mark.slow
-def test_main_ppo_grpo_on_cpu_with_the_mlite_actor_and_rollout(setup, tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_main_ppo_grpo_on_cpu_with_the_mlite_actor_and_rollout(setup, tmp_path, ranks):
+    """One training rank, or two (gloo: FSDP2 over dp2 in the mlite engine, two rollout replicas, verl's
+    batches split between them)."""
     from safetensors.torch import load_file
 
     env = {
@@ -166,7 +172,7 @@ def test_main_ppo_grpo_on_cpu_with_the_mlite_actor_and_rollout(setup, tmp_path):
             sys.executable,
             "-m",
             "mlite.integrations.verl.main_ppo",
-            *overrides(setup, tmp_path),
+            *overrides(setup, tmp_path, ranks),
             f"hydra.run.dir={tmp_path / 'hydra'}",
         ],
         capture_output=True,
@@ -195,6 +201,7 @@ def test_main_ppo_grpo_on_cpu_with_the_mlite_actor_and_rollout(setup, tmp_path):
     from mlite.runtime.engine import export_checkpoint
 
     saved = tmp_path / "ckpt" / f"global_step_{STEPS}" / "actor" / "mlite"
+    assert sorted(p.name for p in saved.glob("rank_*.pt")) == [f"rank_{r:05d}.pt" for r in range(ranks)]
     exported = export_checkpoint(saved, tmp_path / "export")
     initial = load_file(setup / "model" / "model.safetensors")
     trained = {}
