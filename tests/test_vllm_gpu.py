@@ -1,7 +1,8 @@
-"""GRPO with real vLLM rollout on one GPU (the device machine; vLLM from scripts/gpu_vllm_env.sh): the
+"""GRPO with real vLLM rollout (the device machine; vLLM from scripts/gpu_vllm_env.sh). On one GPU: the
 engine sleeps and gives its memory back between rollouts, the trainer's weights reach it every step (the
 sampler's log-probs match the trainer's forward), seeded sessions repeat, and the demo's GRPO stage runs on
-it and still raises the held-out reward."""
+it and still raises the held-out reward. On 2 and 4 GPUs (`-k several_gpus`): vLLM over the ranks, each rank
+syncing its slab, under tp, FSDP2 and ep training layouts."""
 
 from __future__ import annotations
 

@@ -309,6 +309,23 @@ def test_split_dims_and_padded_slabs():
         sync.tp_slab(64, 3, 0)
 
 
+def test_consumer_slabs_follow_vllms_cuts():
+    """What each rank of a vLLM engine at tp 4 reads: q columns by rank, KV heads shared where there are
+    fewer than the ranks (2 heads of 8: ranks 0-1 read head 0, ranks 2-3 head 1), o rows, the padded
+    vocabulary, norms whole; one rank per engine reads everything."""
+    attn, head_dim = "model.layers.0.self_attn", 8
+    q = [sync.consumer_slab(f"{attn}.q_proj.weight", (64, 32), 4, r, kv_heads=2) for r in range(4)]
+    assert q == [(0, 0, 16), (0, 16, 32), (0, 32, 48), (0, 48, 64)]
+    k = [sync.consumer_slab(f"{attn}.k_proj.weight", (2 * head_dim, 32), 4, r, kv_heads=2) for r in range(4)]
+    assert k == [(0, 0, 8), (0, 0, 8), (0, 8, 16), (0, 8, 16)]
+    v = [sync.consumer_slab(f"{attn}.v_proj.weight", (4 * head_dim, 32), 4, r, kv_heads=4) for r in range(4)]
+    assert v == [(0, 0, 8), (0, 8, 16), (0, 16, 24), (0, 24, 32)]
+    assert sync.consumer_slab(f"{attn}.o_proj.weight", (32, 64), 4, 3) == (1, 48, 64)
+    assert sync.consumer_slab("lm_head.weight", (250, 32), 4, 3) == (0, 192, 250)
+    assert sync.consumer_slab("model.norm.weight", (32,), 4, 1) is None
+    assert sync.consumer_slab(f"{attn}.q_proj.weight", (64, 32), 1, 0) is None
+
+
 def test_recut_refuses_a_missing_or_doubled_element():
     full = torch.arange(24.0).view(4, 6)
     top = sync.WeightShard("w", full[:2], (0, 0), (4, 6))
