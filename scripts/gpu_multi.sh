@@ -11,6 +11,9 @@
 #   scripts/gpu_multi.sh bench   the 4-GPU bench (dp4 dense, ep4 MoE; CASES: others, e.g. their -dist-opt twins),
 #                                alone on the machine (LIMIT per case)
 #   scripts/gpu_multi.sh profile the same two cases through scripts/profile_step.py (LIMIT per case)
+#   scripts/gpu_multi.sh vllm    GRPO with vLLM over the ranks (tests/test_vllm_gpu.py -k several_gpus, 2 and 4
+#                                GPUs), then the 2-GPU rollout bench: 2 engines of tp1 on GPUs 0,1 beside one of
+#                                tp2 on GPUs 2,3 (carry .whl and .vllm1: scripts/vllm_bundle.sh)
 # Each piece has its own time limit, so one that hangs leaves the others' results.
 set -uo pipefail
 part=${1:?usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile}
@@ -76,5 +79,19 @@ case $part in
       echo "profile $case: exit $?"; grep -E "^step|^rank 0|^compiled|^host" "$out/profile-$case.txt"
     done
     ;;
-  *) echo "usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile" >&2; exit 2 ;;
+  vllm)  # the tests use every GPU in turn; the two rollout benches share the machine, two GPUs each
+    # shellcheck source=scripts/gpu_vllm_env.sh
+    . scripts/gpu_vllm_env.sh
+    timeout "${LIMIT:-420}" "${PYTEST[@]}" -m vllm tests/test_vllm_gpu.py -s -k several_gpus \
+      >"$out/vllm-tests.log" 2>&1
+    echo "vllm tests: exit $?"; grep -E " step: |PASSED|FAILED|passed|failed" "$out/vllm-tests.log" | tail -20
+    for tp in 1 2; do
+      gpus=$([ "$tp" = 1 ] && echo 0,1 || echo 2,3)
+      (CUDA_VISIBLE_DEVICES=$gpus timeout "${LIMIT:-330}" torchrun --nproc-per-node 2 \
+         --rdzv-backend c10d --rdzv-endpoint "localhost:$((29500 + tp * 11))" \
+         scripts/rollout_bench.py qwen3-1.7b --tp "$tp" >"$out/rollout-bench-tp$tp.log" 2>&1) &
+    done
+    wait; grep -h '^{' "$out"/rollout-bench-tp*.log
+    ;;
+  *) echo "usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile|vllm" >&2; exit 2 ;;
 esac
