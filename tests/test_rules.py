@@ -311,3 +311,26 @@ print(len(functions), "functions")
 def test_the_rule_book_imports_no_torch_at_module_level():
     tree = inspect.getsource(rules)
     assert "import torch" not in tree and "from torch" not in tree
+
+
+def test_rollout_tp_must_split_like_vllm_does():
+    """vLLM over rollout.tp ranks splits KV heads (or shares one among tp / kv ranks) and the MLP and expert
+    intermediate sizes: a rollout.tp it cannot split that way is refused at start-up, in one line."""
+    from dataclasses import replace
+
+    from mlite.config import load_job
+    from mlite.config.catalog import preset_arch
+    from mlite.errors import MliteError
+    from mlite.plan.rules import check_rollout
+
+    job = load_job("demo_grpo", ["cluster.gpu=h100", "trainer.device=cuda", "cluster.gpus_per_node=4",
+                                 "rollout.engine=vllm", "rollout.tp=4"])
+    arch = preset_arch("tiny-qwen3")  # 4 heads, 2 KV heads (each shared by 2 of the 4 ranks), MLP 128
+    check_rollout(job, arch, 4)
+    with pytest.raises(MliteError, match=r"rollout.tp=4 and tiny-qwen3's 3 KV heads: vLLM needs one"):
+        check_rollout(job, replace(arch, num_kv_heads=3), 4)
+    with pytest.raises(MliteError, match=r"does not divide tiny-qwen3's MLP intermediate size 130"):
+        check_rollout(job, replace(arch, ffn=130), 4)
+    moe = preset_arch("tiny-qwen3-moe")
+    with pytest.raises(MliteError, match=r"expert intermediate size 30 \(vLLM splits it"):
+        check_rollout(job, replace(moe, moe=replace(moe.moe, expert_ffn=30)), 4)

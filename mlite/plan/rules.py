@@ -454,6 +454,22 @@ def check_rollout(job: JobConfig, arch: ModelArch, world_size: int) -> None:
             f"rollout.tp={r.tp} does not divide {arch.name}'s {arch.num_heads} attention heads; "
             "use a divisor of them"
         )
+    kv = arch.num_kv_heads
+    if r.tp > 1 and arch.mla is None and (kv % r.tp if kv >= r.tp else r.tp % kv):
+        # vLLM splits KV heads over its ranks, or gives each rank one KV head shared by tp / kv ranks
+        raise MliteError(
+            f"rollout.tp={r.tp} and {arch.name}'s {kv} KV heads: vLLM needs one to divide the other; "
+            "use a divisor or a multiple of the KV heads"
+        )
+    ffns = {"MLP intermediate size": arch.ffn}
+    if arch.moe is not None:
+        ffns["expert intermediate size"] = arch.moe.expert_ffn
+    for what, size in ffns.items():
+        if r.tp > 1 and size and size % r.tp:
+            raise MliteError(
+                f"rollout.tp={r.tp} does not divide {arch.name}'s {what} {size} (vLLM splits it over its "
+                "ranks); use a divisor of it"
+            )
     needed = r.max_prompt_length + r.max_response_length
     if needed > job.data.seq_len:
         raise MliteError(
