@@ -254,9 +254,11 @@ def test_offload_moves_what_verl_asks_for(model_dir):
     assert state["step"].device.type == "cpu"  # Adam's step count stays where the optimizer reads it
 
 
-def _ranks_before_and_after_initialize(rank, world, model_dir, reference):
+def _ranks_before_and_after_initialize(rank, world, model_dir, reference, weights):
     """On each gloo rank: what the engine answers before `initialize` (from the layout's arithmetic) must
-    be what the runtime's meshes answer after it; then log-probs must equal one process's."""
+    be what the runtime's meshes answer after it; then log-probs must equal one process's, and the weight
+    stream verl's rollout sync reads must give every rank every HF tensor whole, as one process has it
+    (pipeline stages included)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
@@ -298,6 +300,10 @@ def _ranks_before_and_after_initialize(rank, world, model_dir, reference):
             log_probs = engine.infer_batch(verl_batch())["model_output"]["log_probs"]
         for ours, theirs in zip(log_probs.unbind(), reference, strict=True):
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        streamed = [(name, tensor.clone()) for name, tensor in engine.get_per_tensor_param()[0]]
+        assert sorted(name for name, _ in streamed) == sorted(weights), (pp, tp, cp)
+        for name, tensor in streamed:
+            assert torch.equal(tensor, weights[name]), (pp, tp, cp, rank, name)
         if cp > 1:  # verl's loss needs whole sequences: training under cp is refused in one line
             with pytest.raises(MliteError, match="context_parallel_size=2: training through verl's loss"):
                 with engine.train_mode():
@@ -312,7 +318,8 @@ def test_ranks_before_initialize_are_the_runtimes(model_dir):
     engine = build_engine(model_dir)
     with engine.eval_mode():
         reference = list(engine.infer_batch(verl_batch())["model_output"]["log_probs"].unbind())
-    launch(2, _ranks_before_and_after_initialize, str(model_dir), reference)
+    weights = {name: tensor.clone() for name, tensor in engine.get_per_tensor_param()[0]}
+    launch(2, _ranks_before_and_after_initialize, str(model_dir), reference, weights)
 
 
 @pytest.mark.parametrize("world,tp", [(3, 1), (16, 1), (16, 2)])

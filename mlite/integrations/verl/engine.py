@@ -380,9 +380,11 @@ class MliteEngine(BaseEngine):
 
     def get_per_tensor_param(self, **kwargs) -> tuple[Iterator[tuple[str, torch.Tensor]], None]:
         """HF-named full tensors in the rollout's dtype (`weight_sync_dtype`), and no PEFT config (LoRA is
-        refused at construction), as verl's engines return."""
+        refused at construction), as verl's engines return. Every rank gets every tensor whole, one at a
+        time, from the ranks that hold its pieces (`Runtime.tp_group_weights` at tp 1: any layout,
+        pipeline stages included; collective, every rank drains it)."""
         dtype = weight_sync_dtype(self.runtime.job.precision.compute, self.runtime.device.type)
-        return self.runtime.export_weights(dtype), None
+        return self.runtime.tp_group_weights(dtype, 1), None
 
     def get_per_tensor_param_shard(self, **kwargs) -> tuple[Iterator[tuple[str, torch.Tensor, Any]], None]:
         """verl's sharded export: each rank's own pieces of every HF tensor, nothing gathered
