@@ -348,3 +348,10 @@ def test_one_process_sends_every_tensor_whole():
     assert [s.name for s in shards] == list(whole)
     for s in shards:
         assert s.offsets == (0,) * len(s.shape) and torch.equal(s.tensor, whole[s.name]), s.name
+    # what a one-GPU vLLM engine loads: the same tensors, whole, in the same order
+    stats: dict = {}
+    streamed = list(rt.tp_group_weights(DTYPE, 1, stats))
+    assert [name for name, _ in streamed] == list(whole)
+    assert all(torch.equal(tensor, whole[name]) for name, tensor in streamed)
+    assert stats == {"tensors": len(whole), "received_bytes": 0,
+                     "bytes": sum(t.numel() * t.element_size() for t in whole.values())}

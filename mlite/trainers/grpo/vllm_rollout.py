@@ -6,9 +6,9 @@ sleep-mode pool: between rollouts it sleeps at level 2, which discards its weigh
 session re-sends the weights anyway; vLLM keeps its buffers, the rotary tables say, on the host), so
 training has the GPU to itself. One session:
 
-1. wake the weights' memory, stream the weights into it (`Runtime.weight_shards` in the rollout dtype,
-   per tensor in HF names, the rank's own pieces: whole tensors on one process), through vLLM's
-   `reload_weights` (each model's own `load_weights`, fusing q/k/v and gate/up as its kernels want);
+1. wake the weights' memory, stream the weights into it (`Runtime.tp_group_weights` in the rollout
+   dtype, per tensor in HF names: whole tensors on one process, the rank's slab on several), through
+   vLLM's `reload_weights` (each model's own `load_weights`, fusing q/k/v and gate/up as its kernels want);
 2. wake the KV cache, generate from token ids (no tokenizer in vLLM: `skip_tokenizer_init`);
 3. sleep again and give the memory back.
 
@@ -111,26 +111,15 @@ class VLLMRollout:
         self.llm.sleep(level=2)
         self.stats: dict[str, float] = {}  # the last session's: sync seconds and bytes, generated tokens
 
-    def weights(self, sent: dict) -> Iterator[tuple[str, torch.Tensor]]:
-        """What this rank's vLLM worker loads: on one process every HF tensor whole, as the trainer holds
-        it; on several, each tensor full-shaped with this rank's slab filled (collective: vLLM's
-        load_weights drains it on every rank, in one order)."""
-        if self.world > 1:
-            yield from self.runtime.tp_group_weights(self.dtype, self.tp, sent)
-            return
-        for shard in self.runtime.weight_shards(self.dtype):
-            if tuple(shard.tensor.shape) != tuple(shard.shape):  # one process holds every tensor whole
-                raise MliteError(f"weight sync: {shard.name} arrived as a piece on one process")
-            sent["tensors"] += 1
-            sent["bytes"] += shard.tensor.numel() * shard.tensor.element_size()
-            yield shard.name, shard.tensor
-
     def load_weights(self) -> None:
-        """The trainer's current weights into vLLM, one HF tensor at a time in the rollout dtype."""
+        """The trainer's current weights into vLLM, one HF tensor at a time in the rollout dtype, each
+        full-shaped with this rank's slab filled (on one process: whole). Collective: vLLM's load_weights
+        drains the stream on every rank, in one order."""
         sent = {"tensors": 0, "bytes": 0, "received_bytes": 0}
         started = time.perf_counter()
+        weights = self.runtime.tp_group_weights(self.dtype, self.tp, sent)
         with torch.no_grad():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.weights(sent)})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
         torch.cuda.synchronize()
         self.stats.update({"time/sync_s": time.perf_counter() - started,
