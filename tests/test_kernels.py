@@ -235,6 +235,22 @@ def test_torch_grouped_mm_equals_the_loop_in_bf16(counts):
 
 
 @pytest.mark.gpu
+def test_grouped_gemm_under_autocast_takes_the_grouped_kernel():
+    """One process with fp32 master weights computes under autocast: fp32 experts and activations go to
+    torch._grouped_mm in bf16, as autocast runs a matmul (compiled whole: the per-expert loop's host sync
+    would break the graph), equal to the loop under autocast, with fp32 gradients for the fp32 weights."""
+    x, w, c = grouped_inputs([128, 0, 64, 320], n_in=64, n_out=128, dtype=torch.float32, device="cuda")
+    w.requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = torch.compile(grouped_gemm, fullgraph=True)(x, w, c)
+        loop = grouped_gemm_loop(x, w, c)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, loop, rtol=2e-2, atol=5e-1)
+    out.float().sum().backward()
+    assert w.grad is not None and w.grad.dtype == torch.float32
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v4"])
 def test_moe_block_compiles_to_one_graph_on_cuda(family):
     """The whole MoE block (router, permute, grouped GEMM, combine, statistics; V4: hash or bias routing

@@ -28,6 +28,12 @@ def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x [M, in] grouped by expert, w [E, out, in], counts [E] -> [M, out]."""
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+        # autocast (one process, fp32 master weights) does not cover torch._grouped_mm: cast both operands
+        # as it casts a matmul's, or fp32 experts would fall to the loop (a host sync and a graph break
+        # per call)
+        dtype = torch.get_autocast_dtype("cuda")
+        x, w = x.to(dtype), w.to(dtype)
     if _grouped_mm_fits(x, w):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # end row of each expert's group
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
