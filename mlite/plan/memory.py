@@ -367,8 +367,8 @@ def _rollout_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int, 
                                 "the whole model in fp32 on every rank (Runtime.rollout_model)"))
         if replica > capacity_gb * HEADROOM:
             notes.append(f"the built-in rollout replicates the whole model on every rank ({replica:.0f} GB): "
-                         "a GPU cannot hold it; roll out with verl and vLLM (mlite's own vLLM rollout runs "
-                         "on one GPU in this version)")
+                         "a GPU cannot hold it; roll out on vLLM over the ranks (rollout.engine: vllm, "
+                         "rollout.tp: GPUs per engine), each rank holding its slab")
     items.append(MemoryItem("KV cache", sequences * kv / GIB, f"{sequences} sequences x {length} tokens"))
     cpu = job.cluster.gpu == "cpu"
     items.append(MemoryItem("framework overhead", CPU_OVERHEAD_GB if cpu else GPU_OVERHEAD_GB, ""))
