@@ -733,9 +733,9 @@ def check_offload(job: JobConfig, world_size: int, device_type: str) -> None:
 
 def check_rollout_engine(job: JobConfig, world_size: int, device_type: str) -> None:
     """Where the vLLM rollout runs: colocated on the job's GPUs, world / rollout.tp engines of rollout.tp
-    ranks each (check_rollout: it divides the world and the heads). Whether vLLM is installed is the
-    trainers' start-up check (`mlite.trainers.grpo.vllm_rollout.require_vllm`): the planner may run where
-    the job will not."""
+    ranks each (check_rollout: rollout.tp divides the world and splits the model as vLLM does). Whether
+    vLLM is installed is the trainers' start-up check (`mlite.trainers.grpo.vllm_rollout.require_vllm`):
+    the planner may run where the job will not."""
     if job.rollout is None or job.rollout.engine != "vllm":
         return
     if device_type != "cuda":
