@@ -170,16 +170,22 @@ def test_replicas_draw_their_own_sequences_and_the_ranks_of_one_replica_the_same
 
 def test_dist_opt_cases_run_megatrons_optimizer_against_one_gpu_with_the_same_masters():
     """A `-dist-opt` case is its fsdp2 twin under optimizer.backend dist_opt, with fp32 masters (Megatron's
-    optimizer keeps no bf16 ones); the one-GPU reference keeps them too, so scaling is the backend's cost.
+    optimizer keeps no bf16 ones); the one-GPU reference keeps them too, so scaling is the backend's cost,
+    except where the planner says fp32 masters do not fit one H100 (8 MoE layers): then it keeps bf16 ones.
     The planner sizes what runs: fp32 masters and Adam state, sharded over dp, cost more than bf16 ones."""
     from mlite.bench import CASES, case_arch, case_job, planner_estimate_gb
+    from mlite.plan import plan_job
 
     for name in ("dense-1.7b-4k-dp2", "dense-1.7b-4k-dp4", "moe-30b-a3b-8l-4k-ep4"):
         fsdp2, ours = CASES[name], CASES[f"{name}-dist-opt"]
         job, one_gpu = case_job(ours, "cuda"), case_job(ours, "cuda", one_gpu=True)
         assert (job.optimizer.backend, job.precision.master) == ("dist_opt", "fp32")
+        fp32_on_one_h100 = case_job(ours, "cuda", one_gpu=True,
+                                    overrides=["cluster.gpu=h100", "precision.master=fp32"])
+        fits = plan_job(fp32_on_one_h100, case_arch(ours)).memory.fits
         assert (one_gpu.optimizer.backend, one_gpu.precision.master, one_gpu.cluster.world_size) == (
-            "fsdp2", "fp32", 1)
+            "fsdp2", "fp32" if fits else "bf16", 1), name
+        assert fits == (name != "moe-30b-a3b-8l-4k-ep4")
         assert (job.parallel.ep, job.cluster.world_size) == (fsdp2.ep, fsdp2.gpus)
         assert case_job(fsdp2, "cuda").precision.master == "bf16"
         planned = planner_estimate_gb(ours, case_arch(ours), "h100")
