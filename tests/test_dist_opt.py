@@ -11,13 +11,15 @@ GPU (`-m gpu`, 2 GPUs, NCCL, bf16 compute, megatron-core 0.16.1):
   inner AdamW group.
 - deterministic mode: two dist_opt runs (fresh processes) give bitwise-identical losses, grad norms,
   bf16 weights and fp32 master shards, and both ranks hold the same weights after each all-gather; a third
-  run with the overlap off (every reduce-scatter at the step) gives the same bits. With it on, every
-  bucket group after the first step starts its reduce-scatter during the last micro-batch's backward.
+  run with the overlaps off (every reduce-scatter and all-gather at the step) gives the same bits. With
+  them on, every bucket group after the first step starts its reduce-scatter during the last
+  micro-batch's backward, and each step leaves every all-gather for the next forward to wait on.
 - `mlite sft` with optimizer.backend dist_opt under dp2, tp2, pp2, pp2 x vpp2 (dense) and pp2, ep2, tp2
   (MoE): the curve of one GPU within bf16 rounding; a run resumed from its step-2 checkpoint continues it
   bitwise (trainer.deterministic); under dp2, tp2 and ep2, two runs are bitwise identical, and so is a
-  third with `optimizer.overlap_grad_reduce: false` (reduced at the step, not during the backward); the same
-  checkpoint resumed by fsdp2 continues the curve within bf16 rounding (the format is shared).
+  third with `optimizer.overlap_grad_reduce: false` and `optimizer.overlap_param_gather: false` (reduced
+  and gathered at the step); the same checkpoint resumed by fsdp2 continues the curve within bf16
+  rounding (the format is shared).
 
 Run on a 2-GPU machine:  . scripts/gpu_env.sh && pytest -m gpu tests/test_dist_opt.py -q -p no:cacheprovider
 """
@@ -68,6 +70,7 @@ def dist_opt_job(overlap: bool = True, **sections):
     optimizer = {
         "backend": "dist_opt",
         "overlap_grad_reduce": overlap,
+        "overlap_param_gather": overlap,
         "lr": LR,
         "weight_decay": 0.01,
         "betas": [0.9, 0.999],
@@ -169,7 +172,7 @@ def train_dist_opt(model, backend, schedule, rank, world, steps) -> list[tuple[f
     reduce-scatter during the backward."""
     batches = [b.to(device()) for b in make_batches(MAX_STEPS * MICRO_BATCHES)]
     history = []
-    backend.overlapped = []
+    backend.overlapped, backend.in_flight = [], []
     for step in steps:
         step_batches = batches[step * MICRO_BATCHES : (step + 1) * MICRO_BATCHES]
         targets = total_targets(step_batches)
@@ -186,10 +189,12 @@ def train_dist_opt(model, backend, schedule, rank, world, steps) -> list[tuple[f
         dist.all_reduce(aux_total)
         norm, skipped = backend.step()
         backend.overlapped.append(backend.overlapped_buckets)
+        backend.in_flight.append(backend.gathers_in_flight)  # the step starts them, the next forward awaits
         assert not skipped, f"rank {rank} step {step}: update skipped (non-finite gradient), norm {norm}"
         backend.zero_grad()
         schedule.step()
         history.append((float(ce_total + aux_total), norm))
+    backend.finish_param_gather()  # the last step's weights, for whoever reads them next
     return history
 
 
@@ -235,6 +240,8 @@ def _determinism_worker(rank, world, out, overlap):
             "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
             "shards": [s.detach().cpu() for s in backend.main_shards],
             "overlapped": backend.overlapped,
+            "in flight": backend.in_flight,
+            "bucket groups": len(backend.bucket_groups),
         },
         f"{out}.{rank}",
     )
@@ -297,7 +304,8 @@ def test_two_deterministic_dist_opt_runs_are_bitwise_identical(tmp_path, monkeyp
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts in the spawned ranks
     monkeypatch.setenv("NCCL_ALGO", "Ring")  # one reduction order for every collective
     runs = []
-    # a and b overlap the reduce-scatter with the backward; c reduces at the step: the same sums, same bits
+    # a and b overlap the reduce-scatter with the backward and the all-gather with the next forward; c does
+    # both at the step: the same sums, the same gathers, the same bits
     for name, overlap in (("a", True), ("b", True), ("c", False)):
         launch(2, _determinism_worker, str(tmp_path / name), overlap, backend="nccl")  # fresh processes
         runs.append([torch.load(tmp_path / f"{name}.{rank}") for rank in range(2)])
@@ -305,6 +313,9 @@ def test_two_deterministic_dist_opt_runs_are_bitwise_identical(tmp_path, monkeyp
     report = "\n" + table({f"run {name} (rank 0)": run[0]["history"] for name, run in zip("abc", runs)})
     assert first[0]["overlapped"][1:] and all(first[0]["overlapped"][1:]), report  # it did overlap
     assert at_step[0]["overlapped"] == [0] * STEPS, report  # it did not
+    # each step left every bucket group's all-gather to the next forward; without the overlap, none
+    assert first[0]["in flight"] == [first[0]["bucket groups"]] * STEPS, report
+    assert at_step[0]["in flight"] == [0] * STEPS, report
 
     for rank, second in itertools.product(range(2), runs[1:]):
         assert first[rank]["history"] == second[rank]["history"], f"rank {rank}: histories differ{report}"
@@ -394,8 +405,8 @@ def test_dist_opt_trains_a_layout_like_one_gpu_and_resumes(assets, one_gpu, tmp_
         assert exact(again) == exact(first), "two deterministic dist_opt runs differ"
         # reduced at the step instead of during the backward: the same sums of the same buckets
         at_step = sft(tmp_path, gpu_job(assets, model, tmp_path / "c"), 2, DIST_OPT, *layout,
-                      "optimizer.overlap_grad_reduce=false")
-        assert exact(at_step) == exact(first), "overlap_grad_reduce false changed the curve"
+                      "optimizer.overlap_grad_reduce=false", "optimizer.overlap_param_gather=false")
+        assert exact(at_step) == exact(first), "reducing and gathering at the step changed the curve"
     if as_fsdp2:  # the checkpoint's format is the layout's and the backend's: fsdp2 reads it
         crossed = sft(tmp_path, gpu_job(assets, model, tmp_path / "f"), 2, *layout, f"trainer.resume={step2}")
         assert_same_curve(crossed, first[2:], rtol=BF16_RTOL)

@@ -141,6 +141,10 @@ class OptimizerConfig(Section):
     # dist_opt: start each gradient bucket's reduce-scatter while the step's last backward still runs (as
     # Megatron's overlap_grad_reduce); false reduces everything at the step. FSDP2 always overlaps.
     overlap_grad_reduce: bool = True
+    # dist_opt: the step only starts the all-gathers of the new weights, and the next forward waits for each
+    # bucket just before the first layer that reads it (Megatron's overlap_param_gather); false gathers
+    # everything at the step. FSDP2 always prefetches its next unit.
+    overlap_param_gather: bool = True
 
     @field_validator("betas", mode="before")
     @classmethod

@@ -497,7 +497,7 @@ def check_runtime_keys(
     check_fsdp_one_rank(job, world_size)
     check_fsdp_units(job, world_size)
     check_fsdp_grad_accumulation(job, world_size)
-    check_overlap_grad_reduce(job)
+    check_overlaps(job)
     check_backend_trained(job, device_type, has_megatron)
     check_precision(job, world_size, device_type)
     check_offload(job, world_size, device_type)
@@ -698,15 +698,17 @@ def check_fsdp_grad_accumulation(job: JobConfig, world_size: int) -> None:
         )
 
 
-def check_overlap_grad_reduce(job: JobConfig) -> None:
-    """optimizer.overlap_grad_reduce switches dist_opt's overlap; FSDP2 reduce-scatters each unit as its
-    backward ends, always."""
-    if not job.optimizer.overlap_grad_reduce and job.optimizer.backend != "dist_opt":
-        raise MliteError(
-            "optimizer.overlap_grad_reduce: false turns off dist_opt's overlap, and optimizer.backend is "
-            f"{job.optimizer.backend}, whose reduce-scatter always overlaps the backward; remove "
-            "optimizer.overlap_grad_reduce, or use optimizer.backend dist_opt"
-        )
+def check_overlaps(job: JobConfig) -> None:
+    """optimizer.overlap_grad_reduce and overlap_param_gather switch dist_opt's overlaps; FSDP2
+    reduce-scatters each unit as its backward ends and prefetches the next unit's all-gather, always."""
+    for key, what in (("overlap_grad_reduce", "reduce-scatter always overlaps the backward"),
+                      ("overlap_param_gather", "all-gather always overlaps the forward")):
+        if not getattr(job.optimizer, key) and job.optimizer.backend != "dist_opt":
+            raise MliteError(
+                f"optimizer.{key}: false turns off dist_opt's overlap, and optimizer.backend is "
+                f"{job.optimizer.backend}, whose {what}; remove optimizer.{key}, or use optimizer.backend "
+                "dist_opt"
+            )
 
 
 def check_offload(job: JobConfig, world_size: int, device_type: str) -> None:

@@ -181,14 +181,23 @@ class Runtime:
     def eval(self) -> None:
         self.model.eval()
 
+    def weights_current(self) -> None:
+        """Wait for the weights of the last step to land (dist_opt starts their all-gathers at the step and
+        the next training forward waits for them layer by layer): whatever reads the weights otherwise
+        calls this first."""
+        if self.job.optimizer.backend == "dist_opt":
+            self.optim.finish_param_gather()
+
     def snapshot_weights(self) -> dict[str, torch.Tensor]:
         """This rank's shards of the current weights (mlite.runtime.state.snapshot_weights)."""
+        self.weights_current()
         return state.snapshot_weights(self.model)
 
     def forward_with_weights(self, snapshot: dict[str, torch.Tensor], micro_batches: list[PackedBatch],
                              temperature: float = 1.0) -> list[dict[str, Any]]:
         """Forward-only log-probs of the snapshot's weights through this runtime's own path (layout,
         sequence split, vocab-parallel loss, pipeline): the GRPO reference policy on any layout."""
+        self.weights_current()  # the swap writes into the weights' storage
         with state.swapped_weights(self.model, snapshot):
             return self.forward_backward(micro_batches, None, forward_only=True, temperature=temperature)
 
@@ -200,25 +209,30 @@ class Runtime:
         """The model the native sampler decodes with (mlite.trainers.grpo.rollout): the model itself on one
         process, else a plain replica of the current weights and buffers gathered once per rollout, from
         every pipeline stage too (mlite.runtime.state.rollout_model)."""
+        self.weights_current()
         return state.rollout_model(self)
 
     # ------------------------------------------------------------------------------ state & export
     def save_checkpoint(self, path: str | Path, extra_state: dict | None = None) -> Path:
+        self.weights_current()
         return state.save_checkpoint(self, path, extra_state)
 
     def load_checkpoint(self, path: str | Path, weights_only: bool = False) -> dict:
         return state.load_checkpoint(self, path, weights_only)
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        self.weights_current()
         return state.export_weights(self, dtype)
 
     def weight_shards(self, dtype: torch.dtype | None = None) -> Iterator[Any]:
         """This rank's pieces of the HF tensors (HF name, piece, offsets, full shape) in `dtype`, for rollout
         weight sync: only what it holds, each element sent by one rank of the world (mlite.runtime.state)."""
+        self.weights_current()
         return state.weight_shards(self, dtype)
 
     def tp_group_weights(self, dtype: torch.dtype | None, tp_size: int, stats: dict | None = None
                          ) -> Iterator[tuple[str, torch.Tensor]]:
         """For a rollout engine of `tp_size` consecutive ranks (collective, every rank drains it): each HF
         tensor in full shape, holding the slab this rank's engine reads (NaN elsewhere)."""
+        self.weights_current()
         return state.tp_group_weights(self, dtype, tp_size, stats)

@@ -89,6 +89,7 @@ def move_state(runtime, device: str | torch.device, model: bool = True, optimize
     if target.index is None and target.type == runtime.device.type:
         target = runtime.device
     if model:
+        runtime.weights_current()
         for p in runtime.model.parameters():
             p.data = p.data.to(target)
             if p.grad is not None:

@@ -33,7 +33,10 @@ the same buckets are summed in the same order.
 What Megatron owns after wrapping: the bf16 compute weights (its param buffer); fp32 master weights and
 Adam state exist only as this rank's shards in the DistributedOptimizer (1/(dp x cp) of each dense tensor,
 1/edp of each expert tensor). The step: grad norm over all shards, clipping, AdamW on the shards, then an
-all-gather of the updated weights into every rank's param buffer.
+all-gather of the updated weights into every rank's param buffer. Under `optimizer.overlap_param_gather`
+(on by default) the step only starts the all-gathers, and the next forward waits for each bucket group in
+a pre-forward hook of the first module that reads it, so the gathers run under the forward's compute;
+anything else that reads the weights first calls `finish_param_gather` (the Runtime does).
 
 Conventions mapped onto Megatron's switches:
 - Our loss is each rank's share of the global loss (normalised by the step's global target count), so
@@ -138,7 +141,7 @@ class DistOptBackend:
     LocalAdamW: that is the way to set the lr per step."""
 
     def __init__(self, chunks: dict[int, nn.Module], ddps: list, optimizer, twins: list[Twin],
-                 tp_group: dist.ProcessGroup | None, overlap: bool):
+                 tp_group: dist.ProcessGroup | None, overlap: bool, overlap_gather: bool = False):
         self.chunks = chunks  # our modules; their parameters now live in Megatron's param buffers
         self.ddps = ddps  # megatron.core.distributed.DistributedDataParallel, one per chunk
         self.optimizer = optimizer  # megatron.core.optimizer ChainedOptimizer(DistributedOptimizer, ...)
@@ -154,8 +157,14 @@ class DistOptBackend:
         self._expected: dict[Any, int] = {}  # the same, learnt in the first step (the trigger count)
         self._started: list = []  # bucket groups whose reduce-scatter the backward started, in order
         self.overlapped_buckets = 0  # of the last step: how many bucket groups reduced during the backward
+        self.overlap_gather = overlap_gather
+        self._gathering: set = set()  # bucket groups whose all-gather of the new weights is in flight
+        self._gather_order: list = []  # every bucket group, in the order the forward first reads them
         for twin in twins:
             twin.param.register_post_accumulate_grad_hook(self._grad_hook(twin))
+        if overlap_gather:
+            for index, chunk in chunks.items():
+                self._hook_param_gather(chunk, [t for t in twins if t.chunk == index])
 
     @property
     def ddp_model(self):
@@ -197,10 +206,63 @@ class DistOptBackend:
             group.start_grad_sync()
             self._started.append(group)
 
+    def _hook_param_gather(self, chunk: nn.Module, twins: list[Twin]) -> None:
+        """Under optimizer.overlap_param_gather the step only starts the all-gathers of the new weights; the
+        next forward waits for each bucket group just before the first module that reads its weights: the
+        chunk's own pre-forward for what comes before the layers (the embedding), each block's for its own,
+        and the last layer's post-forward for what comes after them (final norm, LM head, MTP's extras).
+        Block-level hooks stay outside the compiled block bodies, as FSDP2's do."""
+        layers = blocks(chunk)
+        in_block = {id(p): i for i, layer in enumerate(layers) for p in layer.parameters()}
+        order = {id(p): i for i, p in enumerate(chunk.parameters())}
+        first_block = min((order[i] for i in in_block), default=len(order))
+        before, per_block, after = [], [[] for _ in layers], []
+        for twin in twins:
+            pid = id(twin.param)
+            if pid in in_block:
+                where = per_block[in_block[pid]]
+            else:
+                where = before if order[pid] < first_block else after
+            if twin.bucket_group not in where:
+                where.append(twin.bucket_group)
+        for groups in (before, *per_block, after):
+            self._gather_order += [g for g in groups if g not in self._gather_order]
+        chunk.register_forward_pre_hook(lambda *_: self._await_gather(before))
+        for layer, groups in zip(layers, per_block, strict=True):
+            layer.register_forward_pre_hook(lambda *_, groups=groups: self._await_gather(groups))
+        last_layer = list(chunk.layers.values())[-1]
+        last_layer.register_forward_hook(lambda *_: self._await_gather(after))
+
+    def _await_gather(self, groups) -> None:
+        for group in groups:
+            if group in self._gathering:
+                group.finish_param_sync(skip_next_bucket_dispatch=True)  # waits on its NCCL work
+                self._gathering.discard(group)
+
+    @property
+    def gathers_in_flight(self) -> int:
+        """Bucket groups whose all-gather the last step started and no forward has waited for yet."""
+        return len(self._gathering)
+
+    def finish_param_gather(self) -> None:
+        """Wait for every all-gather the last step started: before anything reads the weights outside a
+        training forward (checkpoints, export, rollout sync; the Runtime calls it) and before the next
+        step writes the param buffers."""
+        self._await_gather([g for g in self.bucket_groups if g in self._gathering])
+
+    def _start_param_gather(self) -> None:
+        """Start every bucket group's all-gather of the updated weights, async on NCCL's stream, in the
+        order the forward reads them (dense and expert buckets interleaved as the layers use them)."""
+        for group in self._gather_order:
+            group.start_param_sync()
+            self._gathering.add(group)
+
     def step(self) -> tuple[float, bool]:
         """Reduce-scatter the gradients (wait for those the backward started), clip, update and all-gather
-        the new weights. Returns (grad norm before clipping, skipped); a non-finite gradient on any rank
-        skips the update on all (its norm is then not computed: nan)."""
+        the new weights (under overlap_param_gather: start the all-gathers, which the next forward's hooks
+        wait for). Returns (grad norm before clipping, skipped); a non-finite gradient on any rank skips the
+        update on all (its norm is then not computed: nan)."""
+        self.finish_param_gather()  # the step writes the param buffers the all-gathers write into
         for group in self.bucket_groups:
             if group not in self._started:
                 group.start_grad_sync()  # async under overlap; reduced right here without it
@@ -211,6 +273,8 @@ class DistOptBackend:
             self._expected = dict(self._landed)
         self._landed, self._started = {}, []
         updated, grad_norm, _ = self.optimizer.step()
+        if updated and self.overlap_gather:
+            self._start_param_gather()
         if not updated:
             self.skipped_steps += 1
             self.zero_grad()  # the skipped step's gradients must not leak into the next one
@@ -261,6 +325,7 @@ class DistOptBackend:
         and moment gathered over its data-parallel group into this rank's local shape, a DTensor over the
         parameter's own tp / ep mesh (DCP writes one copy of what several ranks hold). Collective: every
         rank of a data-parallel group reduces every parameter, whether it owns a shard of it or not."""
+        self.finish_param_gather()
         model, state = {}, {}
         for twin in self.twins:
             opt, shard, span = self._shard_state(twin.shadow)
@@ -287,6 +352,7 @@ class DistOptBackend:
         """Put what `checkpoint_state`'s layout read back from a checkpoint into Megatron's shards (masters,
         moments, step: where this rank owns a shard) and its bf16 param buffer (the compute weights, rounded
         from the masters: every rank)."""
+        self.finish_param_gather()  # the load writes the param buffers
         with torch.no_grad():
             for twin in self.twins:
                 master = _local(model[twin.name])
@@ -407,6 +473,9 @@ def build_dist_opt(
         # async reduce-scatters: the backend starts each bucket's in the step's last backward (its hooks, not
         # Megatron's: Megatron's would watch the shadows, which autograd never reaches)
         overlap_grad_reduce=opt.overlap_grad_reduce,
+        # the step starts the all-gathers of the new weights and the next forward waits for each bucket
+        # group where it first reads it (the backend's hooks on our modules: Megatron's watch the shadows)
+        overlap_param_gather=opt.overlap_param_gather,
         use_distributed_optimizer=True,
         average_in_collective=False,  # SUM (with calculate_per_token_loss: no pre-scaling either)
     )
@@ -469,4 +538,5 @@ def build_dist_opt(
     optimizer = get_megatron_optimizer(optimizer_config, ddps, use_gloo_process_groups=False)
     for group in optimizer.param_groups:
         group["weight_decay"] = opt.weight_decay * group.get("wd_mult", 1.0)
-    return DistOptBackend(chunks, ddps, optimizer, twins, tp_group, opt.overlap_grad_reduce)
+    return DistOptBackend(chunks, ddps, optimizer, twins, tp_group, opt.overlap_grad_reduce,
+                          opt.overlap_param_gather)
