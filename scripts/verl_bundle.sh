@@ -9,15 +9,15 @@
 # What the bundle holds:
 #   - ray at the image's pin, cut to its core (see RAY_DROP below): what ray.init() of a local cluster, actors,
 #     placement groups, ray.util.collective and the state API (verl imports ray.util.state) need. Raylet,
-#     gcs_server, _raylet.so and the dashboard's Python modules stay (raylet starts the dashboard agent and the
-#     runtime-env agent; without aiohttp_cors/opencensus/... they run in Ray's "minimal" mode, and
-#     ray.init() starts no dashboard head); the Java jars, the dashboard's web frontend and the libraries
-#     (rllib, tune, train, data, serve, llm, air, workflow) go;
+#     gcs_server, _raylet.so and the dashboard's Python modules stay (ray.init() starts the dashboard process,
+#     the dashboard agent and the runtime-env agent; without aiohttp_cors/opencensus/... they run in Ray's
+#     "minimal" mode: no HTTP server, no dashboard modules); the Java jars, the dashboard's web frontend and
+#     the libraries (rllib, tune, train, data, serve, llm, air, workflow) go;
 #   - verl and the packages its import path needs (DEPS below; each says who imports it);
 #   - bin/ray, a console script that runs on whatever python3 comes first on PATH.
-# Nothing that .whl/ or the vLLM bundle carries is carried twice (checked below).
+# Nothing that .whl/ or the vLLM bundle carries is carried twice (checked below). About 19 MiB (145 unpacked).
 #
-# Usage: bash scripts/verl_bundle.sh        (network: PyPI; about 3 minutes, one core)
+# Usage: bash scripts/verl_bundle.sh        (network: PyPI; about 2 minutes, one core)
 #        VERL_BUNDLE_PYTHON=3.11 bash scripts/verl_bundle.sh --site DIR
 #            only unpack the (stripped) site into DIR, for another Python: a local import check, e.g. with
 #            this checkout's .venv (Python 3.11) and the DIR first on PYTHONPATH
@@ -55,14 +55,21 @@ DEPS=(
   multiprocess==0.70.19          # datasets.arrow_dataset
   torchdata==0.11.0              # verl.trainer.ppo.v1.trainer_base (StatefulDataLoader)
   transferqueue==0.1.11          # verl.protocol via verl.utils.transferqueue_utils (import transfer_queue)
+  orjson==3.13.0                 # verl.utils.tracking (and tensordict's JSON backend when present)
   uvicorn==0.54.0                # verl.workers.rollout.utils (the replicas' HTTP servers), vllm's api_server
+  # vLLM's OpenAI server (verl's replicas serve AsyncLLM through it); mlite's offline path never imports
+  # these, so the vLLM bundle does not carry them
+  watchfiles==1.3.0              # vllm.entrypoints.serve.utils.ssl (via vllm.entrypoints.launcher)
+  model-hosting-container-standards==0.1.16  # vllm.entrypoints.serve.sagemaker.api_router (api_server)
+  jmespath==1.1.0                # model_hosting_container_standards.common
 )
 # Ray's parts that a local cluster with actors does not load (regexes on the wheel's paths).
 RAY_DROP=(
   "ray/jars/"                    # Java workers (32 MB)
   "ray/dashboard/client/"        # the dashboard's web frontend (React build, source maps)
-  "ray/(rllib|tune|train|data|serve|llm|air|workflow)/"  # Ray's libraries; only dashboard head modules
-                                 # (not started: include_dashboard is off in minimal mode) import them
+  "ray/(rllib|tune|train|data|serve|llm|air|workflow)/"  # Ray's libraries: imported only by the CLI's
+                                 # `serve` group and inside the dashboard's data/serve/train head modules,
+                                 # which minimal mode does not load
   "ray/setup-dev\.py"
   "ray-[^/]*\.dist-info/(RECORD|entry_points\.txt)"  # files removed; console scripts: bin/ray below
 )
@@ -108,7 +115,7 @@ PY
 
 echo "verl_bundle: unpacking and stripping $(basename "$RAY_WHEEL")"
 python3 - "$RAY_WHEEL" "$SITE" "${RAY_DROP[@]}" <<'PY'
-import re, sys, zipfile
+import os, re, sys, zipfile
 
 wheel, site, *drops = sys.argv[1:]
 drop = re.compile("|".join(f"(?:{d})" for d in drops))
@@ -120,17 +127,17 @@ with zipfile.ZipFile(wheel) as z:
         if drop.match(info.filename):
             dropped += info.file_size
             continue
-        z.extract(info, site)
+        os.chmod(z.extract(info, site), (info.external_attr >> 16) & 0o777 or 0o644)  # raylet, gcs_server: 755
         kept += info.file_size
 print(f"verl_bundle: ray: kept {kept / 2**20:.1f} MiB, dropped {dropped / 2**20:.1f} MiB")
 PY
-# zipfile drops the permission bits: the two servers that ray.init() starts must be executable
-chmod +x "$SITE/ray/core/src/ray/raylet/raylet" "$SITE/ray/core/src/ray/gcs/gcs_server"
 
 echo "verl_bundle: installing dependency wheels"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-warn-script-location \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-warn-script-location --root-user-action=ignore \
   "${PIP_TARGET_FLAGS[@]}" --target "$SITE" "$WORK"/deps/*.whl
-rm -rf "${SITE:?}/bin"
+# stray top-level packages of verl's and transferqueue's wheels (their tests, examples and tools): off the
+# import path, and names that would shadow the checkout's own scripts/ and tests/
+rm -rf "${SITE:?}/bin" "$SITE/tests" "$SITE/tutorial" "$SITE/scripts" "$SITE/recipe"
 mkdir -p "$SITE/bin"
 cat >"$SITE/bin/ray" <<'PY'
 #!/usr/bin/env python3
