@@ -276,7 +276,6 @@ def gather_hf_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtyp
     plan = sync_plan(models)
     tensors = _named_tensors(models)
     me = dist.get_rank() if dist.is_initialized() and dist.get_world_size() > 1 else 0
-    mine = {p.key: p for p in plan.mine}
     locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in tensors.values()]
     device = locals_[0].device if locals_ else torch.device("cpu")
     for name, (shape, native) in plan.tensors.items():
@@ -285,7 +284,7 @@ def gather_hf_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtyp
         for rank, offsets, size in plan.pieces[name]:
             where = tuple(slice(o, o + n) for o, n in zip(offsets, size))
             if rank == me:
-                held = mine[name, offsets, size]
+                held = plan.held[name, offsets, size]
                 piece = _cut(held, tensors[held.param], dtype).tensor
                 if me == dst:
                     whole[where] = piece
