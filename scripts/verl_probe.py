@@ -3,10 +3,10 @@
 
     python3 scripts/verl_probe.py
 
-imports every module that `python3 -m mlite.integrations.verl.main_ppo ... actor_rollout_ref.rollout.name=vllm`
-loads (the driver, the TaskRunner, the ActorRolloutRef workers, the vLLM server replicas, the agent loop) and
-prints OK or FAIL (with the exception and where it was raised) per module, then starts a local Ray cluster the
-way verl does (a runtime_env with env_vars), runs an actor inside a placement group and stops the cluster. One
+imports every module that `mlite.integrations.verl.main_ppo ... actor_rollout_ref.rollout.name=vllm` loads
+(the driver, the TaskRunner, the ActorRolloutRef workers, the vLLM server replicas, the agent loop) and prints
+OK or FAIL (with the exception and where it was raised) per module, then starts a local Ray cluster the way
+verl does (a runtime_env with env_vars), runs an actor inside a placement group and stops the cluster. One
 device call tells what is missing. Exit status: the number of failures.
 """
 
@@ -95,7 +95,8 @@ def probe_imports() -> int:
     for name in VERSIONS:
         mod = sys.modules.get(name)
         if mod is not None:
-            print(f"     {name} {getattr(mod, '__version__', '?')} from {os.path.dirname(mod.__file__ or '')}")
+            where_from = os.path.dirname(mod.__file__ or "")
+            print(f"     {name} {getattr(mod, '__version__', '?')} from {where_from}")
     return failures
 
 
@@ -106,8 +107,8 @@ def probe_ray(num_cpus: int) -> int:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         missing = ray._private.utils.get_dashboard_dependency_error()
-        print(f"ray: dashboard dependencies: {'missing (' + str(missing) + '): minimal mode' if missing else 'all there'}",
-              flush=True)
+        mode = f"missing ({missing}): minimal mode" if missing else "all there"
+        print(f"ray: dashboard dependencies: {mode}", flush=True)
         t0 = time.time()
         # as verl.trainer.main_ppo.run_ppo: a runtime_env with env_vars (goes through the runtime-env agent)
         # address="local": a new cluster even where a stale /tmp/ray/ray_current_cluster names another
@@ -124,7 +125,8 @@ def probe_ray(num_cpus: int) -> int:
 
         pg = placement_group([{"CPU": 1}], strategy="PACK")
         ray.get(pg.ready(), timeout=120)
-        actor = Echo.options(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg)).remote()
+        in_pg = PlacementGroupSchedulingStrategy(placement_group=pg)
+        actor = Echo.options(scheduling_strategy=in_pg).remote()
         print(f"ray: actor in a placement group: {ray.get(actor.ping.remote(42), timeout=120)}", flush=True)
         ray.kill(actor)
         remove_placement_group(pg)
