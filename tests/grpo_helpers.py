@@ -35,29 +35,35 @@ def char_tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def tiny_hf_qwen3(folder: Path, tokenizer=None) -> Path:
+def tiny_hf_qwen3(folder: Path, tokenizer=None, **sizes) -> Path:
     """A tiny untied Qwen3 written by transformers (safetensors, seed 0) into `folder`, sized to `tokenizer`
-    (a char tokenizer saved there when none is given)."""
+    (a char tokenizer saved there when none is given); `sizes` override config keys (VLLM_SIZES: heads
+    vLLM's kernels take)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = tokenizer or char_tokenizer(folder)
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = Qwen3Config(**{
+        "vocab_size": len(tokenizer),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        **sizes,
+    })
     Qwen3ForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+# vLLM's attention kernels take head_dim 32 and up
+VLLM_SIZES = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
 
 
 def grpo_job(tmp_path: Path, **sections):

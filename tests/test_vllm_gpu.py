@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpo_helpers import char_tokenizer, grpo_job
+from grpo_helpers import VLLM_SIZES, char_tokenizer, grpo_job, tiny_hf_qwen3
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,19 +30,6 @@ def _needs_vllm():
                     "scripts/gpu_env.sh (or deselect these tests with -m 'not vllm')")
 
 
-def tiny_qwen3(folder: Path, tokenizer) -> Path:
-    """A tiny Qwen3 written by transformers, with heads vLLM's kernels take (head_dim 32)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                         max_position_embeddings=256, tie_word_embeddings=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    Qwen3ForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
 def test_grpo_steps_with_vllm_rollout(tmp_path):
     from mlite.runtime.engine import Runtime
     from mlite.trainers.grpo.prompts import render_prompts
@@ -50,7 +37,7 @@ def test_grpo_steps_with_vllm_rollout(tmp_path):
     from mlite.trainers.grpo.vllm_rollout import VLLMRollout
 
     tokenizer = char_tokenizer(tmp_path / "tok")
-    model_dir = tiny_qwen3(tmp_path / "model", tokenizer)
+    model_dir = tiny_hf_qwen3(tmp_path / "model", tokenizer, **VLLM_SIZES)
     job = grpo_job(tmp_path, model={"name": None, "path": str(model_dir), "attention_backend": "auto"},
                    cluster={"gpu": "h100"}, precision={"compute": "bf16"}, trainer={"device": "cuda"},
                    data={"seq_len": 128, "max_tokens_per_micro_batch": 1024},
@@ -164,7 +151,10 @@ def test_grpo_on_several_gpus_with_vllm_over_the_ranks(tmp_path, label):
     if torch.cuda.device_count() < world:
         pytest.fail(f"this test needs {world} GPUs, {torch.cuda.device_count()} visible")
     tokenizer = char_tokenizer(tmp_path / "tok")
-    model_dir = (tiny_qwen3 if model == "dense" else tiny_qwen3_moe)(tmp_path / "model", tokenizer)
+    if model == "dense":
+        model_dir = tiny_hf_qwen3(tmp_path / "model", tokenizer, **VLLM_SIZES)
+    else:
+        model_dir = tiny_qwen3_moe(tmp_path / "model", tokenizer)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     out = tmp_path / "run"
     job = {
