@@ -61,6 +61,7 @@ DEPS=(
   # these, so the vLLM bundle does not carry them
   watchfiles==1.3.0              # vllm.entrypoints.serve.utils.ssl (via vllm.entrypoints.launcher)
   model-hosting-container-standards==0.1.16  # vllm.entrypoints.serve.sagemaker.api_router (api_server)
+  prometheus-fastapi-instrumentator==8.1.0  # vllm.entrypoints.serve.instrumentator.metrics (build_app)
   jmespath==1.1.0                # model_hosting_container_standards.common
 )
 # Ray's parts that a local cluster with actors does not load (regexes on the wheel's paths).

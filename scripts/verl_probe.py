@@ -65,6 +65,8 @@ MODULES = [
     "vllm",
     "vllm.entrypoints.cli.serve",
     "vllm.entrypoints.openai.api_server",
+    "vllm.entrypoints.serve.instrumentator.metrics",  # imported only when build_app registers routes
+    "vllm.entrypoints.serve.sagemaker.api_router",
     "vllm.entrypoints.openai.parser.harmony_utils",
     "vllm.v1.engine.async_llm",
     "vllm.v1.engine.core",

@@ -295,6 +295,9 @@ class MliteEngine(BaseEngine):
         ends_step: bool,
     ) -> dict:
         """One micro-batch through the runtime with verl's loss, which reads jagged per-token tensors."""
+        # verl hands the batch over on the host; its loss reads it beside our outputs (verl's FSDP engine
+        # moves it the same way)
+        micro_batch = micro_batch.to(self.runtime.device)
         batch = packed_from_jagged(micro_batch)
         offsets = micro_batch["input_ids"].offsets()
         temperature = float(tu.get_non_tensor_data(micro_batch, "temperature", 1.0) or 1.0)
