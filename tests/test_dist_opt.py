@@ -2,7 +2,8 @@
 
 CPU (no CUDA, megatron-core 0.16.1): what the adapter refuses before anything is built (model-parallel
 degrees, precision and offload keys it cannot honour, a missing megatron-core, no GPU), each one line;
-the TransformerConfig built from our arch.
+the TransformerConfig built from our arch; where the overlapped all-gather's hooks wait (stand-in bucket
+groups: Megatron's need CUDA).
 
 GPU (`-m gpu`, 2 GPUs, NCCL, bf16 compute, megatron-core 0.16.1):
 - dp2 with dist_opt: 3 AdamW steps (4 micro-batches each, gradient accumulation) give the loss and grad
@@ -162,6 +163,69 @@ def test_without_megatron_core_it_is_one_clear_line(monkeypatch):
         build_dist_opt(make_model(False), ParallelDims(1), dist_opt_job())
     assert str(err.value).startswith(NEEDS_MEGATRON + " (import failed: No module named 'megatron")
     assert "pip install 'mlite[megatron]'" in str(err.value)
+
+
+class RecordingBucketGroup:
+    """Stands in for Megatron's bucket group (its buffers need CUDA): records when its all-gather starts and
+    when a forward hook waits for it, beside the layers' own forward calls."""
+
+    def __init__(self, index: int, events: list):
+        self.index, self.events = index, events
+
+    def start_param_sync(self):
+        self.events.append(("start", self.index))
+
+    def finish_param_sync(self, skip_next_bucket_dispatch=False):
+        assert skip_next_bucket_dispatch  # the backend dispatched every gather itself, in forward order
+        self.events.append(("wait", self.index))
+
+
+@pytest.mark.parametrize("per_bucket", [1, 3])
+def test_the_next_forward_waits_for_each_gather_just_before_the_first_layer_that_reads_it(per_bucket):
+    """optimizer.overlap_param_gather's hooks (CPU: the tiny model, buckets of one or three parameters laid
+    out as Megatron lays them, from the last parameter to the first): the step starts every gather in forward
+    order; the forward waits for each bucket group once, before the first module that reads any of its
+    parameters (the embedding's before layer 0, the final norm's after the last layer); the waits leave
+    nothing in flight, and finish_param_gather (what checkpoints and export call) waits for the rest."""
+    from types import SimpleNamespace
+
+    from mlite.runtime.models import build_model
+    from mlite.runtime.parallel.dist_opt import DistOptBackend, Twin
+
+    model = build_model(tiny_arch(moe=False))
+    events: list = []
+    params = list(model.named_parameters())
+    groups = [RecordingBucketGroup(i, events) for i in range(-(-len(params) // per_bucket))]
+    bucket = {name: groups[k // per_bucket] for k, (name, _) in enumerate(reversed(params))}
+    twins = [Twin(name, p, p, False, 0, bucket[name]) for name, p in params]
+    ddp = SimpleNamespace(bucket_groups=groups, expert_parallel_bucket_groups=[])
+    backend = DistOptBackend({0: model}, [ddp], None, twins, None, overlap=False, overlap_gather=True)
+    for name, layer in model.layers.items():
+        layer.register_forward_pre_hook(lambda *_, name=name: events.append(("layer", name)))
+    model.norm.register_forward_pre_hook(lambda *_: events.append(("norm", None)))
+
+    backend._start_param_gather()  # what step() does after an update
+    assert events == [("start", g.index) for g in reversed(groups)]  # the embedding's bucket is the last
+    assert backend.gathers_in_flight == len(groups)
+    events.clear()
+    model(make_batches(1)[0])
+    # the wait for each group comes before the first layer holding one of its parameters
+    first_reader = {}
+    for name, _ in params:
+        reader = ("layer", name.split(".")[1]) if name.startswith("layers.") else (
+            ("layer", "0") if name.startswith("embed") else ("norm", None))
+        first_reader.setdefault(bucket[name].index, []).append(events.index(reader))
+    waits = {index: events.index(("wait", index)) for index in range(len(groups))}
+    assert all(waits[i] < min(first_reader[i]) for i in waits), events
+    assert sum(e[0] == "wait" for e in events) == len(groups)  # once each
+    assert backend.gathers_in_flight == 0
+    model(make_batches(1)[0])  # a second micro-batch: nothing left to wait for
+    assert sum(e[0] == "wait" for e in events) == len(groups)
+
+    backend._start_param_gather()
+    events.clear()
+    backend.finish_param_gather()
+    assert sorted(index for kind, index in events if kind == "wait") == list(range(len(groups)))
 
 
 # --------------------------------------------------------------------------------------------- GPU
