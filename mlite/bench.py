@@ -409,7 +409,9 @@ def random_sequences(seq_lens: list[int], vocab: int, seed: int) -> list[list[in
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in seq_lens]
 
 
-def _free(device: str) -> None:
+def free_memory(device: str) -> None:
+    """Collect what the last Runtime left (its hooks close reference cycles) and give the GPU's cached
+    blocks back, so the next measurement starts from an empty allocator."""
     import gc
 
     import torch
@@ -594,14 +596,14 @@ class Measured:
 def measure(make: Callable[[], tuple], device: str, steps: int, warmup: int,
             before_timing: Callable[[], None] | None = None) -> Measured:
     """Build a side (`make() -> (step, keep, last)`), time its steps, read its peak memory, free it."""
-    _free(device)
+    free_memory(device)
     step, keep, last = make()
     if before_timing is not None:
         before_timing()
     timing = time_steps(step, warmup, steps, device)
     footprint, allocated, outside = _peak_gb(device)
     del step, keep
-    _free(device)
+    free_memory(device)
     return Measured(timing, footprint, allocated, {key: float(value) for key, value in last.items()}, outside)
 
 

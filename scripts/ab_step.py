@@ -40,10 +40,11 @@ def main() -> None:
             step, runtime, _last = bench.case_step(args.case, device=device, overrides=overrides)
             timing = bench.time_steps(step, args.warmup, args.steps, device)
             runtime.close()  # the process group stays: this script started it
-            del step, runtime
+            del step, runtime, _last
             torch._dynamo.reset()  # each variant compiles its own blocks (the FX graph cache keeps it quick)
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
+            # the runtime's hooks close reference cycles (a dist_opt backend and the modules it hooks): only
+            # the collector frees its GPU buffers before the next variant builds its own
+            bench.free_memory(device)
             name = variant or "(as the case is)"
             best[name] = min(best.get(name, float("inf")), timing.median_ms)
             if rank == 0:
