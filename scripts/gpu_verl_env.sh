@@ -6,6 +6,8 @@
 # rollout:
 #   . scripts/gpu_env.sh; . scripts/gpu_vllm_env.sh; . scripts/gpu_verl_env.sh
 #   python3 scripts/verl_probe.py          # imports of the main_ppo + vLLM path, and a local Ray cluster
+# Carry .vllm1, .verl1, mlite.egg-info and the .whl/ wheels gpu_env.sh installs (pydantic, pydantic-core,
+# annotated-types, typing-inspection): together they fit one command's 64 MiB.
 # `. scripts/gpu_verl_env.sh stash` copies .verl1 to /tmp/verl_parts/ instead, for a later command that does
 # not carry it (as gpu_vllm_env.sh does for .vllm1).
 
@@ -27,6 +29,13 @@ _verl_env_main() {
   # environment, so drop the in-process switch and let them run with vLLM's default (1), the setting
   # verl's vLLM rollout is written and tested for.
   unset VLLM_ENABLE_V1_MULTIPROCESSING
+  # verl finds engine=mlite through our `verl.plugins` entry point, which only installed metadata declares:
+  # `pip install -e .` writes it to mlite.egg-info/, and carried with the checkout (on PYTHONPATH) it serves
+  if [ ! -f mlite.egg-info/entry_points.txt ]; then
+    echo "gpu_verl_env: mlite.egg-info/ is missing: carry it (pip install -e . writes it here), or verl will" \
+      "not find model_engine=mlite" >&2
+    return 1
+  fi
   # offline: Ray must not try to report usage statistics
   export RAY_USAGE_STATS_ENABLED=0
   python3 -c 'import ray, verl, hydra, omegaconf, tensordict, transfer_queue
