@@ -14,9 +14,12 @@
 #   scripts/gpu_multi.sh vllm    GRPO with vLLM over the ranks (tests/test_vllm_gpu.py -k several_gpus, 2 and 4
 #                                GPUs), then the 2-GPU rollout bench: 2 engines of tp1 on GPUs 0,1 beside one of
 #                                tp2 on GPUs 2,3 (carry .whl and .vllm1: scripts/vllm_bundle.sh)
+#   scripts/gpu_multi.sh vllm1   one GPU is enough: the single-GPU vLLM tests (GRPO steps, the demo's GRPO stage),
+#                                then verl's main_ppo with the mlite actor and verl's vLLM rollout (carry .vllm1,
+#                                .verl1, mlite.egg-info and the pydantic wheels: scripts/gpu_verl_env.sh)
 # Each piece has its own time limit, so one that hangs leaves the others' results.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile}
+part=${1:?usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile|vllm|vllm1}
 out=${OUT:-runs/gpu_multi}
 mkdir -p "$out"
 # shellcheck source=scripts/gpu_env.sh
@@ -70,6 +73,7 @@ case $part in
     ls "$out"/hang-*.txt 2>/dev/null
     ;;
   bench)  # alone on the machine
+    # shellcheck disable=SC2086  # CASES: one case per word
     bench 4 "${LIMIT:-190}" ${CASES:-dense-1.7b-4k-dp4 moe-30b-a3b-8l-4k-ep4}
     ;;
   profile)  # where the multi-GPU step's time goes (rank 0's kernels, NCCL apart), alone on the machine
@@ -93,5 +97,16 @@ case $part in
     done
     wait; grep -h '^{' "$out"/rollout-bench-tp*.log
     ;;
-  *) echo "usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile|vllm" >&2; exit 2 ;;
+  vllm1)  # one GPU: mlite's own vLLM path, then verl's
+    # shellcheck source=scripts/gpu_vllm_env.sh
+    . scripts/gpu_vllm_env.sh
+    # shellcheck source=scripts/gpu_verl_env.sh
+    . scripts/gpu_verl_env.sh || exit 1
+    timeout "${LIMIT:-300}" "${PYTEST[@]}" -m vllm tests/test_vllm_gpu.py -s -k "not several_gpus" \
+      >"$out/vllm1-tests.log" 2>&1
+    echo "vllm tests: exit $?"; grep -E " step: |PASSED|FAILED|passed|failed" "$out/vllm1-tests.log" | tail -12
+    timeout "${LIMIT:-300}" "${PYTEST[@]}" -m "gpu and vllm" tests/test_verl_grpo.py -s >"$out/verl-vllm.log" 2>&1
+    echo "verl main_ppo + vLLM: exit $?"; grep -E "^step [0-9]|PASSED|FAILED|passed|failed" "$out/verl-vllm.log"
+    ;;
+  *) echo "usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile|vllm|vllm1" >&2; exit 2 ;;
 esac
