@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the verl bundle for the bare, offline GPU machine (H100/H200, torch 2.11+cu130, Python 3.12): what
-# `python3 -m mlite.integrations.verl.main_ppo ... actor_rollout_ref.rollout.name=vllm` (verl's PPO trainer on
+# `python3 -m verl.trainer.main_ppo model_engine=mlite actor_rollout_ref.rollout.name=vllm ...` (verl's PPO trainer on
 # Ray, vLLM's OpenAI server as the rollout, verl's agent loop) needs beyond the machine's own packages, the
 # wheels in .whl/ and the vLLM bundle (.vllm1/, scripts/vllm_bundle.sh). It is small enough to travel with a
 # device command next to .vllm1: .verl1/ (a MANIFEST and one xz tar part). On the GPU machine,
