@@ -29,6 +29,7 @@ OFFLOAD_OPTIMIZER=${OFFLOAD_OPTIMIZER:-false}  # optimizer state on the host bet
 ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-builtin} # builtin (mlite's sampler, rollout.name=mlite) | vllm | sglang
 ROLLOUT_N=${ROLLOUT_N:-8}                 # responses per prompt (the group)
 ROLLOUT_TP=${ROLLOUT_TP:-1}               # rollout tensor parallel (builtin: 1)
+ROLLOUT_GPU_MEMORY=${ROLLOUT_GPU_MEMORY:-}  # vllm/sglang: the server's share of each GPU it shares with training (0..1; empty: verl's 0.5)
 TEMPERATURE=${TEMPERATURE:-1.0}           # sampling temperature
 # --- batch and optimizer
 PROMPTS_PER_STEP=${PROMPTS_PER_STEP:-64}  # prompts per step (verl's data.train_batch_size)
@@ -63,7 +64,8 @@ die() { echo "verl_grpo.sh: error: $*" >&2; exit 2; }
 case $ROLLOUT_ENGINE in
   builtin) ROLLOUT_NAME=mlite
     [[ $ROLLOUT_TP == 1 ]] || die "ROLLOUT_TP=$ROLLOUT_TP with ROLLOUT_ENGINE=builtin: the built-in rollout decodes a whole model per rank; set ROLLOUT_TP=1 or ROLLOUT_ENGINE=vllm" ;;
-  vllm | sglang) ROLLOUT_NAME=$ROLLOUT_ENGINE ;;
+  vllm | sglang) ROLLOUT_NAME=$ROLLOUT_ENGINE
+    [[ $DEVICE == cuda ]] || die "ROLLOUT_ENGINE=$ROLLOUT_ENGINE with DEVICE=$DEVICE: $ROLLOUT_ENGINE serves on GPUs; set ROLLOUT_ENGINE=builtin on the CPU" ;;
   *) die "ROLLOUT_ENGINE=$ROLLOUT_ENGINE; use builtin, vllm or sglang" ;;
 esac
 if [[ -z $REWARD_FILE ]]; then
@@ -109,6 +111,10 @@ ARGS=(
 # the built-in rollout returns no per-token log-probs (verl recomputes them with the actor)
 if [[ $ROLLOUT_NAME == mlite ]]; then ARGS+=(actor_rollout_ref.rollout.calculate_log_probs=false); fi
 if [[ -n $STEPS ]]; then ARGS+=("trainer.total_training_steps=$STEPS"); fi
+if [[ -n $ROLLOUT_GPU_MEMORY ]]; then
+  [[ $ROLLOUT_NAME != mlite ]] || die "ROLLOUT_GPU_MEMORY is vLLM's and SGLang's share of the GPU; the built-in rollout takes what it needs: unset it or set ROLLOUT_ENGINE=vllm"
+  ARGS+=("actor_rollout_ref.rollout.gpu_memory_utilization=$ROLLOUT_GPU_MEMORY")
+fi
 # on the CPU each training rank takes one "GPU" slot the local Ray cluster declares (platform_cpu.py)
 if [[ $DEVICE == cpu ]]; then ARGS+=("+ray_kwargs.ray_init.num_gpus=$((NNODES * GPUS_PER_NODE))"); fi
 read -r -a EXTRA <<<"$EXTRA_ARGS"

@@ -240,8 +240,11 @@ def test_verl_grpo_dry_run_resolves_main_ppo_with_the_mlite_engine_and_rollout()
     assert "-m mlite.integrations.verl.main_ppo" in cpu.stdout
     assert "+ray_kwargs.ray_init.num_gpus=2" in cpu.stdout
 
-    vllm = run(["launchers/verl_grpo.sh"], {**env, "ROLLOUT_ENGINE": "vllm", "ROLLOUT_TP": "2"})
+    vllm = run(["launchers/verl_grpo.sh"], {**env, "ROLLOUT_ENGINE": "vllm", "ROLLOUT_TP": "2",
+                                            "ROLLOUT_GPU_MEMORY": "0.3"})
     assert "actor_rollout_ref.rollout.name=vllm" in vllm.stdout and "calculate_log_probs" not in vllm.stdout
+    assert "actor_rollout_ref.rollout.gpu_memory_utilization=0.3" in vllm.stdout
+    assert "gpu_memory_utilization" not in command  # verl's default unless the knob is set
 
 
 @pytest.mark.parametrize(
@@ -251,6 +254,9 @@ def test_verl_grpo_dry_run_resolves_main_ppo_with_the_mlite_engine_and_rollout()
         ({"ROLLOUT_ENGINE": "hf"}, "ROLLOUT_ENGINE=hf; use builtin, vllm or sglang"),
         ({"DEVICE": "tpu"}, "DEVICE=tpu; use cuda or cpu"),
         ({"DRY_RUN": "0", "MODEL_PATH": ""}, "set MODEL_PATH"),
+        ({"ROLLOUT_ENGINE": "vllm", "DEVICE": "cpu"},
+         "ROLLOUT_ENGINE=vllm with DEVICE=cpu: vllm serves on GPUs"),
+        ({"ROLLOUT_GPU_MEMORY": "0.3"}, "ROLLOUT_GPU_MEMORY is vLLM's and SGLang's share of the GPU"),
     ],
 )
 def test_verl_grpo_refuses_bad_knobs_in_one_line(knobs, message):
