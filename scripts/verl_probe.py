@@ -3,7 +3,7 @@
 
     python3 scripts/verl_probe.py
 
-imports every module that `mlite.integrations.verl.main_ppo ... actor_rollout_ref.rollout.name=vllm` loads
+imports every module that `verl.trainer.main_ppo model_engine=mlite actor_rollout_ref.rollout.name=vllm` loads
 (the driver, the TaskRunner, the ActorRolloutRef workers, the vLLM server replicas, the agent loop) and prints
 OK or FAIL (with the exception and where it was raised) per module, then starts a local Ray cluster the way
 verl does (a runtime_env with env_vars), runs an actor inside a placement group and stops the cluster. One

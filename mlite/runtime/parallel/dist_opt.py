@@ -248,7 +248,7 @@ class DistOptBackend:
         """Wait for every all-gather the last step started: before anything reads the weights outside a
         training forward (checkpoints, export, rollout sync; the Runtime calls it) and before the next
         step writes the param buffers."""
-        self._await_gather([g for g in self.bucket_groups if g in self._gathering])
+        self._await_gather(list(self._gathering))
 
     def _start_param_gather(self) -> None:
         """Start every bucket group's all-gather of the updated weights, async on NCCL's stream, in the
