@@ -5,9 +5,9 @@
 #   scripts/gpu_multi.sh tests   at once: the 4-GPU layouts of tests/test_parallel_gpu.py; the dist_opt GPU
 #                                tests and the 2-GPU SFT runs on GPUs 2,3; the template twins on 4 GPUs
 #                                (TWINS_K, TWO_K: pytest -k filters; LIMIT: seconds per stream)
-#   scripts/gpu_multi.sh dist_opt  tests/test_dist_opt.py's GPU tests in two streams (dense on GPUs 0,1, MoE on
-#                                2,3) beside the twins (TWINS_K) on 4 GPUs; a worker alive after 150 s writes its
-#                                stacks to $out/hang-*.txt (scripts/hang_dump)
+#   scripts/gpu_multi.sh dist_opt  tests/test_dist_opt.py's ten GPU tests in four streams, two on GPUs 0,1 and two
+#                                on 2,3; a worker alive after 150 s writes its stacks to $out/hang-*.txt
+#                                (scripts/hang_dump)
 #   scripts/gpu_multi.sh bench   the 4-GPU bench (dp4 dense, ep4 MoE; CASES: others, e.g. their -dist-opt twins),
 #                                alone on the machine (LIMIT per case)
 #   scripts/gpu_multi.sh profile the same two cases through scripts/profile_step.py (LIMIT per case)
@@ -54,21 +54,27 @@ case $part in
     wait $four; echo "4-GPU layouts: exit $?"; grep -E "PASSED|FAILED|passed|failed" "$out/tests-4gpu.log" | tail -8
     wait $two; echo "2-GPU tests: exit $?"; grep -E "PASSED|FAILED|passed|failed" "$out/tests-2gpu.log" | tail -8
     ;;
-  dist_opt)  # two 2-GPU streams and the twins at once
+  dist_opt)  # tests/test_dist_opt.py's ten GPU tests in four 2-GPU streams, two on each pair of GPUs (tiny models)
     export PYTHONPATH="$PWD/scripts/hang_dump:$PYTHONPATH" MLITE_HANG_DUMP_DIR="$out"
-    (CUDA_VISIBLE_DEVICES=0,1 timeout "${LIMIT:-540}" "${PYTEST[@]}" tests/test_dist_opt.py \
-       -k "dense or deterministic" >"$out/dist_opt-dense.log" 2>&1) &
-    dense=$!
-    (CUDA_VISIBLE_DEVICES=2,3 timeout "${LIMIT:-540}" "${PYTEST[@]}" tests/test_dist_opt.py -k moe \
-       >"$out/dist_opt-moe.log" 2>&1) &
-    moe=$!
-    if [ -n "${TWINS_K:-}" ]; then
-      timeout "${LIMIT:-540}" "${PYTEST[@]}" tests/test_template_twins_gpu.py -s -k "$TWINS_K" \
-        >"$out/tests-twins.log" 2>&1
-      echo "twins: exit $?"; grep -E "worst relative|PASSED|FAILED|passed|failed" "$out/tests-twins.log" | tail -20
-    fi
-    wait $dense; echo "dist_opt dense: exit $?"; grep -E "PASSED|FAILED|passed|failed" "$out/dist_opt-dense.log"
-    wait $moe; echo "dist_opt moe: exit $?"; grep -E "PASSED|FAILED|passed|failed" "$out/dist_opt-moe.log"
+    T=tests/test_dist_opt.py::test_dist_opt_trains_a_layout_like_one_gpu_and_resumes
+    streams=(
+      "0,1|tests/test_dist_opt.py -k dp2_matches or deterministic"
+      "0,1|${T}[dense-tp2] ${T}[dense-pp2] ${T}[dense-pp2-vpp2]"
+      "2,3|${T}[dense-dp2] ${T}[moe-ep2]"
+      "2,3|${T}[moe-pp2] ${T}[moe-tp2]"
+    )
+    pids=()
+    for i in "${!streams[@]}"; do
+      gpus=${streams[$i]%%|*}
+      read -r -a args <<<"${streams[$i]#*|}"
+      if [ "${args[1]:-}" = -k ]; then args=("${args[0]}" -k "${args[*]:2}"); fi
+      (CUDA_VISIBLE_DEVICES=$gpus timeout "${LIMIT:-540}" "${PYTEST[@]}" "${args[@]}" \
+         >"$out/dist_opt-$i.log" 2>&1) &
+      pids+=($!)
+    done
+    for i in "${!pids[@]}"; do
+      wait "${pids[$i]}"; echo "dist_opt stream $i: exit $?"; grep -E "PASSED|FAILED|passed|failed" "$out/dist_opt-$i.log"
+    done
     find "$out" -name 'hang-*.txt' -empty -delete
     ls "$out"/hang-*.txt 2>/dev/null
     ;;

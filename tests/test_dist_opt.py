@@ -30,6 +30,7 @@ from __future__ import annotations
 import builtins
 import itertools
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -57,8 +58,14 @@ from parallel_harness import (
 from mlite.config import job_from_dict
 from mlite.errors import MliteError
 from mlite.runtime.ckpt.checkpoint import CheckpointManager
-from mlite.runtime.optim import LRSchedule
-from mlite.runtime.parallel.dist_opt import build_dist_opt, check_dist_opt_job, megatron_transformer_config
+from mlite.runtime.optim import LRSchedule, clip_coef
+from mlite.runtime.parallel.dist_opt import (
+    arm_fused_step,
+    build_dist_opt,
+    check_dist_opt_job,
+    fuse_torch_adam,
+    megatron_transformer_config,
+)
 from mlite.runtime.parallel.megatron import NEEDS_MEGATRON, destroy_parallel_state
 from mlite.runtime.parallel.mesh import ParallelDims
 
@@ -165,6 +172,39 @@ def test_without_megatron_core_it_is_one_clear_line(monkeypatch):
     assert "pip install 'mlite[megatron]'" in str(err.value)
 
 
+def test_the_fused_step_clips_and_skips_as_the_host_would_without_reading_anything():
+    """The step dist_opt takes on the device (torch's AdamW inside Megatron, fused): dividing each gradient
+    by 1 / the clipping factor in the kernel gives the update of clipping first (torch's AdamW on scaled
+    gradients), and a set found-inf flag drops the whole update: weights, both moments and the step count."""
+    torch.manual_seed(0)
+    fused = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    plain = [torch.nn.Parameter(p.detach().clone()) for p in fused]
+    options = {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.9, 0.99)}
+    fused_opt, plain_opt = torch.optim.AdamW(fused, **options), torch.optim.AdamW(plain, **options)
+    fuse_torch_adam(fused_opt)
+    for step in range(3):
+        grads = [torch.randn_like(p) * 4 for p in fused]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        coef = clip_coef(norm, 1.0)
+        assert coef < 1  # the clip bites
+        for p, q, g in zip(fused, plain, grads, strict=True):
+            p.grad, q.grad = g.clone(), g * coef
+        arm_fused_step(fused_opt, 1.0 / coef, torch.zeros(()))
+        fused_opt.step()
+        plain_opt.step()
+        for p, q in zip(fused, plain, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=f"step {step}")
+    assert fused_opt.param_groups[0]["fused"] and float(fused_opt.state[fused[0]]["step"]) == 3
+    before = {id(p): [p.detach().clone()] + [v.clone() for v in fused_opt.state[p].values()] for p in fused}
+    for p in fused:
+        p.grad = torch.full_like(p, float("nan"))
+    arm_fused_step(fused_opt, torch.tensor(float("nan")), torch.ones(()))
+    fused_opt.step()
+    for p in fused:
+        after = [p.detach()] + list(fused_opt.state[p].values())
+        assert all(torch.equal(a, b) for a, b in zip(before[id(p)], after, strict=True))
+
+
 class RecordingBucketGroup:
     """Stands in for Megatron's bucket group (its buffers need CUDA): records when its all-gather starts and
     when a forward hook waits for it, beside the layers' own forward calls."""
@@ -236,7 +276,7 @@ def train_dist_opt(model, backend, schedule, rank, world, steps) -> list[tuple[f
     reduce-scatter during the backward."""
     batches = [b.to(device()) for b in make_batches(MAX_STEPS * MICRO_BATCHES)]
     history = []
-    backend.overlapped, backend.in_flight = [], []
+    backend.overlapped, backend.in_flight, backend.host_syncs = [], [], []
     for step in steps:
         step_batches = batches[step * MICRO_BATCHES : (step + 1) * MICRO_BATCHES]
         targets = total_targets(step_batches)
@@ -251,13 +291,21 @@ def train_dist_opt(model, backend, schedule, rank, world, steps) -> list[tuple[f
             aux_total += out.aux_loss.detach()
         dist.all_reduce(ce_total)
         dist.all_reduce(aux_total)
-        norm, skipped = backend.step()
+        with warnings.catch_warnings(record=True) as caught:  # what in the step makes the host wait
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                norm, skipped = backend.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        backend.host_syncs.append([str(w.message).splitlines()[0] for w in caught
+                                   if "synchroniz" in str(w.message)])
         backend.overlapped.append(backend.overlapped_buckets)
         backend.in_flight.append(backend.gathers_in_flight)  # the step starts them, the next forward awaits
         assert not skipped, f"rank {rank} step {step}: update skipped (non-finite gradient), norm {norm}"
         backend.zero_grad()
         schedule.step()
-        history.append((float(ce_total + aux_total), norm))
+        history.append((float(ce_total + aux_total), float(norm)))
     backend.finish_param_gather()  # the last step's weights, for whoever reads them next
     return history
 
@@ -306,6 +354,8 @@ def _determinism_worker(rank, world, out, overlap):
             "overlapped": backend.overlapped,
             "in flight": backend.in_flight,
             "bucket groups": len(backend.bucket_groups),
+            "decided on the device": backend.on_device,
+            "host syncs": backend.host_syncs,
         },
         f"{out}.{rank}",
     )
@@ -380,6 +430,11 @@ def test_two_deterministic_dist_opt_runs_are_bitwise_identical(tmp_path, monkeyp
     # each step left every bucket group's all-gather to the next forward; without the overlap, none
     assert first[0]["in flight"] == [first[0]["bucket groups"]] * STEPS, report
     assert at_step[0]["in flight"] == [0] * STEPS, report
+    # torch's AdamW inside Megatron (these machines have no TE or Apex): the step clips and skips on the GPU,
+    # so the host queues it and the all-gathers without waiting for the backward, in every run
+    for run in runs:
+        assert run[0]["decided on the device"], report
+        assert run[0]["host syncs"] == [[]] * STEPS, f"the step waited on the GPU: {run[0]['host syncs']}"
 
     for rank, second in itertools.product(range(2), runs[1:]):
         assert first[rank]["history"] == second[rank]["history"], f"rank {rank}: histories differ{report}"

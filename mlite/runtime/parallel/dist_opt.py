@@ -42,8 +42,13 @@ Conventions mapped onto Megatron's switches:
 - Our loss is each rank's share of the global loss (normalised by the step's global target count), so
   gradients are summed over ranks, never averaged: `calculate_per_token_loss=True` in the
   TransformerConfig makes Megatron's DDP scale by 1 and reduce with SUM.
-- A step with a non-finite gradient is skipped (as LocalAdamW does): a constant loss scale of 1.0 turns on
-  Megatron's found-inf check (all ranks agree) without changing any gradient (x 1.0 is exact).
+- A step with a non-finite gradient is skipped (as LocalAdamW does), decided on the GPU where Megatron's
+  inner optimizer is torch's AdamW (no Transformer Engine or Apex): the backend takes the grad norm over
+  Megatron's groups as a device tensor and hands the clipping factor and the skip flag to torch's fused
+  AdamW kernel (GradScaler's `grad_scale` / `found_inf` protocol), so the host queues the update and the
+  all-gathers without waiting for the backward; Megatron's own step reads the found-inf flag and the norm
+  on the host. With TE's or Apex's FusedAdam Megatron steps itself: a constant loss scale of 1.0 turns on
+  its found-inf check (all ranks agree) without changing any gradient (x 1.0 is exact).
 - No weight decay on 1-D parameters (norms, biases), as LocalAdamW: Megatron's standard param groups mark
   them `wd_mult=0`; the group's `weight_decay` is set from it once here.
 
@@ -68,7 +73,13 @@ from torch.distributed.tensor import DTensor
 
 from mlite.errors import MliteError
 from mlite.plan.rules import check_dist_opt_adapter
-from mlite.runtime.parallel.megatron import NEEDS_MEGATRON, init_parallel_state, use_sync_free_fallbacks
+from mlite.runtime.optim import clip_coef
+from mlite.runtime.parallel.megatron import (
+    NEEDS_MEGATRON,
+    foreach_l2_norm,
+    init_parallel_state,
+    use_sync_free_fallbacks,
+)
 from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
 from mlite.runtime.parallel.parallelize import COMPUTE_DTYPES, blocks, is_moe, parameter_holders
 
@@ -141,7 +152,8 @@ class DistOptBackend:
     LocalAdamW: that is the way to set the lr per step."""
 
     def __init__(self, chunks: dict[int, nn.Module], ddps: list, optimizer, twins: list[Twin],
-                 tp_group: dist.ProcessGroup | None, overlap: bool, overlap_gather: bool = False):
+                 tp_group: dist.ProcessGroup | None, overlap: bool, overlap_gather: bool = False,
+                 clip_grad: float = 0.0, on_device: bool = False):
         self.chunks = chunks  # our modules; their parameters now live in Megatron's param buffers
         self.ddps = ddps  # megatron.core.distributed.DistributedDataParallel, one per chunk
         self.optimizer = optimizer  # megatron.core.optimizer ChainedOptimizer(DistributedOptimizer, ...)
@@ -160,6 +172,9 @@ class DistOptBackend:
         self.overlap_gather = overlap_gather
         self._gathering: set = set()  # bucket groups whose all-gather of the new weights is in flight
         self._gather_order: list = []  # every bucket group, in the order the forward first reads them
+        self.clip_grad = clip_grad
+        # the step decided on the GPU (torch's fused AdamW inside Megatron's optimizer): no host read
+        self.on_device = on_device
         for twin in twins:
             twin.param.register_post_accumulate_grad_hook(self._grad_hook(twin))
         if overlap_gather:
@@ -257,11 +272,12 @@ class DistOptBackend:
             group.start_param_sync()
             self._gathering.add(group)
 
-    def step(self) -> tuple[float, bool]:
+    def step(self) -> tuple[torch.Tensor | float, torch.Tensor | bool]:
         """Reduce-scatter the gradients (wait for those the backward started), clip, update and all-gather
         the new weights (under overlap_param_gather: start the all-gathers, which the next forward's hooks
         wait for). Returns (grad norm before clipping, skipped); a non-finite gradient on any rank skips the
-        update on all (its norm is then not computed: nan)."""
+        update on all. Decided on the GPU (`on_device`) both are 0-dim tensors, read when logged; else
+        floats from Megatron's step (the norm of a skipped step is then not computed: nan)."""
         self.finish_param_gather()  # the step writes the param buffers the all-gathers write into
         for group in self.bucket_groups:
             if group not in self._started:
@@ -272,6 +288,12 @@ class DistOptBackend:
         if self.overlap and not self._expected:  # the first step: learn each bucket's count
             self._expected = dict(self._landed)
         self._landed, self._started = {}, []
+        if self.on_device:
+            grad_norm, skipped = self._update_on_device()
+            if self.overlap_gather:  # a skipped update gathers the unchanged weights: the same bits
+                self._start_param_gather()
+            self.skipped_steps = self.skipped_steps + skipped.long()
+            return grad_norm, skipped
         updated, grad_norm, _ = self.optimizer.step()
         if updated and self.overlap_gather:
             self._start_param_gather()
@@ -280,6 +302,37 @@ class DistOptBackend:
             self.zero_grad()  # the skipped step's gradients must not leak into the next one
             return float("nan"), True
         return float(grad_norm), False
+
+    def _update_on_device(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Megatron's step without its two host reads: the gradients into the fp32 shards (no grad scaler,
+        so no found-inf read), the norm over Megatron's groups as a tensor, then each inner fused AdamW
+        divides every gradient by 1 / the clipping factor as it reads it and drops the whole update where
+        the norm is not finite (`arm_fused_step`); Megatron then copies the shards into the param buffer."""
+        self.optimizer.prepare_grads()
+        norm = self._grad_norm()
+        skipped = ~torch.isfinite(norm)
+        grad_scale = 1.0 / clip_coef(norm, self.clip_grad) if self.clip_grad > 0 else None
+        for opt in self.optimizer.chained_optimizers:
+            arm_fused_step(opt.optimizer, grad_scale, skipped.float())
+        self.optimizer.step_with_ready_grads()
+        return norm, skipped
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The L2 norm Megatron's ChainedOptimizer takes (each optimizer's main gradients without tp
+        duplicates, squared sums reduced over its grad-stats group, one reduction per group), left on the
+        GPU."""
+        local: dict[Any, torch.Tensor] = {}
+        for opt in self.optimizer.chained_optimizers:
+            grads = opt.get_main_grads_for_grad_norm()
+            group = opt.get_grad_stats_parallel_group()
+            squares = (foreach_l2_norm(0, None, [grads], False)[0] ** 2 if grads
+                       else torch.zeros(1, device=torch.cuda.current_device()))
+            local[group] = local[group] + squares if group in local else squares
+        total = []
+        for group, squares in local.items():
+            dist.all_reduce(squares, group=group)
+            total.append(squares)
+        return torch.stack(total).sum().sqrt()
 
     def zero_grad(self) -> None:
         self._landed, self._started = {}, []
@@ -314,8 +367,9 @@ class DistOptBackend:
         group_index, group_order = opt.model_param_group_index_map[shadow]
         main = opt.optimizer.param_groups[group_index]["params"][group_order]
         state = opt.optimizer.state[main]
-        if not state:
-            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(main),
+        if not state:  # the fused kernel keeps Adam's step count on the device
+            step = torch.zeros((), dtype=torch.float32, device=main.device if self.on_device else "cpu")
+            state.update(step=step, exp_avg=torch.zeros_like(main),
                          exp_avg_sq=torch.zeros_like(main))
         span = opt._get_model_param_range_map(shadow)["param"]  # Megatron keeps no public getter
         return opt, {"param": main, **state}, slice(span.start, span.end)
@@ -420,6 +474,22 @@ def _shard_dim(param: torch.Tensor, mesh_name: str) -> int | None:
     return placement.dim if placement.is_shard() else None
 
 
+def fuse_torch_adam(optimizer: torch.optim.Optimizer) -> None:
+    """Switch torch's Adam(W) to its fused kernel (same update and state; Adam's step count on the
+    device), the one that takes `grad_scale` and `found_inf` tensors. Before its first step."""
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, False
+
+
+def arm_fused_step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None,
+                   found_inf: torch.Tensor) -> None:
+    """The next step of a fused torch Adam(W) divides each gradient by `grad_scale` as it reads it and is
+    dropped, step count included, where `found_inf` is 1: torch's own protocol for GradScaler (the
+    optimizer's step reads these two attributes), so the decision stays on the device."""
+    optimizer.grad_scale = grad_scale
+    optimizer.found_inf = found_inf
+
+
 def cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
     """The parameters in `dtype`, registered where the old ones were (a tied matrix stays one); buffers keep
     theirs, as under FSDP2's mixed precision (a router's fp32 load-balancing bias must not round to bf16)."""
@@ -442,6 +512,7 @@ def build_dist_opt(
     the run's meshes (needed under tp: a router's gradient is summed over `tp`)."""
     check_dist_opt_job(job, dims)
     try:
+        from megatron.core import optimizer as megatron_optimizer
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
@@ -468,6 +539,9 @@ def build_dist_opt(
     init_parallel_state(dims)
     use_sync_free_fallbacks()  # without TE or Apex, Megatron's own fallback syncs once per tensor a step
     compute, opt = job.precision.compute, job.optimizer
+    # torch's AdamW inside Megatron (no TE or Apex) can take the clip and the skip on the device; fp16 keeps
+    # Megatron's loss scaler
+    on_device = megatron_optimizer.USING_PYTORCH_OPTIMIZER and compute != "fp16"
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=job.precision.grad_reduce == "fp32",
         # async reduce-scatters: the backend starts each bucket's in the step's last backward (its hooks, not
@@ -532,11 +606,16 @@ def build_dist_opt(
         bf16=compute == "bf16",
         params_dtype=torch.float32,  # master shards
         use_distributed_optimizer=True,
-        loss_scale=1.0,  # turns on the found-inf check and skip; scaling by 1.0 changes nothing
+        # Megatron's own step: a loss scale of 1.0 turns on its found-inf check and skip (x 1.0 changes
+        # nothing); stepped on the device the backend decides the skip itself
+        loss_scale=None if on_device else 1.0,
     )
     # gloo groups serve Megatron's own checkpoint format only, which mlite does not use
     optimizer = get_megatron_optimizer(optimizer_config, ddps, use_gloo_process_groups=False)
     for group in optimizer.param_groups:
         group["weight_decay"] = opt.weight_decay * group.get("wd_mult", 1.0)
+    if on_device:
+        for chained in optimizer.chained_optimizers:
+            fuse_torch_adam(chained.optimizer)
     return DistOptBackend(chunks, ddps, optimizer, twins, tp_group, opt.overlap_grad_reduce,
-                          opt.overlap_param_gather)
+                          opt.overlap_param_gather, clip_grad=opt.clip_grad, on_device=on_device)
