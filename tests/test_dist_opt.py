@@ -298,8 +298,9 @@ def train_dist_opt(model, backend, schedule, rank, world, steps) -> list[tuple[f
                 norm, skipped = backend.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+        # (torch also warns once that the debug mode is a prototype: not a sync)
         backend.host_syncs.append([str(w.message).splitlines()[0] for w in caught
-                                   if "synchroniz" in str(w.message)])
+                                   if "called a synchronizing" in str(w.message)])
         backend.overlapped.append(backend.overlapped_buckets)
         backend.in_flight.append(backend.gathers_in_flight)  # the step starts them, the next forward awaits
         assert not skipped, f"rank {rank} step {step}: update skipped (non-finite gradient), norm {norm}"
