@@ -10,7 +10,7 @@
 #                                (scripts/hang_dump)
 #   scripts/gpu_multi.sh bench   the 4-GPU bench (dp4 dense, ep4 MoE; CASES: others, e.g. their -dist-opt twins),
 #                                alone on the machine (LIMIT per case)
-#   scripts/gpu_multi.sh profile the same two cases through scripts/profile_step.py (LIMIT per case)
+#   scripts/gpu_multi.sh profile the same two cases (CASES: others) through scripts/profile_step.py (LIMIT per case)
 #   scripts/gpu_multi.sh vllm    GRPO with vLLM over the ranks (tests/test_vllm_gpu.py -k several_gpus, 2 and 4
 #                                GPUs), then the 2-GPU rollout bench: 2 engines of tp1 on GPUs 0,1 beside one of
 #                                tp2 on GPUs 2,3 (carry .whl and .vllm1: scripts/vllm_bundle.sh)
@@ -83,7 +83,8 @@ case $part in
     bench 4 "${LIMIT:-190}" ${CASES:-dense-1.7b-4k-dp4 moe-30b-a3b-8l-4k-ep4}
     ;;
   profile)  # where the multi-GPU step's time goes (rank 0's kernels, NCCL apart), alone on the machine
-    for case in dense-1.7b-4k-dp4 moe-30b-a3b-8l-4k-ep4; do
+    # shellcheck disable=SC2086  # CASES: one case per word
+    for case in ${CASES:-dense-1.7b-4k-dp4 moe-30b-a3b-8l-4k-ep4}; do
       timeout "${LIMIT:-200}" torchrun --standalone --nproc-per-node 4 scripts/profile_step.py "$case" \
         >"$out/profile-$case.txt" 2>&1
       echo "profile $case: exit $?"; grep -E "^step|^rank 0|^compiled|^host" "$out/profile-$case.txt"
