@@ -3,7 +3,8 @@
 CPU (no CUDA, megatron-core 0.16.1): what the adapter refuses before anything is built (model-parallel
 degrees, precision and offload keys it cannot honour, a missing megatron-core, no GPU), each one line;
 the TransformerConfig built from our arch; where the overlapped all-gather's hooks wait (stand-in bucket
-groups: Megatron's need CUDA).
+groups: Megatron's need CUDA); torch's fused AdamW given the clip and the skip as tensors (the step's
+protocol on the GPU).
 
 GPU (`-m gpu`, 2 GPUs, NCCL, bf16 compute, megatron-core 0.16.1):
 - dp2 with dist_opt: 3 AdamW steps (4 micro-batches each, gradient accumulation) give the loss and grad
@@ -14,7 +15,10 @@ GPU (`-m gpu`, 2 GPUs, NCCL, bf16 compute, megatron-core 0.16.1):
   bf16 weights and fp32 master shards, and both ranks hold the same weights after each all-gather; a third
   run with the overlaps off (every reduce-scatter and all-gather at the step) gives the same bits. With
   them on, every bucket group after the first step starts its reduce-scatter during the last
-  micro-batch's backward, and each step leaves every all-gather for the next forward to wait on.
+  micro-batch's backward, and each step leaves every all-gather for the next forward to wait on; the step
+  makes no synchronizing CUDA call (torch's AdamW inside Megatron: clip and skip decided on the GPU).
+- a non-finite gradient on one rank (its loss scaled by inf) skips that step on both ranks: weights, fp32
+  shards, Adam's moments and step count stay as they were; the next step trains (not yet run on a GPU).
 - `mlite sft` with optimizer.backend dist_opt under dp2, tp2, pp2, pp2 x vpp2 (dense) and pp2, ep2, tp2
   (MoE): the curve of one GPU within bf16 rounding; a run resumed from its step-2 checkpoint continues it
   bitwise (trainer.deterministic); under dp2, tp2 and ep2, two runs are bitwise identical, and so is a
@@ -30,6 +34,7 @@ from __future__ import annotations
 import builtins
 import itertools
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -269,11 +274,13 @@ def test_the_next_forward_waits_for_each_gather_just_before_the_first_layer_that
 
 
 # --------------------------------------------------------------------------------------------- GPU
-def train_dist_opt(model, backend, schedule, rank, world, steps) -> list[tuple[float, float]]:
+def train_dist_opt(model, backend, schedule, rank, world, steps, poison: tuple[int, int] | None = None,
+                   ) -> list[tuple[float, float]]:
     """The harness's training steps (its batches, loss and split of micro-batches over dp ranks) through
     the dist_opt backend: the last micro-batch's backward marked as the step's last (as the runtime does),
     then backend.step(). `backend.overlapped` collects, per step, how many bucket groups started their
-    reduce-scatter during the backward."""
+    reduce-scatter during the backward. `poison` = (step, rank): that rank's loss at that step is scaled
+    by inf, so its gradients are not finite and the step must be skipped on every rank."""
     batches = [b.to(device()) for b in make_batches(MAX_STEPS * MICRO_BATCHES)]
     history = []
     backend.overlapped, backend.in_flight, backend.host_syncs = [], [], []
@@ -286,7 +293,8 @@ def train_dist_opt(model, backend, schedule, rank, world, steps) -> list[tuple[f
             backend.set_gradient_sync(0, i == len(mine) - 1)
             out = model(batch)
             ce = ce_loss(model, out.hidden, batch, targets)
-            (ce + out.aux_loss).backward()
+            scale = float("inf") if poison == (step, rank) else 1.0
+            ((ce + out.aux_loss) * scale).backward()
             ce_total += ce.detach()
             aux_total += out.aux_loss.detach()
         dist.all_reduce(ce_total)
@@ -303,7 +311,8 @@ def train_dist_opt(model, backend, schedule, rank, world, steps) -> list[tuple[f
                                    if "called a synchronizing" in str(w.message)])
         backend.overlapped.append(backend.overlapped_buckets)
         backend.in_flight.append(backend.gathers_in_flight)  # the step starts them, the next forward awaits
-        assert not skipped, f"rank {rank} step {step}: update skipped (non-finite gradient), norm {norm}"
+        poisoned = poison is not None and poison[0] == step
+        assert bool(skipped) == poisoned, f"rank {rank} step {step}: skipped {bool(skipped)}, norm {norm}"
         backend.zero_grad()
         schedule.step()
         history.append((float(ce_total + aux_total), float(norm)))
@@ -360,6 +369,36 @@ def _determinism_worker(rank, world, out, overlap):
         },
         f"{out}.{rank}",
     )
+    destroy_parallel_state()
+
+
+def _skip_worker(rank, world, out):
+    """Step 1's gradients are not finite on rank 1 only: every rank must drop that update whole."""
+    dims = ParallelDims(world, dp=world)
+    job = dist_opt_job()
+    model = make_model(False)
+    backend = build_dist_opt(model, dims, job)
+    schedule = LRSchedule(backend.optimizer, job.optimizer, total_steps=10)
+
+    def snapshot():
+        backend.finish_param_gather()
+        adam = {id(p): st for opt in backend.optimizer.chained_optimizers
+                for p, st in opt.optimizer.state.items()}
+        states = [adam.get(id(shard), {}) for shard in backend.main_shards]
+        return {"params": [p.detach().clone() for p in model.parameters()],
+                "shards": [s.detach().clone() for s in backend.main_shards],
+                "moments": [v.clone() for st in states for k, v in sorted(st.items()) if k != "step"],
+                "adam steps": sorted({float(st["step"]) for st in states if "step" in st})}
+
+    history = train_dist_opt(model, backend, schedule, rank, world, range(1))
+    after_first = snapshot()
+    history += train_dist_opt(model, backend, schedule, rank, world, range(1, 2), poison=(1, 1))
+    after_skip = snapshot()
+    history += train_dist_opt(model, backend, schedule, rank, world, range(2, 3))
+    after_third = snapshot()
+    torch.save({"history": history, "first": after_first, "skip": after_skip, "third": after_third,
+                "skipped steps": int(backend.skipped_steps), "decided on the device": backend.on_device},
+               f"{out}.{rank}")
     destroy_parallel_state()
 
 
@@ -450,6 +489,28 @@ def test_two_deterministic_dist_opt_runs_are_bitwise_identical(tmp_path, monkeyp
     replicas = [n for n, p in first[0]["params"].items() if not torch.equal(p, first[1]["params"][n])]
     assert not replicas, f"ranks 0 and 1 hold different weights: {replicas}{report}"
     assert first[0]["history"] == first[1]["history"], report  # loss and norm are reduced over both ranks
+
+
+@pytest.mark.gpu
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """Rank 1's loss is scaled by inf at step 1: the reduce-scatter spreads the non-finite gradients, the norm
+    is not finite on both ranks, and both drop the update whole (weights, fp32 shards, Adam's moments and
+    step count as after step 0); step 2 then trains as usual."""
+    need_gpus(2)
+    launch(2, _skip_worker, str(tmp_path / "skip"), backend="nccl")
+    for rank in range(2):
+        run = torch.load(tmp_path / f"skip.{rank}")
+        losses, norms = zip(*run["history"])
+        assert run["decided on the device"] and run["skipped steps"] == 1, run["skipped steps"]
+        assert math.isfinite(norms[0]) and not math.isfinite(norms[1]) and math.isfinite(norms[2]), norms
+        def same(a, b):
+            return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+        for key in ("params", "shards", "moments"):
+            assert same(run["first"][key], run["skip"][key]), f"rank {rank}: the skipped step changed {key}"
+            assert not same(run["skip"][key], run["third"][key]), f"rank {rank}: step 2 left {key} as is"
+        assert run["first"]["adam steps"] == run["skip"]["adam steps"] == [1.0], run["skip"]["adam steps"]
+        assert run["third"]["adam steps"] == [2.0], run["third"]["adam steps"]
 
 
 # ----------------------------------------------------------------------------- the trainers (mlite sft)
