@@ -313,7 +313,8 @@ class DistOptBackend:
         skipped = ~torch.isfinite(norm)
         grad_scale = 1.0 / clip_coef(norm, self.clip_grad) if self.clip_grad > 0 else None
         for opt in self.optimizer.chained_optimizers:
-            arm_fused_step(opt.optimizer, grad_scale, skipped.float())
+            if opt.optimizer is not None:  # None: Megatron's stub (this rank holds none of its parameters)
+                arm_fused_step(opt.optimizer, grad_scale, skipped.float())
         self.optimizer.step_with_ready_grads()
         return norm, skipped
 
@@ -616,6 +617,7 @@ def build_dist_opt(
         group["weight_decay"] = opt.weight_decay * group.get("wd_mult", 1.0)
     if on_device:
         for chained in optimizer.chained_optimizers:
-            fuse_torch_adam(chained.optimizer)
+            if chained.optimizer is not None:  # None: a stub (this rank holds none of its parameters)
+                fuse_torch_adam(chained.optimizer)
     return DistOptBackend(chunks, ddps, optimizer, twins, tp_group, opt.overlap_grad_reduce,
                           opt.overlap_param_gather, clip_grad=opt.clip_grad, on_device=on_device)
