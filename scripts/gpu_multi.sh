@@ -5,7 +5,7 @@
 #   scripts/gpu_multi.sh tests   at once: the 4-GPU layouts of tests/test_parallel_gpu.py; the dist_opt GPU
 #                                tests and the 2-GPU SFT runs on GPUs 2,3; the template twins on 4 GPUs
 #                                (TWINS_K, TWO_K: pytest -k filters; LIMIT: seconds per stream)
-#   scripts/gpu_multi.sh dist_opt  tests/test_dist_opt.py's ten GPU tests in four streams, two on GPUs 0,1 and two
+#   scripts/gpu_multi.sh dist_opt  tests/test_dist_opt.py's eleven GPU tests in four streams, two on GPUs 0,1 and two
 #                                on 2,3; a worker alive after 150 s writes its stacks to $out/hang-*.txt
 #                                (scripts/hang_dump)
 #   scripts/gpu_multi.sh bench   the 4-GPU bench (dp4 dense, ep4 MoE; CASES: others, e.g. their -dist-opt twins),
@@ -54,11 +54,12 @@ case $part in
     wait $four; echo "4-GPU layouts: exit $?"; grep -E "PASSED|FAILED|passed|failed" "$out/tests-4gpu.log" | tail -8
     wait $two; echo "2-GPU tests: exit $?"; grep -E "PASSED|FAILED|passed|failed" "$out/tests-2gpu.log" | tail -8
     ;;
-  dist_opt)  # tests/test_dist_opt.py's ten GPU tests in four 2-GPU streams, two on each pair of GPUs (tiny models)
+  dist_opt)  # tests/test_dist_opt.py's GPU tests in four 2-GPU streams, two on each pair of GPUs (tiny models)
     export PYTHONPATH="$PWD/scripts/hang_dump:$PYTHONPATH" MLITE_HANG_DUMP_DIR="$out"
-    T=tests/test_dist_opt.py::test_dist_opt_trains_a_layout_like_one_gpu_and_resumes
+    D=tests/test_dist_opt.py
+    T=$D::test_dist_opt_trains_a_layout_like_one_gpu_and_resumes
     streams=(
-      "0,1|tests/test_dist_opt.py -k dp2_matches or deterministic"
+      "0,1|$D::test_dist_opt_dp2_matches_fsdp2_and_one_gpu_in_bf16 $D::test_two_deterministic_dist_opt_runs_are_bitwise_identical $D::test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank"
       "0,1|${T}[dense-tp2] ${T}[dense-pp2] ${T}[dense-pp2-vpp2]"
       "2,3|${T}[dense-dp2] ${T}[moe-ep2]"
       "2,3|${T}[moe-pp2] ${T}[moe-tp2]"
@@ -67,7 +68,6 @@ case $part in
     for i in "${!streams[@]}"; do
       gpus=${streams[$i]%%|*}
       read -r -a args <<<"${streams[$i]#*|}"
-      if [ "${args[1]:-}" = -k ]; then args=("${args[0]}" -k "${args[*]:2}"); fi
       (CUDA_VISIBLE_DEVICES=$gpus timeout "${LIMIT:-540}" "${PYTEST[@]}" "${args[@]}" \
          >"$out/dist_opt-$i.log" 2>&1) &
       pids+=($!)

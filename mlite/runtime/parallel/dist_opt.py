@@ -540,9 +540,8 @@ def build_dist_opt(
     init_parallel_state(dims)
     use_sync_free_fallbacks()  # without TE or Apex, Megatron's own fallback syncs once per tensor a step
     compute, opt = job.precision.compute, job.optimizer
-    # torch's AdamW inside Megatron (no TE or Apex) can take the clip and the skip on the device; fp16 keeps
-    # Megatron's loss scaler
-    on_device = megatron_optimizer.USING_PYTORCH_OPTIMIZER and compute != "fp16"
+    # torch's AdamW inside Megatron (no TE or Apex) can take the clip and the skip on the device
+    on_device = megatron_optimizer.USING_PYTORCH_OPTIMIZER
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=job.precision.grad_reduce == "fp32",
         # async reduce-scatters: the backend starts each bucket's in the step's last backward (its hooks, not
