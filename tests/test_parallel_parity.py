@@ -66,11 +66,70 @@ def test_dense_and_moe_match_one_process(tmp_path, world, layout):
 
 @pytest.mark.parametrize(
     "world,layout",
-    [(2, dict(dp=2, ep=2)), (4, dict(dp=4, ep=2)), (2, dict(tp=2, ep=2))],
-    ids=["ep2", "ep2xdp2", "ep2xtp2"],
+    [(2, dict(dp=2, ep=2)), (4, dict(dp=4, ep=2)), (2, dict(tp=2, ep=2)), (4, dict(dp=4, ep=4))],
+    ids=["ep2", "ep2xdp2", "ep2xtp2", "ep4"],  # top-2: ep2 gathers the tokens, ep4 sends them pair by pair
 )
 def test_expert_parallel_matches_one_process(tmp_path, world, layout):
     check_parity(tmp_path, world, layout, models=(True,))
+
+
+def _exchange_worker(rank, world, out):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from mlite.runtime.models.moe import Experts, local_dispatch
+    from mlite.runtime.parallel.expert import expert_parallel_dispatch
+
+    experts_n, k, hidden, tokens = 12, 3, 16, 10
+    local = experts_n // world
+    torch.manual_seed(0)  # the same experts on every rank
+    experts = Experts(experts_n, hidden, 12, F.silu).double()
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    routings = {  # [tokens, k] distinct expert ids a token, from this many of the last experts
+        "random": experts_n,  # a token's choices on one rank or spread over several
+        "one rank": local,  # every pair on the last rank: the others run no pair at all
+    }
+    results = {}
+    for name, choices in routings.items():
+        g = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(tokens, hidden, generator=g, dtype=torch.float64, requires_grad=True)
+        ids = torch.stack([experts_n - 1 - torch.randperm(choices, generator=g)[:k] for _ in range(tokens)])
+        w = torch.rand(tokens, k, generator=g, dtype=torch.float64, requires_grad=True)
+        got = {}
+        for exchange in ("one process", "all_gather", "all_to_all"):
+            experts.zero_grad()
+            if exchange == "one process":  # this rank's tokens through every expert, no exchange
+                experts.set_local_view(lambda weight: weight)
+                y = local_dispatch(x, ids, w, experts, experts_n)
+            else:
+                experts.set_local_view(lambda weight: weight[rank * local : (rank + 1) * local])
+                y = expert_parallel_dispatch(dist.group.WORLD, exchange)(x, ids, w, experts, experts_n)
+            (y * torch.linspace(-1, 1, hidden, dtype=torch.float64)).square().sum().backward()
+            grads = [p.grad.clone() for p in experts.parameters()]
+            for grad in grads:  # every rank's tokens' share of the experts' gradients
+                dist.all_reduce(grad)
+            got[exchange] = [y.detach().clone(), x.grad.clone(), w.grad.clone(), *grads]
+            x.grad, w.grad = None, None
+        results[name] = got
+    torch.save(results, f"{out}.{rank}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_both_expert_exchanges_give_the_one_process_outputs_and_gradients(tmp_path, world):
+    """The all-gather and the all-to-all exchange, forced on the same routing, give every rank the output,
+    and the gradients of its tokens, router weights and experts, that running its tokens through all experts
+    gives (fp64, summed over ranks for the experts), including a routing whose pairs all land on one rank."""
+    out = tmp_path / "exchange"
+    launch(world, _exchange_worker, str(out))
+    for rank in range(world):
+        for name, got in torch.load(f"{out}.{rank}").items():
+            want = got["one process"]
+            for exchange in ("all_gather", "all_to_all"):
+                names = ("output", "tokens", "weights", "gate_up", "down")
+                for what, a, b in zip(names, got[exchange], want, strict=True):
+                    assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), (rank, name, exchange, what)
+                    assert b.abs().sum() > 0 or what in ("gate_up", "down")
 
 
 def _forward_only_worker(rank, world, layout, out):

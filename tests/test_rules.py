@@ -337,3 +337,17 @@ def test_rollout_tp_must_split_like_vllm_does():
     moe = preset_arch("tiny-qwen3-moe")
     with pytest.raises(MliteError, match=r"expert intermediate size 30 \(vLLM splits it"):
         check_rollout(job, replace(moe, moe=replace(moe.moe, expert_ffn=30)), 4)
+
+
+@pytest.mark.parametrize(
+    "ep,top_k,exchange",
+    [(2, 2, "all_gather"), (4, 8, "all_gather"), (8, 8, "all_gather"), (4, 6, "all_gather"),
+     (8, 6, "all_to_all"), (4, 2, "all_to_all"), (16, 8, "all_to_all")],
+)
+def test_the_expert_exchange_sends_the_fewer_rows_a_token(ep, top_k, exchange):
+    """All-gather: ep - 1 rows a token leave the rank; per-pair all-to-all: top_k x (ep - 1) / ep. The
+    gather wins ties (fixed sizes, the host read overlapped): Qwen3 top-8 at ep4 and ep8, DeepSeek-V4 top-6
+    at ep4; V4 at ep8 sends pair by pair."""
+    assert rules.expert_exchange(ep, top_k) == exchange
+    gathered, paired = ep - 1, top_k * (ep - 1) / ep
+    assert (gathered <= paired) == (exchange == "all_gather")

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from mlite.config.arch import V4_CSA, V4_DENSE_ENTRIES_PER_PICK, V4_KEY_SET_LOGITS, ModelArch
 from mlite.config.catalog import count_params, embedding_params, final_params, layer_params
 from mlite.config.schema import JobConfig
-from mlite.plan.rules import Layout
+from mlite.plan.rules import Layout, expert_exchange
 
 GIB = 2**30
 HEADROOM = 0.90  # an estimate above this share of device (or host) memory does not fit
@@ -302,8 +302,9 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
     if arch.moe is not None:
         put("activations: routed experts", routed * tokens * flight, f"top-{arch.moe.top_k} token copies")
         if layout.ep > 1:
+            exchange = expert_exchange(layout.ep, arch.moe.top_k).replace("_", "-")
             put("expert exchange buffers", EP_EXCHANGE_SLACK * routed * tokens * flight,
-                f"ep={layout.ep} all-to-all: buffers of a new size every layer, kept by the allocator")
+                f"ep={layout.ep} {exchange}: buffers of a new size every layer, kept by the allocator")
     if working:
         put("recompute working set", working * tokens, f"one group of {r.num_layers} layer(s) rebuilt")
     gather = v4_gather_bytes(arch, layers, job.data.seq_len, tokens, layout.tp, act)

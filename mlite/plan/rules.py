@@ -389,6 +389,17 @@ def context_chunk_multiple(arch: ModelArch) -> int:
     return max(v4.sliding_window, *v4.compress_ratios, 2 * V4_CSA)
 
 
+def expert_exchange(ep: int, top_k: int) -> str:
+    """How routed tokens reach their experts' ranks under expert parallel (ep > 1), by what crosses the
+    links per token: `all_gather` sends every token to every other rank of the ep group (ep - 1 rows) and
+    each rank picks its own experts' pairs; `all_to_all` sends one row per routed (token, expert) pair,
+    top_k x (ep - 1) / ep of them off the rank. The all-gather moves no more whenever ep <= top_k (ep4
+    with Qwen3's top-8: 3 rows against 6), and its sizes are fixed, so the one host read of a size (the
+    local pair count) waits on the router alone while the tokens travel. Otherwise (DeepSeek-V4's top-6 at
+    ep8: 7 rows against 5.25) the per-pair all-to-all moves less."""
+    return "all_gather" if ep <= top_k else "all_to_all"
+
+
 def check_batches(job: JobConfig, arch: ModelArch, dp: int) -> tuple[int, int]:
     """Batches over dp ranks and micro-batches; returns (micro-batches per step, tokens per micro-batch)."""
     d, p = job.data, job.parallel

@@ -74,8 +74,14 @@ class _GatherRows(torch.autograd.Function):
         (inverse,) = ctx.saved_tensors
         rows = grad[inverse]
         if ctx.fan > 1:
-            rows = rows.view(-1, ctx.fan, grad.shape[-1]).sum(1, dtype=torch.float32).to(grad.dtype)
+            wide = torch.promote_types(grad.dtype, torch.float32)  # fp32 for bf16, fp64 stays
+            rows = rows.view(-1, ctx.fan, grad.shape[-1]).sum(1, dtype=wide).to(grad.dtype)
         return rows, None, None, None
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, fan: int = 1) -> torch.Tensor:
+    """x[index], with the deterministic gradient of `_GatherRows` (`inverse`: its contract)."""
+    return _GatherRows.apply(x, index, inverse, fan)
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
@@ -90,7 +96,7 @@ def group_by_expert(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts:
     flat_ids = expert_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     # token n's k pairs sit at rows inverse_permutation(order)[n*k : n*k + k] of the routed rows
-    routed = _GatherRows.apply(hidden, order // k, inverse_permutation(order), k)
+    routed = gather_rows(hidden, order // k, inverse_permutation(order), k)
     return order, routed, expert_counts(flat_ids, num_experts)
 
 
@@ -98,7 +104,7 @@ def combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> to
     """Expert outputs in expert order -> sum_j weights[n, j] * out of choice j, for every token n
     -> [N, H]. A gather back to (token, choice) order, fused with the weighted sum (no scatter)."""
     n, k = weights.shape
-    by_pair = _GatherRows.apply(out, inverse_permutation(order), order, 1)  # [N*k, H], (token, choice) order
+    by_pair = gather_rows(out, inverse_permutation(order), order)  # [N*k, H], (token, choice) order
     return (by_pair.view(n, k, -1) * weights.unsqueeze(-1).to(by_pair.dtype)).sum(1)
 
 

@@ -1,13 +1,18 @@
-"""Expert parallel: send each routed token to the rank that holds its expert, and bring the result back.
+"""Expert parallel: bring each routed token to the rank that holds its expert, and the result back.
 
-Capacity-free: every (token, expert) pair is computed, however unbalanced the routing; the split sizes of
-the all-to-all are exchanged first, so nothing is padded or dropped. Experts are stacked [E, ...]
-parameters; ep rank r holds experts [r * E/ep, (r+1) * E/ep).
+Capacity-free: every (token, expert) pair is computed, however unbalanced the routing; nothing is padded
+or dropped. Experts are stacked [E, ...] parameters; ep rank r holds experts [r * E/ep, (r+1) * E/ep).
+Two exchanges (`mlite.plan.rules.expert_exchange` picks by ep and top_k, so the planner sizes the same one):
+- `all_gather`: every rank gathers every token of the ep group (fixed sizes), runs its experts' pairs,
+  sums each token's local pairs weighted, and the partial sums go home by an all-to-all of fixed splits,
+  added in fp32 there;
+- `all_to_all`: one row per routed (token, expert) pair, sent to the expert's rank and back; the split
+  sizes are exchanged first.
 
 The contract with the model's MoE block (mlite.runtime.models.moe): an experts function `experts(tokens
 [M, H], counts [E_local]) -> [M, H]` computes tokens already grouped by local expert (counts[e] rows for
-expert e, in order), and the block's `dispatch` seam takes `expert_parallel_dispatch(group)` in place of
-its local one. DeepEP plugs in at the same seam on GPUs.
+expert e, in order), and the block's `dispatch` seam takes `expert_parallel_dispatch(group, exchange)` in
+place of its local one. DeepEP plugs in at the same seam on GPUs.
 """
 
 from __future__ import annotations
@@ -17,13 +22,24 @@ import torch.distributed as dist
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor
 
-from mlite.runtime.models.moe import ExpertsFn, RouterStats, combine, group_by_expert
+from mlite.runtime.models.moe import (
+    ExpertsFn,
+    RouterStats,
+    combine,
+    expert_counts,
+    gather_rows,
+    group_by_expert,
+    inverse_permutation,
+)
 
 
-def expert_parallel_dispatch(group: dist.ProcessGroup):
-    """The MoE block's `dispatch` under expert parallel over `group` (mlite.runtime.models.moe.DispatchFn)."""
+def expert_parallel_dispatch(group: dist.ProcessGroup, exchange: str):
+    """The MoE block's `dispatch` under expert parallel over `group` (mlite.runtime.models.moe.DispatchFn),
+    by `exchange` (`all_gather` or `all_to_all`, from mlite.plan.rules.expert_exchange)."""
 
     def dispatch(hidden, expert_ids, weights, experts: ExpertsFn, num_experts: int) -> torch.Tensor:
+        if exchange == "all_gather":
+            return _gathered(hidden, expert_ids, weights, experts, num_experts, group)
         order, routed, counts = group_by_expert(hidden, expert_ids, num_experts)
         out = _across_ranks(routed, counts, experts, num_experts, dist.get_world_size(group), group)
         return combine(out, order, weights)
@@ -82,3 +98,129 @@ def _block_permutation(counts: torch.Tensor, total: int) -> torch.Tensor:
     block = torch.repeat_interleave(torch.arange(a * b, device=counts.device), counts.reshape(-1),
                                     output_size=total)
     return torch.argsort((block % b) * a + block // b, stable=True)
+
+
+def _gathered(hidden, expert_ids, weights, experts, num_experts, group) -> torch.Tensor:
+    """The `all_gather` exchange: [N, H] -> [N, H], every rank's tokens seen by every rank of `group`."""
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
+    n, k = expert_ids.shape
+    local = num_experts // ep
+    # the routing of every token of the group: weights (differentiable) and expert ids, exact in fp32
+    wide = _accumulated(weights)
+    routing = _gather_rows(torch.cat([weights.to(wide), expert_ids.to(wide)], 1), group)  # [ep*N, 2k]
+    gathered_weights, gathered_ids = routing[:, :k], routing[:, k:].long()
+    mine = gathered_ids // local == me  # [ep*N, k]: which pairs run here
+    tokens, pairs = _gather_rows_counting(hidden, mine.sum(), group)  # [ep*N, H]
+    # this rank's pairs in (token, choice) order, then grouped by local expert for the grouped GEMM
+    position = torch.argsort((~mine).reshape(-1).to(torch.int8), stable=True)[:pairs]
+    expert = gathered_ids.reshape(-1)[position] - me * local
+    order = torch.argsort(expert, stable=True)
+    by_token = inverse_permutation(order)
+    fan = mine.sum(1)  # pairs of each gathered token that run here (0 to k)
+    routed = _GatherRepeated.apply(tokens, (position // k)[order], by_token, fan)
+    out = experts(routed, expert_counts(expert, local))
+    pair_weights = gathered_weights.reshape(-1)[position].to(out.dtype).unsqueeze(-1)  # [pairs, 1]
+    # each gathered token's local pairs, weighted and summed here: one row a token goes home, not k
+    partial = segment_sum(gather_rows(out, by_token, order) * pair_weights, fan)
+    return _sum_home(partial, group)
+
+
+def segment_sum(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[sum(lengths), H] -> [len(lengths), H]: consecutive runs of rows summed (an empty run gives 0), in
+    fp32 (or the rows' wider dtype). One pass, the same order every run (unlike a scatter-add's atomics)."""
+    summed = torch.segment_reduce(rows.to(_accumulated(rows)), "sum", lengths=lengths, unsafe=True)
+    return summed.to(rows.dtype)
+
+
+def _accumulated(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16, fp64 stays
+
+
+class _GatherRepeated(torch.autograd.Function):
+    """x[index] where row i of x is copied `lengths[i]` times (0 or more), and `inverse` lists the result's
+    positions row by row (x's row 0's copies first). The gradient: the result's gradient in `inverse` order,
+    each row's run summed in fp32 (`segment_sum`), deterministic, with no [rows x max copies] buffer."""
+
+    @staticmethod
+    def forward(x, index, inverse, lengths):
+        return x[index]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2], inputs[3])
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, lengths = ctx.saved_tensors
+        return segment_sum(grad[inverse], lengths), None, None, None
+
+
+class _AllGatherRows(torch.autograd.Function):
+    """[N, ...] -> [ep*N, ...], rank r's rows at block r. The gradient: each block back to its rank by an
+    all-to-all of fixed splits, the ep contributions added in fp32 (a ring reduce-scatter would add bf16
+    partial sums ep - 1 times)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_blocks(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sum_blocks(grad, ctx.group), None
+
+
+class _SumHome(torch.autograd.Function):
+    """[ep*N, ...] -> [N, ...]: block r of every rank's rows goes to rank r, which adds the ep blocks in
+    fp32. The gradient is the all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _sum_blocks(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_blocks(grad, ctx.group), None
+
+
+def _gather_blocks(x, group):
+    out = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _sum_blocks(x, group):
+    ep = dist.get_world_size(group)
+    received = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(received, x.contiguous(), group=group)
+    return received.view(ep, -1, *x.shape[1:]).sum(0, dtype=_accumulated(x)).to(x.dtype)
+
+
+# The collectives run eagerly inside compiled blocks (graph breaks): c10d calls in an autograd.Function are
+# not traced.
+@torch.compiler.disable
+def _gather_rows(x, group):
+    return _AllGatherRows.apply(x, group)
+
+
+@torch.compiler.disable
+def _sum_home(x, group):
+    return _SumHome.apply(x, group)
+
+
+@torch.compiler.disable
+def _gather_rows_counting(x, count, group):
+    """(_gather_rows(x), int(count)): the copy of `count` to the host is queued before the gather, so the
+    host's wait for it ends when the router's kernels do, with the tokens' gather already queued behind
+    them: the GPU is never left idle while the host catches up (the all-to-all's split sizes, read on the
+    host between two collectives, left it so)."""
+    on_host = count.to("cpu", non_blocking=True)
+    ready = None
+    if count.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    gathered = _AllGatherRows.apply(x, group)
+    if ready is not None:
+        ready.synchronize()
+    return gathered, int(on_host)

@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from mlite.errors import MliteError
+from mlite.plan.rules import expert_exchange
 from mlite.runtime.models.moe import local_dispatch, local_stats, whole
 from mlite.runtime.parallel.context import context_geometry, context_parallel_attention
 from mlite.runtime.parallel.expert import expert_parallel_dispatch, local_slice, token_group_stats
@@ -112,7 +113,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
 
 
 def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
-    """Keep this ep rank's slice of the stacked experts; tokens reach them by all-to-all.
+    """Keep this ep rank's slice of the stacked experts; tokens reach them by the exchange
+    `mlite.plan.rules.expert_exchange` picks (all-gather or all-to-all).
 
     The stacked parameters become DTensors split on dim 0 over `ep`: their global shape stays [E, ...], so
     checkpoints name and shape them the same under any ep (resume ep2 -> ep1). The experts' own forward
@@ -120,14 +122,15 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
     that share one micro-batch's tokens (cp x tp)."""
     ep, cp, tp = mesh["ep"], mesh["cp"], mesh["tp"]
     reduce_stats = token_group_stats(mesh.group("cp_tp")) if cp.size() * tp.size() > 1 else local_stats
-    dispatch = expert_parallel_dispatch(ep.get_group()) if ep.size() > 1 else local_dispatch
     # sequence parallel: the block's input is this tp rank's shard of the share's tokens
     token_rows = (functools.partial(sequence_shard, rank=mesh.rank_in("tp"), size=tp.size())
                   if tp.size() > 1 else whole)
     for layer in blocks(model):
         if not is_moe(layer):
             continue
+        dispatch = local_dispatch
         if ep.size() > 1:
+            dispatch = expert_parallel_dispatch(ep.get_group(), expert_exchange(ep.size(), layer.mlp.top_k))
             experts = layer.mlp.experts
             for name, param in list(experts.named_parameters(recurse=False)):
                 # every rank slices its own experts (src_data_rank=None: no scatter), so this also lays out
