@@ -141,8 +141,8 @@ def profile(name: str, rows: int, overrides: list[str], keep_gathered: bool = Fa
         for _ in range(2):
             step()
         torch.cuda.synchronize()
-    if trace and RANK == 0:  # the two steps' timeline (chrome://tracing, or scripts/trace_gaps.py)
-        prof.export_chrome_trace(trace)
+    if trace and (RANK == 0 or "{rank}" in trace):  # the two steps' timeline (chrome://tracing, or
+        prof.export_chrome_trace(trace.format(rank=RANK))  # scripts/trace_gaps.py); {rank}: every rank's
     events = prof.key_averages()
     # the kernels themselves: not the ops around them, nor the GPU-side ranges of user annotations
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
@@ -182,7 +182,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("cases", nargs="+")
 parser.add_argument("--rows", type=int, default=25)
 parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-parser.add_argument("--trace", help="write rank 0's timeline of the profiled steps here (Chrome trace JSON)")
+parser.add_argument("--trace", help="write rank 0's timeline of the profiled steps here (Chrome trace JSON); "
+                    "a path with {rank} in it: every rank's (their clocks are the host's: comparable)")
 parser.add_argument("--keep-gathered", action="store_true",
                     help="FSDP2 units stay gathered from their forward to their backward (no re-gather)")
 args = parser.parse_args()

@@ -54,8 +54,9 @@ def bf16_on_gpu(monkeypatch):
         (4, dict(cp=2, tp=2), (False, True)),
         (4, dict(pp=2, tp=2), (False, True)),
         (4, dict(dp=4, ep=2), (True,)),
+        (4, dict(dp=4, ep=4), (True,)),  # top-2 over ep4: the per-pair all-to-all (ep2: the all-gather)
     ],
-    ids=["dp2", "tp2", "cp2", "ep2", "pp2", "pp2+vpp2", "tp2xdp2", "cp2xtp2", "pp2xtp2", "ep2xdp2"],
+    ids=["dp2", "tp2", "cp2", "ep2", "pp2", "pp2+vpp2", "tp2xdp2", "cp2xtp2", "pp2xtp2", "ep2xdp2", "ep4"],
 )
 def test_layout_matches_one_gpu_in_bf16(tmp_path, bf16_on_gpu, world, layout, models):
     results = run_and_compare(tmp_path, world, layout, models)

@@ -102,19 +102,13 @@ def _block_permutation(counts: torch.Tensor, total: int) -> torch.Tensor:
 
 def _gathered(hidden, expert_ids, weights, experts, num_experts, group) -> torch.Tensor:
     """The `all_gather` exchange: [N, H] -> [N, H], every rank's tokens seen by every rank of `group`."""
-    ep, me = dist.get_world_size(group), dist.get_rank(group)
-    n, k = expert_ids.shape
-    local = num_experts // ep
-    # the routing of every token of the group: weights (differentiable) and expert ids, exact in fp32
-    wide = _accumulated(weights)
-    routing = _gather_rows(torch.cat([weights.to(wide), expert_ids.to(wide)], 1), group)  # [ep*N, 2k]
-    gathered_weights, gathered_ids = routing[:, :k], routing[:, k:].long()
-    mine = gathered_ids // local == me  # [ep*N, k]: which pairs run here
-    tokens, pairs = _gather_rows_counting(hidden, mine.sum(), group)  # [ep*N, H]
-    # this rank's pairs in (token, choice) order, then grouped by local expert for the grouped GEMM
-    position = torch.argsort((~mine).reshape(-1).to(torch.int8), stable=True)[:pairs]
+    me, k = dist.get_rank(group), expert_ids.shape[1]
+    local = num_experts // dist.get_world_size(group)
+    tokens, gathered_weights, gathered_ids, mine, pairs_first, pairs = _gather(hidden, expert_ids, weights,
+                                                                               local, group)
+    position = pairs_first[:pairs]  # this rank's (token, choice) pairs, in token order
     expert = gathered_ids.reshape(-1)[position] - me * local
-    order = torch.argsort(expert, stable=True)
+    order = torch.argsort(expert, stable=True)  # the pairs grouped by local expert for the grouped GEMM
     by_token = inverse_permutation(order)
     fan = mine.sum(1)  # pairs of each gathered token that run here (0 to k)
     routed = _GatherRepeated.apply(tokens, (position // k)[order], by_token, fan)
@@ -123,6 +117,33 @@ def _gathered(hidden, expert_ids, weights, experts, num_experts, group) -> torch
     # each gathered token's local pairs, weighted and summed here: one row a token goes home, not k
     partial = segment_sum(gather_rows(out, by_token, order) * pair_weights, fan)
     return _sum_home(partial, group)
+
+
+# The collectives run eagerly inside compiled blocks (graph breaks): c10d calls in an autograd.Function are
+# not traced.
+@torch.compiler.disable
+def _gather(hidden, expert_ids, weights, local, group):
+    """Every rank's routing, then every rank's tokens, and this rank's pair count on the host, ordered so
+    the host waits on the router's kernels alone: the count's copy to the host is queued before the
+    tokens' gather, so the gather is already queued when the host resumes (the all-to-all's split sizes,
+    read between two collectives, left the GPU idle while the host caught up). One graph break a layer
+    for all of it."""
+    k = expert_ids.shape[1]
+    wide = _accumulated(weights)  # router weights (differentiable) and expert ids, exact in fp32
+    routing = _AllGatherRows.apply(torch.cat([weights.to(wide), expert_ids.to(wide)], 1), group)
+    gathered_weights, gathered_ids = routing[:, :k], routing[:, k:].long()  # [ep*N, k]
+    mine = gathered_ids // local == dist.get_rank(group)  # which pairs run here
+    # this rank's pairs first, in token order: a sort of known size, queued before the read
+    pairs_first = torch.argsort((~mine).reshape(-1).to(torch.int8), stable=True)
+    count = mine.sum().to("cpu", non_blocking=True)
+    ready = None
+    if count.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    tokens = _AllGatherRows.apply(hidden, group)  # [ep*N, H]
+    if ready is not None:
+        ready.synchronize()
+    return tokens, gathered_weights, gathered_ids, mine, pairs_first, int(count)
 
 
 def segment_sum(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -197,30 +218,6 @@ def _sum_blocks(x, group):
     return received.view(ep, -1, *x.shape[1:]).sum(0, dtype=_accumulated(x)).to(x.dtype)
 
 
-# The collectives run eagerly inside compiled blocks (graph breaks): c10d calls in an autograd.Function are
-# not traced.
-@torch.compiler.disable
-def _gather_rows(x, group):
-    return _AllGatherRows.apply(x, group)
-
-
 @torch.compiler.disable
 def _sum_home(x, group):
     return _SumHome.apply(x, group)
-
-
-@torch.compiler.disable
-def _gather_rows_counting(x, count, group):
-    """(_gather_rows(x), int(count)): the copy of `count` to the host is queued before the gather, so the
-    host's wait for it ends when the router's kernels do, with the tokens' gather already queued behind
-    them: the GPU is never left idle while the host catches up (the all-to-all's split sizes, read on the
-    host between two collectives, left it so)."""
-    on_host = count.to("cpu", non_blocking=True)
-    ready = None
-    if count.is_cuda:
-        ready = torch.cuda.Event()
-        ready.record()
-    gathered = _AllGatherRows.apply(x, group)
-    if ready is not None:
-        ready.synchronize()
-    return gathered, int(on_host)
