@@ -123,11 +123,10 @@ def _gathered(hidden, expert_ids, weights, experts, num_experts, group) -> torch
 # not traced.
 @torch.compiler.disable
 def _gather(hidden, expert_ids, weights, local, group):
-    """Every rank's routing, then every rank's tokens, and this rank's pair count on the host, ordered so
-    the host waits on the router's kernels alone: the count's copy to the host is queued before the
-    tokens' gather, so the gather is already queued when the host resumes (the all-to-all's split sizes,
-    read between two collectives, left the GPU idle while the host caught up). One graph break a layer
-    for all of it."""
+    """Every rank's routing, this rank's pair count on the host, then every rank's tokens: one graph break a
+    layer for all of it. The count is the exchange's one host read (the grouped GEMM's row count); it waits
+    for the router and the small routing gather only, and the tokens' gather is the first thing queued
+    after it."""
     k = expert_ids.shape[1]
     wide = _accumulated(weights)  # router weights (differentiable) and expert ids, exact in fp32
     routing = _AllGatherRows.apply(torch.cat([weights.to(wide), expert_ids.to(wide)], 1), group)
@@ -135,15 +134,9 @@ def _gather(hidden, expert_ids, weights, local, group):
     mine = gathered_ids // local == dist.get_rank(group)  # which pairs run here
     # this rank's pairs first, in token order: a sort of known size, queued before the read
     pairs_first = torch.argsort((~mine).reshape(-1).to(torch.int8), stable=True)
-    count = mine.sum().to("cpu", non_blocking=True)
-    ready = None
-    if count.is_cuda:
-        ready = torch.cuda.Event()
-        ready.record()
+    pairs = int(mine.sum())
     tokens = _AllGatherRows.apply(hidden, group)  # [ep*N, H]
-    if ready is not None:
-        ready.synchronize()
-    return tokens, gathered_weights, gathered_ids, mine, pairs_first, int(count)
+    return tokens, gathered_weights, gathered_ids, mine, pairs_first, pairs
 
 
 def segment_sum(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
