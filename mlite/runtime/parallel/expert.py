@@ -36,6 +36,8 @@ from mlite.runtime.models.moe import (
 def expert_parallel_dispatch(group: dist.ProcessGroup, exchange: str):
     """The MoE block's `dispatch` under expert parallel over `group` (mlite.runtime.models.moe.DispatchFn),
     by `exchange` (`all_gather` or `all_to_all`, from mlite.plan.rules.expert_exchange)."""
+    if exchange not in ("all_gather", "all_to_all"):
+        raise ValueError(f"expert exchange {exchange!r}: all_gather or all_to_all")
 
     def dispatch(hidden, expert_ids, weights, experts: ExpertsFn, num_experts: int) -> torch.Tensor:
         if exchange == "all_gather":
@@ -104,11 +106,16 @@ def _gathered(hidden, expert_ids, weights, experts, num_experts, group) -> torch
     """The `all_gather` exchange: [N, H] -> [N, H], every rank's tokens seen by every rank of `group`."""
     me, k = dist.get_rank(group), expert_ids.shape[1]
     local = num_experts // dist.get_world_size(group)
-    tokens, gathered_weights, gathered_ids, mine, pairs_first, pairs = _gather(hidden, expert_ids, weights,
-                                                                               local, group)
-    position = pairs_first[:pairs]  # this rank's (token, choice) pairs, in token order
+    # the routing of every token of the group: weights (differentiable) and expert ids, exact in fp32
+    wide = _accumulated(weights)
+    routing = _gather_rows(torch.cat([weights.to(wide), expert_ids.to(wide)], 1), group)  # [ep*N, 2k]
+    gathered_weights, gathered_ids = routing[:, :k], routing[:, k:].long()
+    mine = gathered_ids // local == me  # [ep*N, k]: which pairs run here
+    pairs, tokens = _count_then_gather_rows(mine.sum(), hidden, group)  # tokens: [ep*N, H]
+    # this rank's pairs in (token, choice) order, then grouped by local expert for the grouped GEMM
+    position = torch.argsort((~mine).reshape(-1).to(torch.int8), stable=True)[:pairs]
     expert = gathered_ids.reshape(-1)[position] - me * local
-    order = torch.argsort(expert, stable=True)  # the pairs grouped by local expert for the grouped GEMM
+    order = torch.argsort(expert, stable=True)
     by_token = inverse_permutation(order)
     fan = mine.sum(1)  # pairs of each gathered token that run here (0 to k)
     routed = _GatherRepeated.apply(tokens, (position // k)[order], by_token, fan)
@@ -117,26 +124,6 @@ def _gathered(hidden, expert_ids, weights, experts, num_experts, group) -> torch
     # each gathered token's local pairs, weighted and summed here: one row a token goes home, not k
     partial = segment_sum(gather_rows(out, by_token, order) * pair_weights, fan)
     return _sum_home(partial, group)
-
-
-# The collectives run eagerly inside compiled blocks (graph breaks): c10d calls in an autograd.Function are
-# not traced.
-@torch.compiler.disable
-def _gather(hidden, expert_ids, weights, local, group):
-    """Every rank's routing, this rank's pair count on the host, then every rank's tokens: one graph break a
-    layer for all of it. The count is the exchange's one host read (the grouped GEMM's row count); it waits
-    for the router and the small routing gather only, and the tokens' gather is the first thing queued
-    after it."""
-    k = expert_ids.shape[1]
-    wide = _accumulated(weights)  # router weights (differentiable) and expert ids, exact in fp32
-    routing = _AllGatherRows.apply(torch.cat([weights.to(wide), expert_ids.to(wide)], 1), group)
-    gathered_weights, gathered_ids = routing[:, :k], routing[:, k:].long()  # [ep*N, k]
-    mine = gathered_ids // local == dist.get_rank(group)  # which pairs run here
-    # this rank's pairs first, in token order: a sort of known size, queued before the read
-    pairs_first = torch.argsort((~mine).reshape(-1).to(torch.int8), stable=True)
-    pairs = int(mine.sum())
-    tokens = _AllGatherRows.apply(hidden, group)  # [ep*N, H]
-    return tokens, gathered_weights, gathered_ids, mine, pairs_first, pairs
 
 
 def segment_sum(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -209,6 +196,23 @@ def _sum_blocks(x, group):
     received = torch.empty_like(x, memory_format=torch.contiguous_format)
     dist.all_to_all_single(received, x.contiguous(), group=group)
     return received.view(ep, -1, *x.shape[1:]).sum(0, dtype=_accumulated(x)).to(x.dtype)
+
+
+# The collectives run eagerly inside compiled blocks (graph breaks): c10d calls in an autograd.Function are
+# not traced.
+@torch.compiler.disable
+def _gather_rows(x, group):
+    return _AllGatherRows.apply(x, group)
+
+
+@torch.compiler.disable
+def _count_then_gather_rows(count, x, group):
+    """(int(count), _gather_rows(x)): the exchange's one host read, this rank's pair count (the grouped
+    GEMM's row count), waits for the router and the small routing gather only; the tokens' gather is the
+    first thing queued after it. A blocking read: a copy queued ahead and read after an event gave counts
+    larger than the routing's on GPUs (docs/PARALLEL.md, "GPU suite")."""
+    pairs = int(count)
+    return pairs, _AllGatherRows.apply(x, group)
 
 
 @torch.compiler.disable
