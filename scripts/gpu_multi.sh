@@ -9,7 +9,8 @@
 #                                on 2,3; a worker alive after 150 s writes its stacks to $out/hang-*.txt
 #                                (scripts/hang_dump)
 #   scripts/gpu_multi.sh bench   the 4-GPU bench (dp4 dense, ep4 MoE; CASES: others, e.g. their -dist-opt twins),
-#                                alone on the machine (LIMIT per case)
+#                                alone on the machine (LIMIT per case; NUMA=exclusive: each rank bound to
+#                                its own cores by torchrun --numa-binding, the A/B for a host-late rank)
 #   scripts/gpu_multi.sh profile the same two cases (CASES: others) through scripts/profile_step.py (LIMIT per case)
 #   scripts/gpu_multi.sh vllm    GRPO with vLLM over the ranks (tests/test_vllm_gpu.py -k several_gpus, 2 and 4
 #                                GPUs), then the 2-GPU rollout bench: 2 engines of tp1 on GPUs 0,1 beside one of
@@ -33,8 +34,10 @@ bench() {  # bench GPUS LIMIT CASE...: one torchrun launch per case, so a slow o
   local gpus=$1 limit=$2
   shift 2
   for case in "$@"; do
-    timeout "$limit" torchrun --standalone --nproc-per-node "$gpus" -m mlite bench "$case" --steps "${STEPS:-6}" \
-      --warmup 3 --out "$out/bench-$case.json" >"$out/bench-$case.log" 2>&1
+    # shellcheck disable=SC2086  # NUMA: torchrun's --numa-binding mode (exclusive, node, ...), or none
+    timeout "$limit" torchrun --standalone --nproc-per-node "$gpus" ${NUMA:+--numa-binding $NUMA} -m mlite bench \
+      "$case" --steps "${STEPS:-6}" --warmup 3 --out "$out/bench-$case${NUMA:+-numa-$NUMA}.json" \
+      >"$out/bench-$case${NUMA:+-numa-$NUMA}.log" 2>&1
     echo "bench $case: exit $?"; tail -6 "$out/bench-$case.log"
   done
 }
