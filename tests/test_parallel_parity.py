@@ -80,7 +80,7 @@ def _exchange_worker(rank, world, out):
     from mlite.runtime.models.moe import Experts, local_dispatch
     from mlite.runtime.parallel.expert import expert_parallel_dispatch
 
-    experts_n, k, hidden, tokens = 12, 3, 16, 10
+    experts_n, k, hidden, tokens = 12, 3, 16, 10 + 3 * rank  # packed micro-batches differ in length
     local = experts_n // world
     torch.manual_seed(0)  # the same experts on every rank
     experts = Experts(experts_n, hidden, 12, F.silu).double()
@@ -119,7 +119,8 @@ def _exchange_worker(rank, world, out):
 def test_both_expert_exchanges_give_the_one_process_outputs_and_gradients(tmp_path, world):
     """The all-gather and the all-to-all exchange, forced on the same routing, give every rank the output,
     and the gradients of its tokens, router weights and experts, that running its tokens through all experts
-    gives (fp64, summed over ranks for the experts), including a routing whose pairs all land on one rank."""
+    gives (fp64, summed over ranks for the experts), including a routing whose pairs all land on one rank,
+    with a different number of tokens on every rank."""
     out = tmp_path / "exchange"
     launch(world, _exchange_worker, str(out))
     for rank in range(world):
