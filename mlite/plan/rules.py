@@ -394,10 +394,10 @@ def expert_exchange(ep: int, top_k: int) -> str:
     links per token: `all_gather` sends every token to every other rank of the ep group (ep - 1 rows) and
     each rank picks its own experts' pairs; `all_to_all` sends one row per routed (token, expert) pair,
     top_k x (ep - 1) / ep of them off the rank. The all-gather moves no more whenever ep <= top_k (ep4
-    with Qwen3's top-8: 3 rows against 6), and its sizes are fixed but one (the local pair count, read on
-    the host after the small routing gather; the all-to-all reads its split sizes after an exchange of
-    counts). Otherwise (DeepSeek-V4's top-6 at ep8: 7 rows against 5.25) the per-pair all-to-all moves
-    less."""
+    with Qwen3's top-8: 3 rows against 6), and its blocks are of equal size (the group's longest
+    micro-batch, and the local pair count after the small routing gather, are read on the host; the
+    all-to-all reads its split sizes after an exchange of counts). Otherwise (DeepSeek-V4's top-6 at ep8:
+    7 rows against 5.25) the per-pair all-to-all moves less."""
     return "all_gather" if ep <= top_k else "all_to_all"
 
 
