@@ -74,9 +74,13 @@ class _GatherRows(torch.autograd.Function):
         (inverse,) = ctx.saved_tensors
         rows = grad[inverse]
         if ctx.fan > 1:
-            wide = torch.promote_types(grad.dtype, torch.float32)  # fp32 for bf16, fp64 stays
-            rows = rows.view(-1, ctx.fan, grad.shape[-1]).sum(1, dtype=wide).to(grad.dtype)
+            rows = rows.view(-1, ctx.fan, grad.shape[-1]).sum(1, dtype=accumulated(grad)).to(grad.dtype)
         return rows, None, None, None
+
+
+def accumulated(x: torch.Tensor) -> torch.dtype:
+    """The dtype sums of x's rows are taken in: fp32 for bf16 and fp16, x's own where it is wider (fp64)."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, fan: int = 1) -> torch.Tensor:

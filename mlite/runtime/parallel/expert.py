@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from mlite.runtime.models.moe import (
     ExpertsFn,
     RouterStats,
+    accumulated,
     combine,
     expert_counts,
     gather_rows,
@@ -112,7 +113,7 @@ def _gathered(hidden, expert_ids, weights, experts, num_experts, group) -> torch
         hidden, weights = F.pad(hidden, (0, 0, 0, most - n)), F.pad(weights, (0, 0, 0, most - n))
         expert_ids = F.pad(expert_ids, (0, 0, 0, most - n), value=-1)
     # the routing of every token of the group: weights (differentiable) and expert ids, exact in fp32
-    wide = _accumulated(weights)
+    wide = accumulated(weights)
     routing = _gather_rows(torch.cat([weights.to(wide), expert_ids.to(wide)], 1), group)  # [ep*N, 2k]
     gathered_weights, gathered_ids = routing[:, :k], routing[:, k:].long()
     mine = gathered_ids // local == me  # [ep*N, k]: which pairs run here
@@ -134,12 +135,8 @@ def _gathered(hidden, expert_ids, weights, experts, num_experts, group) -> torch
 def segment_sum(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """[sum(lengths), H] -> [len(lengths), H]: consecutive runs of rows summed (an empty run gives 0), in
     fp32 (or the rows' wider dtype). One pass, the same order every run (unlike a scatter-add's atomics)."""
-    summed = torch.segment_reduce(rows.to(_accumulated(rows)), "sum", lengths=lengths, unsafe=True)
+    summed = torch.segment_reduce(rows.to(accumulated(rows)), "sum", lengths=lengths, unsafe=True)
     return summed.to(rows.dtype)
-
-
-def _accumulated(x: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16, fp64 stays
 
 
 class _GatherRepeated(torch.autograd.Function):
@@ -200,7 +197,7 @@ def _sum_blocks(x, group):
     ep = dist.get_world_size(group)
     received = torch.empty_like(x, memory_format=torch.contiguous_format)
     dist.all_to_all_single(received, x.contiguous(), group=group)
-    return received.view(ep, -1, *x.shape[1:]).sum(0, dtype=_accumulated(x)).to(x.dtype)
+    return received.view(ep, -1, *x.shape[1:]).sum(0, dtype=accumulated(x)).to(x.dtype)
 
 
 # The collectives run eagerly inside compiled blocks (graph breaks): c10d calls in an autograd.Function are
@@ -221,10 +218,10 @@ def _most_rows(n: int, device, group) -> int:
 
 @torch.compiler.disable
 def _count_then_gather_rows(count, x, group):
-    """(int(count), _gather_rows(x)): the exchange's one host read, this rank's pair count (the grouped
-    GEMM's row count), waits for the router and the small routing gather only; the tokens' gather is the
-    first thing queued after it. A blocking read: a copy queued ahead and read after an event gave counts
-    larger than the routing's on GPUs (docs/PARALLEL.md, "GPU suite")."""
+    """(int(count), _gather_rows(x)): the exchange's second host read (after `_most_rows`), this rank's
+    pair count (the grouped GEMM's row count), waits for the router and the small routing gather only;
+    the tokens' gather is the first thing queued after it. A blocking read: a copy queued ahead and read
+    after an event gave counts larger than the routing's on GPUs (docs/PARALLEL.md, "GPU suite")."""
     pairs = int(count)
     return pairs, _AllGatherRows.apply(x, group)
 
