@@ -19,6 +19,7 @@ from mlite.runtime.kernels import (
     resolve_attention_backend,
     varlen_attention,
 )
+from mlite.runtime.kernels.segment_sum import segment_sum
 from mlite.runtime.models.moe import expert_counts, local_dispatch, router_stats
 
 LENS = [5, 11, 1, 7]
@@ -183,6 +184,51 @@ def test_moe_routing_dispatch_and_statistics_trace_as_one_graph():
     assert stats.rows.item() == 50 and eager_stats.counts.sum().item() == 100
 
 
+def _runs_summed_one_by_one(rows: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """The reference: each run added row by row in fp64."""
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    return torch.stack([rows[a:b].double().sum(0) if b > a else rows.new_zeros(rows.shape[1:]).double()
+                        for a, b in zip(starts, starts[1:])])
+
+
+SEGMENT_LENGTHS = [2, 0, 3, 1, 0, 8, 1]  # empty runs (a gathered token with no local pair) give 0
+
+
+def test_segment_sum_adds_each_run_and_repeats_the_gradient_over_it():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor(SEGMENT_LENGTHS)
+    rows = torch.randn(int(lengths.sum()), 24, generator=g, dtype=torch.float64, requires_grad=True)
+    out = segment_sum(rows, lengths)
+    torch.testing.assert_close(out, _runs_summed_one_by_one(rows.detach(), SEGMENT_LENGTHS), rtol=0,
+                               atol=1e-12)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    out.backward(grad)
+    # each row's gradient is its run's: run i's gradient repeated lengths[i] times
+    torch.testing.assert_close(rows.grad, grad.repeat_interleave(lengths, dim=0), rtol=0, atol=0)
+    # bf16 rows are added in fp32 and stored in bf16
+    low = segment_sum(rows.detach().bfloat16(), lengths)
+    assert low.dtype == torch.bfloat16
+    want = _runs_summed_one_by_one(rows.detach().bfloat16(), SEGMENT_LENGTHS)
+    torch.testing.assert_close(low.double(), want, rtol=1e-2, atol=1e-2)
+    torch.library.opcheck(segment_sum, (rows.detach().requires_grad_(), lengths))
+
+
+def test_segment_sum_compiles_inside_a_graph_by_its_shape():
+    """An opaque op: a compiled region traces through it (no graph break), with the run count dynamic."""
+    g = torch.Generator().manual_seed(0)
+
+    def weighted_runs(rows, weights, lengths):
+        return segment_sum(rows * weights, lengths).square().sum()
+
+    lengths = torch.tensor(SEGMENT_LENGTHS)
+    rows = torch.randn(int(lengths.sum()), 16, generator=g)
+    weights = torch.rand(int(lengths.sum()), 1, generator=g)
+    explained = torch._dynamo.explain(weighted_runs)(rows, weights, lengths)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    compiled = torch.compile(weighted_runs, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(rows, weights, lengths), weighted_runs(rows, weights, lengths))
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["sdpa", "varlen", "cudnn", "packed", "flash_attn", "te"])
@@ -327,3 +373,23 @@ def test_the_runtimes_gpu_step_never_waits_for_the_gpu(name, overrides):
         torch.cuda.set_sync_debug_mode("default")
     assert math.isfinite(float(last["loss"])) and math.isfinite(float(last["grad_norm"]))
     runtime.close()  # fsdp_one_rank started a process group of one
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_segment_sum_on_cuda_is_the_torch_paths_sum_and_the_same_every_run(dtype):
+    """The Triton kernel (CUDA) against the fp64 sum of each run and against torch.segment_reduce on the
+    same rows; two runs bitwise equal. 2050 columns: the last column block is masked."""
+    from mlite.runtime.kernels import segment_sum as kernel
+
+    assert kernel.triton is not None, "Triton is part of torch's CUDA wheels: the kernel must be there"
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor(SEGMENT_LENGTHS * 300)
+    rows = torch.randn(int(lengths.sum()), 2050, generator=g).to("cuda", dtype)
+    got = segment_sum(rows, lengths.cuda())
+    assert torch.equal(got, segment_sum(rows, lengths.cuda()))
+    want = _runs_summed_one_by_one(rows.cpu(), lengths.tolist())
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
+    torch_path = torch.segment_reduce(rows.float(), "sum", lengths=lengths.cuda(), unsafe=True).to(dtype)
+    torch.testing.assert_close(got, torch_path, rtol=tol, atol=tol)

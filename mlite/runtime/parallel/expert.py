@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor
 
+from mlite.runtime.kernels.segment_sum import segment_sum
 from mlite.runtime.models.moe import (
     ExpertsFn,
     RouterStats,
@@ -130,13 +131,6 @@ def _gathered(hidden, expert_ids, weights, experts, num_experts, group) -> torch
     # each gathered token's local pairs, weighted and summed here: one row a token goes home, not k
     partial = segment_sum(gather_rows(out, by_token, order) * pair_weights, fan)
     return _sum_home(partial, group)[:n]
-
-
-def segment_sum(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """[sum(lengths), H] -> [len(lengths), H]: consecutive runs of rows summed (an empty run gives 0), in
-    fp32 (or the rows' wider dtype). One pass, the same order every run (unlike a scatter-add's atomics)."""
-    summed = torch.segment_reduce(rows.to(accumulated(rows)), "sum", lengths=lengths, unsafe=True)
-    return summed.to(rows.dtype)
 
 
 class _GatherRepeated(torch.autograd.Function):
