@@ -6,6 +6,8 @@
 - `grouped_gemm`: one matmul per expert over rows grouped by expert (`torch._grouped_mm` or a loop).
 - `lm_head`: log p(label) through the LM head without [T, vocab] fp32 logits; the runtime's loss path
   (mlite.runtime.loss.token_logprobs) takes it for a plain linear head.
+- `segment_sum`: sums of consecutive runs of rows in fp32, in order (a Triton kernel on CUDA,
+  `torch.segment_reduce` elsewhere); the all-gather expert exchange's per-token sums.
 """
 
 from mlite.runtime.kernels.attention import (
