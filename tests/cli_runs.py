@@ -44,10 +44,10 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def write_model_config(folder: Path, vocab_size: int, moe: bool) -> Path:
-    """A tiny untied Qwen3 (dense) or Qwen3-MoE config.json (untied LM head: tensor parallel splits the
-    embedding and the head differently, and pipeline stages hold them apart)."""
-    config = {"vocab_size": vocab_size, **MODEL_COMMON,
+def write_model_config(folder: Path, vocab_size: int, moe: bool, tied: bool = False) -> Path:
+    """A tiny Qwen3 (dense) or Qwen3-MoE config.json, untied unless `tied` (pipeline stages hold the
+    embedding and the LM head apart: a tied matrix is refused under pp)."""
+    config = {"vocab_size": vocab_size, **MODEL_COMMON, "tie_word_embeddings": tied,
               **(MOE if moe else {"model_type": "qwen3", "intermediate_size": 128})}
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
@@ -55,14 +55,15 @@ def write_model_config(folder: Path, vocab_size: int, moe: bool) -> Path:
 
 
 def layout_assets(root: Path) -> dict:
-    """Demo data, a tokenizer trained on it, and the tiny dense and MoE configs sized to the tokenizer."""
+    """Demo data, a tokenizer trained on it, and the tiny dense, MoE and tied dense configs sized to the
+    tokenizer."""
     from mlite.runtime.data.demo import write_demo_data
     from mlite.runtime.data.tokenizer import train_demo_tokenizer
 
     files = write_demo_data(root / "data", train=64, val=8, seed=2)
     tokenizer = train_demo_tokenizer(root / "tokenizer", seed=2, vocab_size=256, rows=200)
-    for name in ("dense", "moe"):
-        write_model_config(root / name, len(tokenizer), moe=name == "moe")
+    for name in ("dense", "moe", "tied"):
+        write_model_config(root / name, len(tokenizer), moe=name == "moe", tied=name == "tied")
     return {"train": str(files["train.jsonl"]), "val": str(files["val.jsonl"]),
             "tokenizer": str(root / "tokenizer"), "root": root}
 

@@ -34,8 +34,8 @@ from mlite.trainers.sft import train_sft
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    """Demo data, a tokenizer trained on it, and tiny dense and MoE configs sized to the tokenizer (untied
-    LM heads: tensor parallel splits embedding and head differently)."""
+    """Demo data, a tokenizer trained on it, and tiny dense, MoE and tied dense configs sized to the
+    tokenizer."""
     return layout_assets(tmp_path_factory.mktemp("layout_assets"))
 
 
@@ -91,6 +91,26 @@ def test_tp2_matches_one_process_and_its_checkpoint_resumes_on_one_process(asset
     resume = str(CheckpointManager(saved).path_for(2))
     train_sft(job_from_dict(job_dict(assets, "dense", out, trainer={"resume": resume})), show_progress=False)
     assert_same_curve(records(out), one_process["dense"][2:])
+
+
+@pytest.mark.parametrize("ranks", [2, 4], ids=["tp2", "tp2xdp2"])
+def test_a_tied_lm_head_under_tp_matches_one_process_and_resumes_on_one_process(assets, tmp_path, ranks):
+    """Qwen3's small models tie the LM head to the embedding. Under tp both split the [vocab, hidden]
+    matrix by vocab rows, so it stays one parameter: its gradient holds both uses, FSDP2 shards it as one
+    unit over dp, and the checkpoint names it once. The run equals the one-process run, and its step-2
+    checkpoint continues there."""
+    one = tmp_path / "one"
+    train_sft(job_from_dict(job_dict(assets, "tied", one)), show_progress=False)
+    saved = tmp_path / "tp2"
+    done = mlite_cli(tmp_path, job_dict(assets, "tied", saved), ranks, "parallel.tp=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_curve(records(saved), records(one))
+    assert held_out(saved) == pytest.approx(held_out(one), rel=RTOL)
+    resumed = tmp_path / "resumed"
+    resume = str(CheckpointManager(saved).path_for(2))
+    job = job_dict(assets, "tied", resumed, trainer={"resume": resume})
+    train_sft(job_from_dict(job), show_progress=False)
+    assert_same_curve(records(resumed), records(one)[2:])
 
 
 # ------------------------------------------------------------------------------- keys with an effect

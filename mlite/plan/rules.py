@@ -559,10 +559,10 @@ def check_model_losses(job: JobConfig, arch: ModelArch) -> None:
 def check_model_layout(job: JobConfig, arch: ModelArch) -> None:
     """Degrees the runtime cannot run with this model yet (the degrees themselves are fine)."""
     p = job.parallel
-    if arch.tie_embeddings and (p.tp > 1 or p.pp > 1):  # one weight in the first and the last stage
+    if arch.tie_embeddings and p.pp > 1:  # one weight in the first and the last stage
         raise MliteError(
-            f"tied embeddings (tie_word_embeddings) with tp={p.tp}, pp={p.pp} are not supported yet; use "
-            "tp=1 and pp=1 (data, context and expert parallel work) or a model with an untied LM head"
+            f"tied embeddings (tie_word_embeddings) with pp={p.pp} are not supported yet; use pp=1 (data, "
+            "tensor, context and expert parallel work) or a model with an untied LM head"
         )
 
 

@@ -73,6 +73,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
     tp = mesh["tp"]
     if tp.size() == 1:
         return
+    tied = model.output is not None and model.embed is not None and model.output.weight is model.embed.weight
     if model.embed is not None:
         parallelize_module(
             model.embed, tp, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
@@ -85,6 +86,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
             tp,
             ColwiseParallel(input_layouts=Shard(0), output_layouts=Shard(-1), use_local_output=False),
         )
+    if tied:  # both split the [vocab, hidden] matrix by vocab rows (Shard(0)): one parameter again
+        model.output.weight = model.embed.weight
     for layer in model.layers.values():
         plan = {
             "attn_norm": SequenceParallel(sequence_dim=0),
