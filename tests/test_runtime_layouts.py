@@ -3,7 +3,7 @@
 Each layout is the real CLI under `torchrun --nproc-per-node 2` (gloo, CPU, fp32) on a tiny untied Qwen3
 (dense) or Qwen3-MoE trained on the demo data: the loss and grad norm of every step equal the one-process
 run within 1e-5 relative, with the same token counts. A checkpoint saved under tp2 continues on one
-process. Every precision / recompute / offload / optimizer key either changes the run (shown here) or is
+process; so does a tied Qwen3's under tp2 and tp2 x dp2. Every precision / recompute / offload / optimizer key either changes the run (shown here) or is
 refused with one line naming it (exit 2). The GPU test runs tp2 and fsdp2 dp2 in bf16 on NCCL.
 """
 
@@ -169,7 +169,7 @@ def test_selective_recompute_holds_under_context_parallel(tmp_path):
     (context parallel once replaced the recomputed attention core, and recompute silently vanished)."""
     from parallel_harness import launch
 
-    write_untied_model(tmp_path)
+    write_model(tmp_path)
     out = tmp_path / "recompute.pt"
     launch(2, _recompute_worker, str(tmp_path), str(out))
     for rank in range(2):
@@ -297,16 +297,17 @@ def test_bf16_master_weights_on_gpu_keep_parameters_and_adam_state_in_bf16(asset
 
 
 # ------------------------------------------------------------------ the RL contract under every layout
-def write_untied_model(tmp_path: Path) -> None:
+def write_model(tmp_path: Path, tied: bool = False) -> None:
+    """tiny-qwen3 with 4 layers (pp2 x vpp2), untied unless `tied` (pipeline stages refuse a tied head)."""
     from mlite.config.catalog import PRESETS
 
-    (tmp_path / "untied").mkdir()
-    config = {**PRESETS["tiny-qwen3"], "tie_word_embeddings": False, "num_hidden_layers": 4}  # 4: pp2 x vpp2
-    (tmp_path / "untied" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model").mkdir()
+    config = {**PRESETS["tiny-qwen3"], "tie_word_embeddings": tied, "num_hidden_layers": 4}
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
 
 
 def rl_job(tmp_path: Path, layout: dict) -> dict:
-    return {"model": {"path": str(tmp_path / "untied"), "load_weights": False}, "parallel": layout,
+    return {"model": {"path": str(tmp_path / "model"), "load_weights": False}, "parallel": layout,
             "data": {"seq_len": 256, "max_tokens_per_micro_batch": 256}, "cluster": {"gpu": "cpu"},
             "precision": {"compute": "fp32"}, "optimizer": {"lr": 1e-3},
             "trainer": {"device": "cpu", "seed": 3}}
@@ -380,7 +381,7 @@ def test_rl_outputs_and_gradients_through_logprobs_and_entropy_match_one_process
     (the initial weights swapped in on the runtime's own path) and the KL term after two updates."""
     from parallel_harness import launch
 
-    write_untied_model(tmp_path)  # once, before any rank reads it
+    write_model(tmp_path)  # once, before any rank reads it
     want = rl_steps(tmp_path, {})
     out = tmp_path / "rl.pt"
     launch(2, _rl_worker, str(tmp_path), layout, str(out))
@@ -420,13 +421,15 @@ def _rollout_worker(rank, world, tmp_path, layout, out):
     torch.save(rollouts(Path(tmp_path), layout, ranks=(rank,))[rank], f"{out}.{rank}")
 
 
-@pytest.mark.parametrize("layout", [{}, {"tp": 2}, {"ep": 1, "cp": 2}], ids=["fsdp2-dp2", "tp2", "cp2"])
-def test_native_rollout_on_two_ranks_decodes_like_one_process(tmp_path, layout):
-    """GRPO's native sampler on a sharded model (FSDP2 / TP DTensors): the gathered replica decodes the
-    same greedy tokens as one process, though each rank stops after a different number of steps."""
+@pytest.mark.parametrize("layout,tied", [({}, False), ({"tp": 2}, False), ({"ep": 1, "cp": 2}, False),
+                                         ({"tp": 2}, True)], ids=["fsdp2-dp2", "tp2", "cp2", "tp2-tied"])
+def test_native_rollout_on_two_ranks_decodes_like_one_process(tmp_path, layout, tied):
+    """GRPO's native sampler on a sharded model (FSDP2 / TP DTensors, a tied head included): the gathered
+    replica decodes the same greedy tokens as one process, though each rank stops after a different number
+    of steps."""
     from parallel_harness import launch
 
-    write_untied_model(tmp_path)
+    write_model(tmp_path, tied)
     want = rollouts(tmp_path, {})
     out = tmp_path / "rollout.pt"
     launch(2, _rollout_worker, str(tmp_path), layout, str(out))
