@@ -59,6 +59,39 @@ def host_values(values: dict[str, Any]) -> dict[str, Any]:
     return {key: host_number(value) for key, value in values.items()}
 
 
+class StepClock:
+    """A step's time, whenever its numbers are read (one step late, or at once before a save). On a GPU:
+    the device's span from where the host began queueing the step to where it had queued all of it (two
+    CUDA events on the compute stream; reading the step's numbers has waited for its work). Elsewhere the
+    work is done when `trainer.step` returns: the host's time for it. Timing from the read instead gave a
+    step read right after the one ahead of it almost no time (a save step on the CPU: millions of tokens/s,
+    and a run's mean speed with it)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        began = torch.cuda.Event(enable_timing=True)
+        began.record()
+        return began
+
+    def stop(self, began: Any) -> tuple:
+        if not self.cuda:
+            return began, time.perf_counter()
+        ended = torch.cuda.Event(enable_timing=True)
+        ended.record()
+        return began, ended
+
+    def seconds(self, span: tuple) -> float:
+        began, ended = span
+        if not self.cuda:
+            return ended - began
+        ended.synchronize()
+        return began.elapsed_time(ended) / 1e3
+
+
 def _unread(result: StepResult) -> bool:
     """The step left numbers as tensors (the SFT step; GRPO's, which waits on its rollout, reads its own)."""
     values = [*result.metrics.values(), result.progress[1], result.skipped]
@@ -149,19 +182,15 @@ def _run(job, runtime, trainer, console, show_progress, watch: Watchdog) -> RunR
 
     if trainer.eval_at_start and start == 0 and (values := evaluate(0)):
         writer.log(0, values)
-    last_read = -math.inf  # when the previous step's numbers were read: the device had finished it
+    clock = StepClock(runtime.device)
 
-    def publish(at: int, result: StepResult, began: float, evaluated: dict) -> None:
-        """Read step `at`'s numbers (waiting for its device work) and log them. Its time runs from when it
-        began or, if it was queued before, when the step ahead of it was read: the device's time for it."""
-        nonlocal last_read
+    def publish(at: int, result: StepResult, span: tuple, evaluated: dict) -> None:
+        """Read step `at`'s numbers (waiting for its device work) and log them with its time (`clock`)."""
         watch.beat(f"reading step {at}'s figures (waiting for its device work)")
         metrics = host_values(result.metrics)
         label, value = result.progress[0], host_number(result.progress[1])
         skipped = bool(host_number(result.skipped))
-        done = time.perf_counter()
-        elapsed = done - max(began, last_read)
-        last_read = done
+        elapsed = clock.seconds(span)
         record = {**metrics, "tokens_per_s": result.tokens / elapsed, "step_time_s": elapsed, **evaluated}
         if at % cfg.log_every == 0 or at == total or evaluated:
             writer.log(at, record)
@@ -169,12 +198,13 @@ def _run(job, runtime, trainer, console, show_progress, watch: Watchdog) -> RunR
             progress.update(at, value, result.tokens / elapsed, note, label=label)
 
     runtime.train()
-    pending = None  # (step, result, began) of a step whose numbers are not read yet
+    pending = None  # (step, result, span) of a step whose numbers are not read yet
     with StopRequest() as stop:
         while step < total:
-            began = time.perf_counter()
+            began = clock.start()
             watch.beat(f"step {step + 1}")
             result = trainer.step(step)
+            span = clock.stop(began)
             step += 1
             if pending is not None:  # this step is queued: now the one before it is read
                 publish(*pending, {})
@@ -185,9 +215,9 @@ def _run(job, runtime, trainer, console, show_progress, watch: Watchdog) -> RunR
             stopped = stop.should_stop()
             save = stopped or step == total or (cfg.save_every and step % cfg.save_every == 0)
             if evaluated or save or not _unread(result):
-                publish(step, result, began, evaluated)
+                publish(step, result, span, evaluated)
             else:  # read it once the next step is queued
-                pending = (step, result, began)
+                pending = (step, result, span)
             if save:
                 watch.beat(f"saving the checkpoint of step {step}")
                 extra = {"step": step, **trainer.state_dict()}
