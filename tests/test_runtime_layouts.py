@@ -3,8 +3,9 @@
 Each layout is the real CLI under `torchrun --nproc-per-node 2` (gloo, CPU, fp32) on a tiny untied Qwen3
 (dense) or Qwen3-MoE trained on the demo data: the loss and grad norm of every step equal the one-process
 run within 1e-5 relative, with the same token counts. A checkpoint saved under tp2 continues on one
-process; so does a tied Qwen3's under tp2 and tp2 x dp2. Every precision / recompute / offload / optimizer key either changes the run (shown here) or is
-refused with one line naming it (exit 2). The GPU test runs tp2 and fsdp2 dp2 in bf16 on NCCL.
+process; so does a tied Qwen3's under tp2 and tp2 x dp2. Every precision / recompute / offload / optimizer
+key either changes the run (shown here) or is refused with one line naming it (exit 2). The GPU test runs
+tp2 and fsdp2 dp2 in bf16 on NCCL.
 """
 
 from __future__ import annotations

@@ -99,6 +99,13 @@ def plot_metrics(
     return png_path
 
 
+def format_value(value: float) -> str:
+    """A logged figure in the progress line: four decimals, or two significant digits in scientific notation
+    below 0.001 (GRPO's policy loss sits near 0, where "-0.0000" told nothing); no negative zero."""
+    value += 0.0  # -0.0 -> 0.0
+    return f"{value:.2e}" if 0 < abs(value) < 1e-3 else f"{value:.4f}"
+
+
 def format_duration(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
@@ -138,7 +145,7 @@ class ProgressDisplay:
         if not self.enabled:
             return
         eta = self.eta(step)
-        status = (f"{label} {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
+        status = (f"{label} {format_value(loss)}  {tokens_per_s:,.0f} tok/s  "
                   f"ETA {format_duration(eta) if math.isfinite(eta) else '?'}")
         status += f"  {extra}" if extra else ""
         if self.live:
