@@ -25,3 +25,12 @@ def test_the_plain_progress_line_has_the_figure_speed_and_eta():
     line = out.getvalue().strip()
     assert line.startswith("grpo step 5/80  pg_loss -2.50e-06  1,234 tok/s  ETA 0:")
     assert line.endswith("reward 0.562")
+
+
+def test_a_log_gets_each_line_whole(capsys):
+    """Under Slurm or CI stderr is a file: rich would wrap at 80 columns (a data report split mid-number)."""
+    from mlite.trainers.metrics import stream_console
+
+    line = "train: 4000 rows in 1 files; 4000 used (167240 tokens, 74193 trained, longest 55); " * 3
+    stream_console().print(line.strip(), highlight=False)
+    assert capsys.readouterr().err == line.strip() + "\n"

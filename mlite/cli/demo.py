@@ -30,13 +30,12 @@ def run(args) -> int:
     import logging
     from pathlib import Path
 
-    from rich.console import Console
-
     from mlite.errors import MliteError
     from mlite.trainers.demo import demo_overrides, prepare_demo, print_demo_summary, run_demo
+    from mlite.trainers.metrics import stream_console
 
     logging.basicConfig(level=logging.INFO, format="mlite demo: %(message)s")
-    console = Console(stderr=True)
+    console = stream_console()
     if args.prepare_only:
         paths = prepare_demo(Path(args.out))
         overrides = demo_overrides(Path(args.out), paths, args.device)

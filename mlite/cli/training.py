@@ -47,10 +47,9 @@ def plan_for_this_world(job):
 def run_training(kind: str, args) -> int:
     import logging
 
-    from rich.console import Console
-
     from mlite.config import load_job
     from mlite.errors import MliteError
+    from mlite.trainers.metrics import stream_console
 
     job = load_job(args.config, args.overrides)
     if job.job != kind:
@@ -58,7 +57,7 @@ def run_training(kind: str, args) -> int:
                          f"or set job: {kind}")
     plan_for_this_world(job)
     logging.basicConfig(level=logging.INFO, format=f"mlite {kind}: %(message)s")
-    console = Console(stderr=True)
+    console = stream_console()
     if kind == "sft":
         from mlite.trainers.sft import train_sft as train
     else:

@@ -99,6 +99,17 @@ def plot_metrics(
     return png_path
 
 
+def stream_console():
+    """The console runs print to (stderr). In a log (a Slurm output file, CI: no terminal) a line stays one
+    line: rich would wrap it at 80 columns, mid-number."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        console.soft_wrap = True
+    return console
+
+
 def format_value(value: float) -> str:
     """A logged figure in the progress line: four decimals, or two significant digits in scientific notation
     below 0.001 (GRPO's policy loss sits near 0, where "-0.0000" told nothing); no negative zero."""
@@ -117,11 +128,9 @@ class ProgressDisplay:
 
     def __init__(self, total_steps: int, start_step: int = 0, description: str = "train",
                  enabled: bool = True, console=None):
-        from rich.console import Console
-
         self.enabled = enabled
         self.total, self.start = total_steps, start_step
-        self.console = console or Console(stderr=True)
+        self.console = console or stream_console()
         self.started = time.perf_counter()
         self.live = enabled and self.console.is_terminal
         if self.live:
