@@ -14,6 +14,13 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests make their own tiny models and data
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if "PYTEST_XDIST_WORKER" in os.environ:  # (and the ranks a test launches, which inherit it)
+    # each xdist worker its own Inductor cache: two workers building the same kernel at once once loaded a
+    # half-written .so from the shared one ("file too short", a CI run of 2026-11-27)
+    import tempfile
+
+    worker_cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{os.environ['PYTEST_XDIST_WORKER']}")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", worker_cache)
 
 
 @pytest.hookimpl(trylast=True)  # after `-m "not gpu"` has deselected: count only what will run

@@ -175,10 +175,15 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(arch, i, attention_backend) for i in held})
         self.norm = RMSNorm(arch.hidden, arch.rms_norm_eps) if last else None
         self.output = nn.Linear(arch.hidden, arch.vocab, bias=False) if last else None
-        if arch.tie_embeddings and self.embed is not None and self.output is not None:
-            self.output.weight = self.embed.weight
+        self.tie_embeddings()
         self.inv_freq_args = (arch.head_dim, arch.rope_theta, arch.rope_scaling)
         rope_inv_freq(*self.inv_freq_args)  # refuse an unsupported rope scaling at build time
+
+    def tie_embeddings(self) -> None:
+        """A tied LM head (tie_word_embeddings) reads the embedding's matrix: one parameter. The seam for
+        parallel code that registers the embedding's weight anew (tensor parallel's vocab split)."""
+        if self.arch.tie_embeddings and self.embed is not None and self.output is not None:
+            self.output.weight = self.embed.weight
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(positions, rope_inv_freq(*self.inv_freq_args, device=positions.device), dtype)

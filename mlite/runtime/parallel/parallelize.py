@@ -87,7 +87,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
             ColwiseParallel(input_layouts=Shard(0), output_layouts=Shard(-1), use_local_output=False),
         )
     if tied:  # both split the [vocab, hidden] matrix by vocab rows (Shard(0)): one parameter again
-        model.output.weight = model.embed.weight
+        model.tie_embeddings()
     for layer in model.layers.values():
         plan = {
             "attn_norm": SequenceParallel(sequence_dim=0),
