@@ -27,6 +27,11 @@ except ImportError:  # CPU installs: torch.segment_reduce
 BLOCK_COLUMNS = 1024
 
 
+def accumulated(x: torch.Tensor) -> torch.dtype:
+    """The dtype sums of x's rows are taken in: fp32 for bf16 and fp16, x's own where it is wider (fp64)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 if triton is not None:
 
     @triton.jit
@@ -52,8 +57,7 @@ def segment_sum(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """rows [sum(lengths), ...], lengths [S] (int64, on rows' device) -> [S, ...]: each run of rows summed
     in fp32 (or the rows' wider dtype), stored in the rows' dtype."""
     if not _triton_fits(rows):
-        wide = torch.promote_types(rows.dtype, torch.float32)  # fp64 rows keep fp64
-        summed = torch.segment_reduce(rows.to(wide), "sum", lengths=lengths, unsafe=True)
+        summed = torch.segment_reduce(rows.to(accumulated(rows)), "sum", lengths=lengths, unsafe=True)
         return summed.to(rows.dtype)
     flat = rows.reshape(rows.shape[0], -1).contiguous()
     out = flat.new_empty(lengths.shape[0], flat.shape[1])

@@ -24,6 +24,7 @@ from torch import nn
 
 from mlite.runtime.data.packed import PADDING
 from mlite.runtime.kernels import grouped_gemm
+from mlite.runtime.kernels.segment_sum import accumulated
 
 
 @dataclass
@@ -76,11 +77,6 @@ class _GatherRows(torch.autograd.Function):
         if ctx.fan > 1:
             rows = rows.view(-1, ctx.fan, grad.shape[-1]).sum(1, dtype=accumulated(grad)).to(grad.dtype)
         return rows, None, None, None
-
-
-def accumulated(x: torch.Tensor) -> torch.dtype:
-    """The dtype sums of x's rows are taken in: fp32 for bf16 and fp16, x's own where it is wider (fp64)."""
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, fan: int = 1) -> torch.Tensor:
