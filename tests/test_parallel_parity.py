@@ -8,10 +8,13 @@ relative in fp32.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from parallel_harness import build_layout, launch, make_batches, make_model, make_optimizer, reference, train
 
+from mlite.runtime.data.packed import IGNORE, PADDING, PackedBatch
 from mlite.runtime.parallel.mesh import ParallelDims
 
 STEPS = 3
@@ -80,7 +83,7 @@ def _exchange_worker(rank, world, out):
     from mlite.runtime.models.moe import Experts, local_dispatch
     from mlite.runtime.parallel.expert import expert_parallel_dispatch
 
-    experts_n, k, hidden, tokens = 12, 3, 16, 10 + 3 * rank  # packed micro-batches differ in length
+    experts_n, k, hidden = 12, 3, 16
     local = experts_n // world
     torch.manual_seed(0)  # the same experts on every rank
     experts = Experts(experts_n, hidden, 12, F.silu).double()
@@ -90,14 +93,19 @@ def _exchange_worker(rank, world, out):
         "random": experts_n,  # a token's choices on one rank or spread over several
         "one rank": local,  # every pair on the last rank: the others run no pair at all
     }
+    # the all-gather takes one length from every rank (the step pads to it: mlite.runtime.parallel.step.
+    # equal_lengths); the all-to-all takes any (packed micro-batches differ in length)
+    rows = {"equal rows": (13, ("one process", "all_gather", "all_to_all")),
+            "unequal rows": (10 + 3 * rank, ("one process", "all_to_all"))}
     results = {}
-    for name, choices in routings.items():
+    for (name, choices), (rows_name, (tokens, exchanges)) in itertools.product(routings.items(),
+                                                                               rows.items()):
         g = torch.Generator().manual_seed(100 + rank)
         x = torch.randn(tokens, hidden, generator=g, dtype=torch.float64, requires_grad=True)
         ids = torch.stack([experts_n - 1 - torch.randperm(choices, generator=g)[:k] for _ in range(tokens)])
         w = torch.rand(tokens, k, generator=g, dtype=torch.float64, requires_grad=True)
         got = {}
-        for exchange in ("one process", "all_gather", "all_to_all"):
+        for exchange in exchanges:
             experts.zero_grad()
             if exchange == "one process":  # this rank's tokens through every expert, no exchange
                 experts.set_local_view(lambda weight: weight)
@@ -111,7 +119,7 @@ def _exchange_worker(rank, world, out):
                 dist.all_reduce(grad)
             got[exchange] = [y.detach().clone(), x.grad.clone(), w.grad.clone(), *grads]
             x.grad, w.grad = None, None
-        results[name] = got
+        results[f"{name}, {rows_name}"] = got
     torch.save(results, f"{out}.{rank}")
 
 
@@ -119,18 +127,56 @@ def _exchange_worker(rank, world, out):
 def test_both_expert_exchanges_give_the_one_process_outputs_and_gradients(tmp_path, world):
     """The all-gather and the all-to-all exchange, forced on the same routing, give every rank the output,
     and the gradients of its tokens, router weights and experts, that running its tokens through all experts
-    gives (fp64, summed over ranks for the experts), including a routing whose pairs all land on one rank,
-    with a different number of tokens on every rank."""
+    gives (fp64, summed over ranks for the experts), including a routing whose pairs all land on one rank;
+    the all-to-all also with a different number of tokens on every rank."""
     out = tmp_path / "exchange"
     launch(world, _exchange_worker, str(out))
     for rank in range(world):
         for name, got in torch.load(f"{out}.{rank}").items():
             want = got["one process"]
-            for exchange in ("all_gather", "all_to_all"):
+            assert len(got) == (2 if name.endswith("unequal rows") else 3), name
+            for exchange in set(got) - {"one process"}:
                 names = ("output", "tokens", "weights", "gate_up", "down")
                 for what, a, b in zip(names, got[exchange], want, strict=True):
                     assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), (rank, name, exchange, what)
                     assert b.abs().sum() > 0 or what in ("gate_up", "down")
+
+
+def _equal_lengths_worker(rank, world, out):
+    from mlite.runtime.parallel.step import equal_lengths
+
+    # rank r: micro-batches of 5 + r and 9 - r tokens; a third call with one micro-batch more on rank 0
+    mine = [PackedBatch.from_sequences([[1] * (5 + rank)]),
+            PackedBatch.from_sequences([[2] * 3, [3] * (6 - rank)])]
+    padded = equal_lengths(mine)
+    try:
+        equal_lengths(mine + mine[:1] if rank == 0 else mine)
+        refusal = ""
+    except RuntimeError as err:
+        refusal = str(err)
+    torch.save({"padded": padded, "refusal": refusal}, f"{out}.{rank}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_equal_lengths_pads_each_micro_batch_to_the_longest_of_its_index_on_any_rank(tmp_path, world):
+    """What the all-gather expert exchange needs of a step (mlite.plan.rules.equal_micro_batch_lengths): the
+    m-th micro-batch of every rank padded to the longest m-th micro-batch of any rank, by one ignored,
+    marked sequence, the tokens of its own unchanged; unequal micro-batch counts refused on every rank."""
+    out = tmp_path / "lengths"
+    launch(world, _equal_lengths_worker, str(out))
+    longest = [5 + world - 1, 9]
+    for rank in range(world):
+        got = torch.load(f"{out}.{rank}", weights_only=False)
+        own = [5 + rank, 9 - rank]
+        for batch, n, total in zip(got["padded"], own, longest, strict=True):
+            assert batch.num_tokens == total and sum(batch.host_lens) == total
+            if total == n:  # the longest: unchanged
+                assert PADDING not in batch.extras
+                continue
+            assert batch.host_lens[-1] == total - n  # one padding sequence at the end
+            assert torch.equal(batch.extras[PADDING], (torch.arange(total) >= n).float())
+            assert (batch.labels[n:] == IGNORE).all() and batch.cu_seqlens[-1] == total
+        assert "micro-batches per step differ between ranks ([2, 3])" in got["refusal"]
 
 
 def _forward_only_worker(rank, world, layout, out):

@@ -394,11 +394,20 @@ def expert_exchange(ep: int, top_k: int) -> str:
     links per token: `all_gather` sends every token to every other rank of the ep group (ep - 1 rows) and
     each rank picks its own experts' pairs; `all_to_all` sends one row per routed (token, expert) pair,
     top_k x (ep - 1) / ep of them off the rank. The all-gather moves no more whenever ep <= top_k (ep4
-    with Qwen3's top-8: 3 rows against 6), and its blocks are of equal size (the group's longest
-    micro-batch, and the local pair count after the small routing gather, are read on the host; the
-    all-to-all reads its split sizes after an exchange of counts). Otherwise (DeepSeek-V4's top-6 at ep8:
+    with Qwen3's top-8: 3 rows against 6), and its blocks are of equal size (the step pads every rank's
+    micro-batch to one length, `equal_micro_batch_lengths`; the local pair count is read on the host after
+    the small routing gather, once a layer; the all-to-all reads its split sizes after an exchange of
+    counts). Otherwise (DeepSeek-V4's top-6 at ep8:
     7 rows against 5.25) the per-pair all-to-all moves less."""
     return "all_gather" if ep <= top_k else "all_to_all"
+
+
+def equal_micro_batch_lengths(ep: int, top_k: int | None) -> bool:
+    """Whether a step pads each micro-batch to the longest of its index on any rank first
+    (mlite.runtime.parallel.step.equal_lengths): where the all-gather exchange runs, whose blocks are of one
+    size on every rank. The padding is one ignored sequence, as for sequence parallel; one host read of the
+    lengths per step, where the exchange read the group's longest in every layer before."""
+    return ep > 1 and top_k is not None and expert_exchange(ep, top_k) == "all_gather"
 
 
 def check_batches(job: JobConfig, arch: ModelArch, dp: int) -> tuple[int, int]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor
 
@@ -106,13 +105,11 @@ def _block_permutation(counts: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def _gathered(hidden, expert_ids, weights, experts, num_experts, group) -> torch.Tensor:
-    """The `all_gather` exchange: [N, H] -> [N, H], every rank's tokens seen by every rank of `group`."""
-    me, (n, k) = dist.get_rank(group), expert_ids.shape
+    """The `all_gather` exchange: [N, H] -> [N, H], every rank's tokens seen by every rank of `group`. Every
+    rank holds the same N: the step pads the micro-batches to one length (mlite.plan.rules.
+    equal_micro_batch_lengths), so the gathers' blocks are equal without a read of the group's longest."""
+    me, k = dist.get_rank(group), expert_ids.shape[1]
     local = num_experts // dist.get_world_size(group)
-    most = _most_rows(n, hidden.device, group)  # the gathers take equal blocks: pad to the group's longest
-    if most > n:  # padding rows route nowhere (expert -1 is no rank's) and weigh nothing
-        hidden, weights = F.pad(hidden, (0, 0, 0, most - n)), F.pad(weights, (0, 0, 0, most - n))
-        expert_ids = F.pad(expert_ids, (0, 0, 0, most - n), value=-1)
     # the routing of every token of the group: weights (differentiable) and expert ids, exact in fp32
     wide = accumulated(weights)
     routing = _gather_rows(torch.cat([weights.to(wide), expert_ids.to(wide)], 1), group)  # [ep*N, 2k]
@@ -130,7 +127,7 @@ def _gathered(hidden, expert_ids, weights, experts, num_experts, group) -> torch
     pair_weights = gathered_weights.reshape(-1)[position].to(out.dtype).unsqueeze(-1)  # [pairs, 1]
     # each gathered token's local pairs, weighted and summed here: one row a token goes home, not k
     partial = segment_sum(gather_rows(out, by_token, order) * pair_weights, fan)
-    return _sum_home(partial, group)[:n]
+    return _sum_home(partial, group)
 
 
 class _GatherRepeated(torch.autograd.Function):
@@ -202,20 +199,11 @@ def _gather_rows(x, group):
 
 
 @torch.compiler.disable
-def _most_rows(n: int, device, group) -> int:
-    """The most token rows any rank of `group` holds in this micro-batch (packed micro-batches differ in
-    length from rank to rank): a host read, before the routing gather."""
-    rows = torch.empty(dist.get_world_size(group), dtype=torch.long, device=device)
-    dist.all_gather_into_tensor(rows, torch.tensor([n], dtype=torch.long, device=device), group=group)
-    return int(rows.max())
-
-
-@torch.compiler.disable
 def _count_then_gather_rows(count, x, group):
-    """(int(count), _gather_rows(x)): the exchange's second host read (after `_most_rows`), this rank's
-    pair count (the grouped GEMM's row count), waits for the router and the small routing gather only;
-    the tokens' gather is the first thing queued after it. A blocking read: a copy queued ahead and read
-    after an event gave counts larger than the routing's on GPUs (docs/PARALLEL.md, "GPU suite")."""
+    """(int(count), _gather_rows(x)): the exchange's host read, this rank's pair count (the grouped GEMM's
+    row count), waits for the router and the small routing gather only; the tokens' gather is the first
+    thing queued after it. A blocking read: a copy queued ahead and read after an event gave counts larger
+    than the routing's on GPUs (docs/PARALLEL.md, "GPU suite")."""
     pairs = int(count)
     return pairs, _AllGatherRows.apply(x, group)
 

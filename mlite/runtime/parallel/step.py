@@ -31,8 +31,13 @@ from mlite.runtime.parallel.mesh import ParallelMesh
 def pad_to_multiple(batch: PackedBatch, multiple: int) -> PackedBatch:
     """Append one padding sequence (token 0, ignored labels, zero extras) up to a multiple of `multiple`
     tokens."""
-    pad = -batch.num_tokens % multiple
-    if pad == 0:
+    return pad_to_length(batch, batch.num_tokens + -batch.num_tokens % multiple)
+
+
+def pad_to_length(batch: PackedBatch, length: int) -> PackedBatch:
+    """Append one padding sequence (as `pad_to_multiple`) up to `length` tokens."""
+    pad = length - batch.num_tokens
+    if pad <= 0:
         return batch
     device = batch.input_ids.device
     ends = torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:] + pad])
@@ -49,6 +54,22 @@ def pad_to_multiple(batch: PackedBatch, multiple: int) -> PackedBatch:
         extras=extras,
         host_lens=None if batch.host_lens is None else (*batch.host_lens, pad),
     )
+
+
+def equal_lengths(batches: list[PackedBatch], group=None) -> list[PackedBatch]:
+    """Each micro-batch padded (`pad_to_length`) to the longest micro-batch of the same index on any rank of
+    `group` (default: the world), so that every rank's stream, and every layer's rows, have one length:
+    what the all-gather expert exchange needs (mlite.plan.rules.equal_micro_batch_lengths). One exchange of
+    the lengths and one host read per call, not one per layer. The world, not the ep group: ranks that share
+    a micro-batch (tp, cp, pp) must pad it alike."""
+    lengths = [b.num_tokens for b in batches]
+    every: list[list[int] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, lengths, group=group)
+    if any(len(other) != len(lengths) for other in every):
+        counts = sorted({len(other) for other in every})
+        raise RuntimeError(f"micro-batches per step differ between ranks ({counts}); expert parallel runs "
+                           "them in lockstep")
+    return [pad_to_length(b, max(column)) for b, column in zip(batches, zip(*every))]
 
 
 def local_share(batch: PackedBatch, mesh: ParallelMesh | None, chunk_multiple: int = 1) -> PackedBatch:
