@@ -5,7 +5,7 @@
 #   scripts/gpu_multi.sh tests   at once: the 4-GPU layouts of tests/test_parallel_gpu.py; the dist_opt GPU
 #                                tests and the 2-GPU SFT runs on GPUs 2,3; the template twins on 4 GPUs
 #                                (TWINS_K, TWO_K: pytest -k filters; LIMIT: seconds per stream)
-#   scripts/gpu_multi.sh dist_opt  tests/test_dist_opt.py's eleven GPU tests in four streams, two on GPUs 0,1 and two
+#   scripts/gpu_multi.sh dist_opt  tests/test_dist_opt.py's twelve GPU tests in four streams, two on GPUs 0,1 and two
 #                                on 2,3; a worker alive after 150 s writes its stacks to $out/hang-*.txt
 #                                (scripts/hang_dump)
 #   scripts/gpu_multi.sh bench   the 4-GPU bench (dp4 dense, ep4 MoE; CASES: others, e.g. their -dist-opt twins),
@@ -65,7 +65,7 @@ case $part in
       "0,1|$D::test_dist_opt_dp2_matches_fsdp2_and_one_gpu_in_bf16 $D::test_two_deterministic_dist_opt_runs_are_bitwise_identical $D::test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank"
       "0,1|${T}[dense-tp2] ${T}[dense-pp2] ${T}[dense-pp2-vpp2]"
       "2,3|${T}[dense-dp2] ${T}[moe-ep2]"
-      "2,3|${T}[moe-pp2] ${T}[moe-tp2]"
+      "2,3|${T}[moe-pp2] ${T}[moe-tp2] ${T}[tied-tp2]"
     )
     pids=()
     for i in "${!streams[@]}"; do

@@ -570,8 +570,10 @@ DIST_OPT = "optimizer.backend=dist_opt"
      ("dense4", ["parallel.pp=2", "parallel.vpp=2"], False, False),
      ("moe", ["parallel.pp=2"], False, False),
      ("moe", ["parallel.ep=2"], True, True),  # experts: edp1; the dense rest: dp2
-     ("moe", ["parallel.tp=2"], False, True)],  # the router's gradient summed over tp
-    ids=["dense-dp2", "dense-tp2", "dense-pp2", "dense-pp2-vpp2", "moe-pp2", "moe-ep2", "moe-tp2"],
+     ("moe", ["parallel.tp=2"], False, True),  # the router's gradient summed over tp
+     ("tied", ["parallel.tp=2"], True, True)],  # one [vocab, hidden] parameter, the embedding and the head
+    ids=["dense-dp2", "dense-tp2", "dense-pp2", "dense-pp2-vpp2", "moe-pp2", "moe-ep2", "moe-tp2",
+         "tied-tp2"],
 )
 def test_dist_opt_trains_a_layout_like_one_gpu_and_resumes(assets, one_gpu, tmp_path, model, layout, twice,
                                                            as_fsdp2):

@@ -457,17 +457,23 @@ def test_a_moe_block_is_one_fsdp2_unit_where_its_experts_share_the_layers_ranks(
 def test_fsdp_unit_layers_gathers_consecutive_layers_as_one_unit_with_the_same_numbers():
     """parallel.fsdp_unit_layers: 2 makes each pair of consecutive layers one FSDP2 unit (one state, one
     all-gather and one reduce-scatter for both: FSDP2's host work per step grows with its units), and the
-    run's numbers are those of one layer a unit."""
+    run's numbers are those of one layer a unit. `auto` (the default) lays out the units the planner chose:
+    tiny layers, so every layer of the model in one unit."""
     from torch.distributed.fsdp import FSDPModule
 
+    from mlite.plan.memory import AUTO_UNIT_MAX_LAYERS, fsdp_unit_layers
     from mlite.runtime.parallel.parallelize import blocks
 
-    def run(unit_layers: int):
-        rt = Runtime(job_from_dict({
+    def run(unit_layers: int | str):
+        job = job_from_dict({
             "model": {"name": "tiny-qwen3-moe"}, "precision": {"compute": "fp32"}, "data": {"seq_len": 512},
             "parallel": {"fsdp_one_rank": True, "fsdp_unit_layers": unit_layers},
             "optimizer": {"lr": 1e-3, "clip_grad": 1.0}, "trainer": {"device": "cpu", "seed": 7},
-        }))
+        })
+        rt = Runtime(job)
+        if unit_layers == "auto":
+            assert fsdp_unit_layers(job, rt.arch, rt.placement.layout) == min(rt.arch.num_layers,
+                                                                             AUTO_UNIT_MAX_LAYERS)
         try:
             layers = blocks(rt.model)
             assert len(layers) >= 2 and all(isinstance(layer, FSDPModule) for layer in layers)
@@ -479,8 +485,11 @@ def test_fsdp_unit_layers_gathers_consecutive_layers_as_one_unit_with_the_same_n
 
     layers, one_each, single = run(1)
     _, paired, grouped = run(2)
+    _, planned, auto = run("auto")
     assert one_each == layers and paired == -(-layers // 2)
+    assert layers <= AUTO_UNIT_MAX_LAYERS and planned == 1  # all of its layers one unit
     torch.testing.assert_close(grouped, single, rtol=1e-6, atol=0)
+    torch.testing.assert_close(auto, single, rtol=1e-6, atol=0)
 
 
 def test_fsdp_units_are_runs_of_layers_cut_at_the_offload_boundary():

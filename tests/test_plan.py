@@ -131,6 +131,38 @@ def test_fsdp_unit_layers_holds_that_many_layers_gathered():
     assert two.memory.train_gb > one.memory.train_gb and not two.refused
 
 
+def test_fsdp_unit_layers_auto_groups_small_layers_and_keeps_large_ones_alone():
+    """parallel.fsdp_unit_layers `auto` (the default): FSDP2's host work is per unit, so the planner groups
+    layers until a unit gathers about AUTO_UNIT_BYTES (at most 4 layers), and halves that where the plan would
+    not fit. Dense 1.7B layers (about 100 MB in bf16) go 4 a unit over dp4; a Qwen3-235B layer at tp4 x ep4
+    (above 1 GB) stays alone; dist_opt and one plain process have no FSDP2 units (1); an explicit number is
+    kept as given."""
+    from mlite.plan.memory import AUTO_UNIT_BYTES, AUTO_UNIT_MAX_LAYERS
+
+    dense = ["model.name=qwen3-1.7b", "parallel.ep=1", "cluster.gpus_per_node=4", "cluster.gpu=h100"]
+    small = sized("qwen3_30b_a3b_sft", dense)
+    assert small.memory.fsdp_unit_layers == AUTO_UNIT_MAX_LAYERS == 4
+    one = sized("qwen3_30b_a3b_sft", [*dense, "parallel.fsdp_unit_layers=1"])
+    # the largest unit stays the embedding (311M parameters against 4 x 50M): grouping costs no memory here
+    assert items(small)["gathered weights"] == items(one)["gathered weights"]
+    assert sized("qwen3_235b_a22b_sft").memory.fsdp_unit_layers == 1
+    thirty = sized("qwen3_30b_a3b_sft")  # ep8: a layer's dense part plus 16 experts, about 190 MB
+    assert thirty.memory.fsdp_unit_layers == 2 and AUTO_UNIT_BYTES // 2 < 2 * 190 * 2**20 < AUTO_UNIT_BYTES
+    for other, units in (("optimizer.backend=dist_opt", 1), ("cluster.gpus_per_node=1", 1),
+                         ("parallel.fsdp_unit_layers=3", 3)):
+        assert sized("qwen3_30b_a3b_sft", [*dense, other]).memory.fsdp_unit_layers == units, other
+    # where grouped layers would not fit, fewer: tiny-qwen3's 2 layers outweigh its embedding, and a GPU
+    # between the two plans' sizes takes units of one layer
+    tiny = ["model.name=tiny-qwen3", "parallel.ep=1", "cluster.gpus_per_node=4", "cluster.gpu=h100",
+            "data.seq_len=512", "data.global_batch_size=8"]
+    grouped = sized("qwen3_30b_a3b_sft", tiny)  # both layers a unit: no more than a stage holds
+    single = sized("qwen3_30b_a3b_sft", [*tiny, "parallel.fsdp_unit_layers=1"])
+    assert grouped.memory.fsdp_unit_layers == 2 and grouped.memory.train_gb > single.memory.train_gb
+    between = (grouped.memory.train_gb + single.memory.train_gb) / 2 / HEADROOM
+    squeezed = sized("qwen3_30b_a3b_sft", [*tiny, f"cluster.gpu_memory_gb={between}"])
+    assert squeezed.memory.fsdp_unit_layers == 1 and squeezed.memory.fits
+
+
 def test_fsdp2_accumulates_whole_gradients_only_where_they_fit():
     """Without gradient sync FSDP2 keeps each unit's gradient whole (reduce dtype) until the step's last
     backward. DeepSeek-V4's SFT template (16 micro-batches, experts over edp 4) would need 87 GB that way, so

@@ -293,6 +293,7 @@ for preset, overrides in jobs:
         pass
 rules.check_degrees(8, 2, 2, 1, 2, 2)
 rules.expert_exchange(8, 6)
+rules.equal_micro_batch_lengths(4, 8)
 rules.split_chunks(61, 12, 1, 6, 5)
 try:
     rules.split_chunks(61, 12, 1, None, None)  # the hint: balanced first/last stage sizes

@@ -220,8 +220,10 @@ OFFLOAD = "offload.optimizer=true"
     [("dense", ["parallel.tp=2"]), ("dense", []), ("dense", [OFFLOAD]),
      # offload under each model-parallel axis alone (the Qwen3-235B template offloads under tp x pp x ep)
      ("dense", ["parallel.tp=2", OFFLOAD]), ("dense", ["parallel.pp=2", OFFLOAD]),
-     ("moe", ["parallel.ep=2", OFFLOAD])],
-    ids=["tp2", "fsdp2-dp2", "fsdp2-dp2-offload", "tp2-offload", "pp2-offload", "moe-ep2-offload"],
+     ("moe", ["parallel.ep=2", OFFLOAD]),
+     ("tied", ["parallel.tp=2"])],  # the tied LM head, one parameter under tp
+    ids=["tp2", "fsdp2-dp2", "fsdp2-dp2-offload", "tp2-offload", "pp2-offload", "moe-ep2-offload",
+         "tied-tp2"],
 )
 def test_sft_on_two_gpus_in_bf16_matches_one_gpu(assets, tmp_path, model, overrides):
     if torch.cuda.device_count() < 2:

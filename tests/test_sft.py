@@ -263,6 +263,9 @@ def test_sft_on_cuda_in_bf16_learns_and_resumes(assets, tmp_path):
     assert all(p.dtype == torch.float32 and p.is_cuda for p in rt.model.parameters())  # fp32 master weights
     losses = full.losses
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5, losses
+    # each step timed by CUDA events around its own work (mlite.trainers.loop.StepClock), saves included
+    times = sorted(r["step_time_s"] for r in read_metrics(full.metrics_path) if "step_time_s" in r)
+    assert len(times) == 30 and times[0] > 0.2 * times[len(times) // 2], times
 
     mid = CheckpointManager(out).path_for(25)
     resumed = train_sft(job_from_dict({**job, "trainer": {**job["trainer"], "output_dir": str(tmp_path / "r"),

@@ -264,7 +264,7 @@ def test_host_offloaded_shards_are_allocated_on_the_host(monkeypatch):
     # FSDP2 pins offloaded shards; pinned memory needs an accelerator, which this machine lacks
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self)
     job = job_from_dict({"model": {"name": "tiny-qwen3"}, "cluster": {"gpus_per_node": 2},
-                         "offload": {"optimizer": True, "optimizer_fraction": 0.5}})
+                         "data": {"seq_len": 512}, "offload": {"optimizer": True, "optimizer_fraction": 0.5}})
     arch = preset_arch(job.model.name)
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:

@@ -12,7 +12,7 @@ Every accepted key has an effect; a key that would do nothing in a given job is 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -102,8 +102,10 @@ class ParallelConfig(Section):
     fsdp_one_rank: bool = False
     # consecutive decoder layers FSDP2 gathers and reduces as one unit: FSDP2's host work per step grows
     # with its units (scripts/fsdp_host_probe.py), so small layers on fast GPUs gain from 2-4 a unit, at
-    # the memory of that many layers held gathered (the planner counts it); 1 is torchtitan's layout
-    fsdp_unit_layers: int = Field(1, ge=1)
+    # the memory of that many layers held gathered (the planner counts it); 1 is torchtitan's layout.
+    # `auto`: the planner's choice (mlite.plan.memory.fsdp_unit_layers): units of about AUTO_UNIT_BYTES of
+    # gathered weights, at most 4 layers, fewer where the estimate would not fit
+    fsdp_unit_layers: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
     # a step of several micro-batches under FSDP2: `unsharded` keeps each unit's gradient whole (in the
     # reduce dtype: the whole local model) until the step's last backward, one reduce-scatter a step;
     # `sharded` reduce-scatters after every micro-batch (memory of the shards only, more traffic); `auto`:

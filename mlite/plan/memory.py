@@ -35,6 +35,12 @@ LOGIT_GRAD_BYTES = 2
 # the autograd path GRPO's entropy bonus needs: fp32 log-softmax and its gradient
 LOGIT_ENTROPY_EXTRA_BYTES = 8
 FSDP_PREFETCH_LAYERS = 2  # FSDP2 holds the current layer and the prefetched next one unsharded
+# parallel.fsdp_unit_layers `auto`: FSDP2's host work is per unit (1.4-1.6 ms on an H100 host), so a unit of
+# one small layer leaves the host behind its GPU: dense 1.7B over dp4 took 199 ms a step with units of one
+# layer (100 MB gathered), 137-172 ms with four (docs/PERFORMANCE.md). Units aim for this many gathered
+# bytes, of at most AUTO_UNIT_MAX_LAYERS layers (the most measured), and fewer where the plan would not fit.
+AUTO_UNIT_BYTES = 512 * 2**20
+AUTO_UNIT_MAX_LAYERS = 4
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -62,6 +68,8 @@ class MemoryEstimate:
     # how FSDP2 accumulates a step of several micro-batches (parallel.fsdp_grad_accumulation, `auto`
     # resolved here); None where no FSDP2 shards are accumulated into (one micro-batch, dist_opt)
     fsdp_grad_accumulation: str | None = None
+    # consecutive layers an FSDP2 unit gathers (parallel.fsdp_unit_layers, `auto` resolved here)
+    fsdp_unit_layers: int = 1
 
     @property
     def train_gb(self) -> float:
@@ -118,9 +126,7 @@ def stage_params(arch: ModelArch, layout: Layout, stage: int, unit_layers: int =
     dense = experts = 0.0
     per_layer = []
     for i in layout.stage_layers[stage]:
-        lp = layer_params(arch, i)
-        d = (lp.attention + lp.mlp) / layout.tp + lp.replicated
-        e = lp.experts / (layout.ep * layout.etp)
+        d, e = _layer_params_per_gpu(arch, layout, i)
         dense, experts = dense + d, experts + e
         per_layer.append(d + e)
     largest = max((sum(per_layer[k : k + unit_layers]) for k in range(len(per_layer))), default=0.0)
@@ -134,6 +140,12 @@ def stage_params(arch: ModelArch, layout: Layout, stage: int, unit_layers: int =
         dense += head + final_params(arch)
         largest = max(largest, table)
     return StageParams(dense, experts, largest)
+
+
+def _layer_params_per_gpu(arch: ModelArch, layout: Layout, layer: int) -> tuple[float, float]:
+    """(dense, expert) parameters of one layer that a GPU computes with, after the tp and ep x etp splits."""
+    lp = layer_params(arch, layer)
+    return (lp.attention + lp.mlp) / layout.tp + lp.replicated, lp.experts / (layout.ep * layout.etp)
 
 
 # ------------------------------------------------------------------------------------------ activations
@@ -392,6 +404,8 @@ def estimate_memory(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEs
     """Itemised memory of the fullest pipeline rank, and host memory per node. A step of several
     micro-batches under FSDP2 accumulates its gradients as `parallel.fsdp_grad_accumulation` says; `auto`
     is `unsharded` where that estimate fits, else `sharded` (the runtime asks `fsdp_grad_accumulation`)."""
+    if job.parallel.fsdp_unit_layers == "auto":
+        return _auto_units(job, arch, layout)
     mode = job.parallel.fsdp_grad_accumulation
     fsdp = job.optimizer.backend == "fsdp2" and (layout.world > 1 or job.parallel.fsdp_one_rank)
     if not fsdp or (mode == "auto" and layout.micro_batches == 1):  # nothing accumulates
@@ -409,6 +423,30 @@ def fsdp_grad_accumulation(job: JobConfig, arch: ModelArch, layout: Layout) -> s
     step: nothing to choose; the runtime reduces every micro-batch a caller brings beyond it). The one rule:
     the planner reports it, the runtime does it."""
     return estimate_memory(job, arch, layout).fsdp_grad_accumulation
+
+
+def fsdp_unit_layers(job: JobConfig, arch: ModelArch, layout: Layout) -> int:
+    """Consecutive layers each FSDP2 unit gathers and reduces (parallel.fsdp_unit_layers, `auto` resolved):
+    the planner reports it, the runtime lays the units out by it."""
+    return estimate_memory(job, arch, layout).fsdp_unit_layers
+
+
+def _auto_units(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstimate:
+    """parallel.fsdp_unit_layers `auto`: 1 without FSDP2 units (one plain process, dist_opt); else the most
+    layers, up to AUTO_UNIT_MAX_LAYERS, whose gathered weights stay within AUTO_UNIT_BYTES, halved until
+    the estimate fits."""
+    units = 1
+    if job.optimizer.backend == "fsdp2" and (layout.world > 1 or job.parallel.fsdp_one_rank):
+        layer = max(sum(_layer_params_per_gpu(arch, layout, i)) for i in range(arch.num_layers))
+        fitting = AUTO_UNIT_BYTES // (layer * DTYPE_BYTES[job.precision.compute])
+        most = max(len(layers) for layers in layout.stage_layers)  # no unit beyond a stage's layers
+        units = int(min(AUTO_UNIT_MAX_LAYERS, most, max(1, fitting)))
+    while True:
+        parallel = job.parallel.model_copy(update={"fsdp_unit_layers": units})
+        estimate = estimate_memory(job.model_copy(update={"parallel": parallel}), arch, layout)
+        if estimate.fits or units == 1:
+            return estimate
+        units //= 2
 
 
 def _estimate(job: JobConfig, arch: ModelArch, layout: Layout, accumulation: str | None) -> MemoryEstimate:
@@ -434,4 +472,5 @@ def _estimate(job: JobConfig, arch: ModelArch, layout: Layout, accumulation: str
                                      f"{HOST_OVERHEAD_PER_RANK_GB:g} GB x {c.gpus_per_node} ranks"))
     return MemoryEstimate(stage=worst, items=items, capacity_gb=capacity, host_items=host_items,
                           host_capacity_gb=c.host_memory_gb, stage_totals_gb=totals, rollout_items=rollout,
-                          notes=notes, fsdp_grad_accumulation=accumulation)
+                          notes=notes, fsdp_grad_accumulation=accumulation,
+                          fsdp_unit_layers=job.parallel.fsdp_unit_layers)

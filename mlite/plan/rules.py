@@ -686,7 +686,7 @@ def check_fsdp_one_rank(job: JobConfig, world_size: int) -> None:
 def check_fsdp_units(job: JobConfig, world_size: int) -> None:
     """parallel.fsdp_unit_layers groups FSDP2's units, so it needs FSDP2."""
     n = job.parallel.fsdp_unit_layers
-    if n == 1:
+    if n in (1, "auto"):  # auto is 1 wherever there are no FSDP2 units (mlite.plan.memory.fsdp_unit_layers)
         return
     if job.optimizer.backend != "fsdp2":
         raise MliteError(

@@ -27,7 +27,8 @@ from torch import nn
 from mlite.config.arch import ModelArch
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
-from mlite.plan.rules import Layout, check_job, megatron_installed
+from mlite.plan.memory import fsdp_unit_layers
+from mlite.plan.rules import Layout, check_job, check_layout, megatron_installed
 from mlite.runtime.models import build_model, seeded_init
 from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
 from mlite.runtime.parallel.parallelize import (
@@ -151,6 +152,15 @@ def build_parallel_model(job: JobConfig, placement: Placement, arch: ModelArch,
     return stage_view(chunks), runner, chunks
 
 
+def with_unit_layers(job: JobConfig, arch: ModelArch, world_size: int) -> JobConfig:
+    """The job with parallel.fsdp_unit_layers as a number: `auto` is the planner's choice
+    (mlite.plan.memory.fsdp_unit_layers), so the units the runtime lays out are those the plan sized."""
+    if job.parallel.fsdp_unit_layers != "auto":
+        return job
+    units = fsdp_unit_layers(job, arch, check_layout(job, arch, world_size))
+    return job.model_copy(update={"parallel": job.parallel.model_copy(update={"fsdp_unit_layers": units})})
+
+
 def rank_chunks(job: JobConfig, arch: ModelArch, dims: ParallelDims, mesh: ParallelMesh | None,
                 dtype: torch.dtype = torch.float32, runs_on: str = "cpu") -> dict[int, nn.Module]:
     """This rank's pipeline chunks (chunk c of pp*vpp lives on pp rank c % pp; one chunk, the whole model,
@@ -161,6 +171,8 @@ def rank_chunks(job: JobConfig, arch: ModelArch, dims: ParallelDims, mesh: Paral
     values. `mesh` None: one process (recompute and compilation only). `runs_on`: the device type the chunks
     will compute on (their attention backend is chosen for it, not for the meta device)."""
     model = job.model
+    if mesh is not None:
+        job = with_unit_layers(job, arch, dims.world_size)
 
     def build(layers):
         return build_model(arch, model.attention_backend, dtype=dtype, device="meta", layers=layers,

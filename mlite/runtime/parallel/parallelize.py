@@ -252,9 +252,15 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, devi
         compute_dtype=COMPUTE_DTYPES[job.precision.compute] if device_type == "cuda" else torch.float32,
         offload_fraction=job.offload.optimizer_fraction if job.offload.optimizer else 0.0,
         reduce_dtype=COMPUTE_DTYPES[job.precision.grad_reduce],
-        unit_layers=job.parallel.fsdp_unit_layers,
+        unit_layers=_resolved(job.parallel.fsdp_unit_layers),
     )
     return model
+
+
+def _resolved(unit_layers: int | str) -> int:
+    if not isinstance(unit_layers, int):  # the caller resolves `auto` (mlite.runtime.layout.with_unit_layers)
+        raise ValueError(f"parallel.fsdp_unit_layers {unit_layers!r}: resolve it to a number first")
+    return unit_layers
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
