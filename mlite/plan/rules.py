@@ -397,8 +397,8 @@ def expert_exchange(ep: int, top_k: int) -> str:
     with Qwen3's top-8: 3 rows against 6), and its blocks are of equal size (the step pads every rank's
     micro-batch to one length, `equal_micro_batch_lengths`; the local pair count is read on the host after
     the small routing gather, once a layer; the all-to-all reads its split sizes after an exchange of
-    counts). Otherwise (DeepSeek-V4's top-6 at ep8:
-    7 rows against 5.25) the per-pair all-to-all moves less."""
+    counts). Otherwise (DeepSeek-V4's top-6 at ep8: 7 rows against 5.25) the per-pair all-to-all moves
+    less."""
     return "all_gather" if ep <= top_k else "all_to_all"
 
 
