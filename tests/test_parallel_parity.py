@@ -161,7 +161,8 @@ def _equal_lengths_worker(rank, world, out):
 def test_equal_lengths_pads_each_micro_batch_to_the_longest_of_its_index_on_any_rank(tmp_path, world):
     """What the all-gather expert exchange needs of a step (mlite.plan.rules.equal_micro_batch_lengths): the
     m-th micro-batch of every rank padded to the longest m-th micro-batch of any rank, by one ignored,
-    marked sequence, the tokens of its own unchanged; unequal micro-batch counts refused on every rank."""
+    marked sequence, the tokens of its own unchanged, and every micro-batch carries the mark (so every
+    rank's routers run the same code); unequal micro-batch counts refused on every rank."""
     out = tmp_path / "lengths"
     launch(world, _equal_lengths_worker, str(out))
     longest = [5 + world - 1, 9]
@@ -170,8 +171,8 @@ def test_equal_lengths_pads_each_micro_batch_to_the_longest_of_its_index_on_any_
         own = [5 + rank, 9 - rank]
         for batch, n, total in zip(got["padded"], own, longest, strict=True):
             assert batch.num_tokens == total and sum(batch.host_lens) == total
-            if total == n:  # the longest: unchanged
-                assert PADDING not in batch.extras
+            if total == n:  # the longest: its own tokens, marked as such (every rank takes the same path)
+                assert torch.equal(batch.extras[PADDING], torch.zeros(n))
                 continue
             assert batch.host_lens[-1] == total - n  # one padding sequence at the end
             assert torch.equal(batch.extras[PADDING], (torch.arange(total) >= n).float())

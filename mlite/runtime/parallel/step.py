@@ -69,7 +69,12 @@ def equal_lengths(batches: list[PackedBatch], group=None) -> list[PackedBatch]:
         counts = sorted({len(other) for other in every})
         raise RuntimeError(f"micro-batches per step differ between ranks ({counts}); expert parallel runs "
                            "them in lockstep")
-    return [pad_to_length(b, max(column)) for b, column in zip(batches, zip(*every))]
+    padded = [pad_to_length(b, max(column)) for b, column in zip(batches, zip(*every))]
+    # every rank's micro-batch carries the padding mark (zeros where it has none), so every rank's routers
+    # take the same path: under full recompute a rank without it ran other code, and FSDP2's collectives
+    # fell out of step with the other ranks' (the Qwen3-30B twin's gloo run)
+    return [b if PADDING in b.extras else replace(b, extras={**b.extras, PADDING: torch.zeros(
+        b.num_tokens, device=b.input_ids.device)}) for b in padded]
 
 
 def local_share(batch: PackedBatch, mesh: ParallelMesh | None, chunk_multiple: int = 1) -> PackedBatch:
