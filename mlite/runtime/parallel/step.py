@@ -5,6 +5,8 @@
   one padding sequence at its end (ignored labels; its tokens attend only to each other, so no real
   token's log-prob changes), then the zigzag split. The padding is marked (`extras[PADDING]`) and MoE
   routers leave it out of their balance statistics, so any stream length is exact.
+- `equal_lengths(batches)`: each micro-batch padded (the same way) to the longest of its index on any rank,
+  every one marked, for the all-gather expert exchange (mlite.plan.rules.equal_micro_batch_lengths).
 - `vocab_parallel_logprobs`: per-token log-probs (and entropy) from logits split over `tp` by vocabulary:
   `cross_entropy(reduction="none")` under `loss_parallel()` (each rank reduces its vocabulary slice, one
   all-reduce of max and sum per token; the full [T, vocab] logits never exist on one rank). The result is
