@@ -231,8 +231,10 @@ def parallelize(model, mesh, job_sections=None):
     suite (fp32 on CPU, bf16 on GPUs)."""
     sections = dict(job_sections or {})
     sections["precision"] = {"compute": "bf16" if compute_dtype() == torch.bfloat16 else "fp32"}
-    # the harness's layouts: FSDP2 units of one layer (torchtitan's), unless a test's sections say otherwise
+    # the harness's layouts: FSDP2 units of one layer, resharded after their forward (torchtitan's), unless a
+    # test's sections say otherwise
     sections.setdefault("parallel", {}).setdefault("fsdp_unit_layers", 1)
+    sections["parallel"].setdefault("fsdp_reshard_after_forward", True)
     job = job_from_dict({"model": {"name": "tiny-qwen3-moe"}, **sections})
     return parallelize_model(model, mesh, job, device().type)
 

@@ -461,7 +461,7 @@ def test_fsdp_unit_layers_gathers_consecutive_layers_as_one_unit_with_the_same_n
     tiny layers, so every layer of the model in one unit."""
     from torch.distributed.fsdp import FSDPModule
 
-    from mlite.plan.memory import AUTO_UNIT_MAX_LAYERS, fsdp_unit_layers
+    from mlite.plan.memory import AUTO_UNIT_MAX_LAYERS, fsdp_units
     from mlite.runtime.parallel.parallelize import blocks
 
     def run(unit_layers: int | str):
@@ -472,8 +472,8 @@ def test_fsdp_unit_layers_gathers_consecutive_layers_as_one_unit_with_the_same_n
         })
         rt = Runtime(job)
         if unit_layers == "auto":
-            assert fsdp_unit_layers(job, rt.arch, rt.placement.layout) == min(rt.arch.num_layers,
-                                                                             AUTO_UNIT_MAX_LAYERS)
+            units, _ = fsdp_units(job, rt.arch, rt.placement.layout)
+            assert units == min(rt.arch.num_layers, AUTO_UNIT_MAX_LAYERS)
         try:
             layers = blocks(rt.model)
             assert len(layers) >= 2 and all(isinstance(layer, FSDPModule) for layer in layers)
@@ -490,6 +490,74 @@ def test_fsdp_unit_layers_gathers_consecutive_layers_as_one_unit_with_the_same_n
     assert layers <= AUTO_UNIT_MAX_LAYERS and planned == 1  # all of its layers one unit
     torch.testing.assert_close(grouped, single, rtol=1e-6, atol=0)
     torch.testing.assert_close(auto, single, rtol=1e-6, atol=0)
+
+
+def test_fsdp_reshard_after_forward_false_keeps_units_gathered_until_the_backward_with_the_same_numbers():
+    """parallel.fsdp_reshard_after_forward: false leaves each FSDP2 unit's gathered weights registered after
+    its forward (true puts the shards back), a pass without backward frees them (else the next update would
+    leave them stale), and training gives the numbers of resharding, bitwise. `auto` (the default) keeps
+    them gathered here: a tiny model fits with memory to spare."""
+    from torch.distributed.tensor import DTensor
+
+    from mlite.plan.memory import fsdp_units
+    from mlite.runtime.parallel.parallelize import blocks
+
+    def run(reshard: bool | str):
+        job = job_from_dict({
+            "model": {"name": "tiny-qwen3-moe"}, "precision": {"compute": "fp32"}, "data": {"seq_len": 512},
+            # units of one layer: a unit of several reshards after its last layer's forward only
+            "parallel": {"fsdp_one_rank": True, "fsdp_unit_layers": 1, "fsdp_reshard_after_forward": reshard},
+            "optimizer": {"lr": 1e-3, "clip_grad": 1.0}, "trainer": {"device": "cpu", "seed": 7},
+        })
+        rt = Runtime(job)
+        try:
+            sharded_after_forward = []  # per layer forward: are its parameters the shards again?
+            for layer in blocks(rt.model):  # registered after FSDP2's own hook, so it runs after it
+                layer.register_forward_hook(lambda module, args, out: sharded_after_forward.append(
+                    all(isinstance(p, DTensor) for p in module.parameters())))
+            numbers = three_sft_steps(rt, forward_only_between=True)
+            released = all(isinstance(p, DTensor) for p in rt.model.parameters())
+            planned = fsdp_units(job, rt.arch, rt.placement.layout)[1]
+            return planned, set(sharded_after_forward), released, numbers
+        finally:
+            rt.close()
+
+    planned, after_forward, released, resharded = run(True)
+    assert planned is True and after_forward == {True} and released
+    planned, after_forward, released, kept = run(False)
+    assert planned is False and after_forward == {False} and released  # the forward-only pass freed them
+    assert run("auto")[:2] == (False, {False})
+    torch.testing.assert_close(kept, resharded, rtol=0, atol=0)
+
+
+def test_fsdp_forward_prefetch_gathers_the_next_unit_before_the_host_reaches_it_with_the_same_numbers():
+    """parallel.fsdp_forward_prefetch (on by default): a layer unit's forward queues the next unit's
+    all-gather (FSDP2's explicit prefetch, which its profiler ranges name), so a host behind its GPU does not
+    also delay the gathers; off, each unit is gathered when its own forward starts. The numbers are the
+    same, bitwise."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def run(prefetch: bool):
+        job = job_from_dict({
+            "model": {"name": "tiny-qwen3-moe"}, "precision": {"compute": "fp32"}, "data": {"seq_len": 512},
+            "parallel": {"fsdp_one_rank": True, "fsdp_unit_layers": 1, "fsdp_reshard_after_forward": True,
+                         "fsdp_forward_prefetch": prefetch},
+            "optimizer": {"lr": 1e-3, "clip_grad": 1.0}, "trainer": {"device": "cpu", "seed": 7},
+        })
+        rt = Runtime(job)
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                numbers = three_sft_steps(rt)
+            prefetched = {e.name.rsplit(" ", 1)[-1] for e in prof.events()
+                          if e.name.startswith("FSDP::forward_prefetch for ")}
+            return prefetched, rt.arch.num_layers, numbers
+        finally:
+            rt.close()
+
+    prefetched, layers, with_prefetch = run(True)
+    none, _, without = run(False)
+    assert prefetched == {f"layers.{i}" for i in range(1, layers)} and none == set()
+    torch.testing.assert_close(with_prefetch, without, rtol=0, atol=0)
 
 
 def test_fsdp_units_are_runs_of_layers_cut_at_the_offload_boundary():

@@ -163,6 +163,35 @@ def test_fsdp_unit_layers_auto_groups_small_layers_and_keeps_large_ones_alone():
     assert squeezed.memory.fsdp_unit_layers == 1 and squeezed.memory.fits
 
 
+def test_fsdp_reshard_after_forward_auto_keeps_units_gathered_only_with_memory_to_spare():
+    """parallel.fsdp_reshard_after_forward `auto` (the default): FSDP2 units stay gathered from forward to
+    backward (no all-gather in the backward) where the plan fits with the planner's 15% calibration bound to
+    spare, at the memory of the stage's whole weights gathered. Dense 1.7B over dp4 keeps them; Qwen3-235B's
+    template (offloaded) and DeepSeek-V4's reshard; dist_opt and one plain process have no units."""
+    from mlite.plan.memory import KEEP_GATHERED_MARGIN
+
+    dense = ["model.name=qwen3-1.7b", "parallel.ep=1", "cluster.gpus_per_node=4", "cluster.gpu=h100"]
+    kept = sized("qwen3_30b_a3b_sft", dense)
+    resharded = sized("qwen3_30b_a3b_sft", [*dense, "parallel.fsdp_reshard_after_forward=true"])
+    assert kept.memory.fsdp_reshard_after_forward is False and resharded.memory.fsdp_reshard_after_forward
+    assert kept.memory.as_dict()["fsdp_reshard_after_forward"] is False
+    sp = stage_params(kept.arch, kept.layout, kept.memory.stage, kept.memory.fsdp_unit_layers)
+    assert items(kept)["gathered weights"] == pytest.approx((sp.dense + sp.experts) * 2 / GIB)  # bf16, whole
+    assert items(resharded)["gathered weights"] == pytest.approx(2 * sp.largest_unit * 2 / GIB)  # 2 units
+    gained = items(kept)["gathered weights"] - items(resharded)["gathered weights"]
+    assert kept.memory.train_gb - resharded.memory.train_gb == pytest.approx(gained) and gained > 1.0
+    for template in ("qwen3_235b_a22b_sft", "deepseek_v4_flash_sft"):
+        assert sized(template).memory.fsdp_reshard_after_forward is True, template
+    # a GPU on which the kept plan fits, but without the 15% to spare: resharded
+    tight = [*dense, f"cluster.gpu_memory_gb={kept.memory.total_gb * 1.07 / HEADROOM}"]
+    squeezed = sized("qwen3_30b_a3b_sft", [*tight, "parallel.fsdp_reshard_after_forward=false"])
+    memory = squeezed.memory
+    assert memory.fits and memory.total_gb * KEEP_GATHERED_MARGIN > memory.usable_gb
+    assert sized("qwen3_30b_a3b_sft", tight).memory.fsdp_reshard_after_forward is True
+    for other in ("optimizer.backend=dist_opt", "cluster.gpus_per_node=1"):
+        assert sized("qwen3_30b_a3b_sft", [*dense, other]).memory.fsdp_reshard_after_forward is True, other
+
+
 def test_fsdp2_accumulates_whole_gradients_only_where_they_fit():
     """Without gradient sync FSDP2 keeps each unit's gradient whole (reduce dtype) until the step's last
     backward. DeepSeek-V4's SFT template (16 micro-batches, experts over edp 4) would need 87 GB that way, so

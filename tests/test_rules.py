@@ -125,6 +125,19 @@ BAD_JOBS = [
     ("fsdp-units-dist_opt", "qwen3_30b_a3b_sft",
      ["parallel.fsdp_unit_layers=2", "optimizer.backend=dist_opt"],
      "parallel.fsdp_unit_layers: 2 groups FSDP2's units, and optimizer.backend is dist_opt", None),
+    ("fsdp-reshard-one-process", "demo_sft", ["parallel.fsdp_reshard_after_forward=false"],
+     "parallel.fsdp_reshard_after_forward: false keeps FSDP2's units gathered from forward to backward, and "
+     "one plain process has none", "sft"),
+    ("fsdp-reshard-dist_opt", "qwen3_30b_a3b_sft",
+     ["parallel.fsdp_reshard_after_forward=false", "optimizer.backend=dist_opt"],
+     "parallel.fsdp_reshard_after_forward: false keeps FSDP2's units gathered from forward to backward, and "
+     "optimizer.backend is dist_opt", None),
+    ("fsdp-reshard-offload", "qwen3_235b_a22b_sft", ["parallel.fsdp_reshard_after_forward=false"],
+     "parallel.fsdp_reshard_after_forward: false keeps every gathered layer on the GPU", None),
+    ("fsdp-prefetch-dist_opt", "qwen3_30b_a3b_sft",
+     ["parallel.fsdp_forward_prefetch=false", "optimizer.backend=dist_opt"],
+     "parallel.fsdp_forward_prefetch: false sets how FSDP2 prefetches its units in the forward, and "
+     "optimizer.backend is dist_opt", None),
     ("fsdp-grad-accumulation-one-process", "demo_sft", ["parallel.fsdp_grad_accumulation=sharded"],
      "parallel.fsdp_grad_accumulation: sharded chooses how FSDP2 accumulates gradients, and one plain "
      "process", "sft"),

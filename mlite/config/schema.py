@@ -106,6 +106,15 @@ class ParallelConfig(Section):
     # `auto`: the planner's choice (mlite.plan.memory.fsdp_unit_layers): units of about AUTO_UNIT_BYTES of
     # gathered weights, at most 4 layers, fewer where the estimate would not fit
     fsdp_unit_layers: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
+    # whether FSDP2 frees each unit's gathered weights after its forward (true: ZeRO-3, gathered again
+    # for the backward) or keeps them until the backward (false: one all-gather a step less, at the memory
+    # of the whole local model gathered). `auto`: the planner's choice (mlite.plan.memory.
+    # fsdp_reshard_after_forward): false where that estimate fits, else true
+    fsdp_reshard_after_forward: Literal["auto"] | bool = "auto"
+    # each FSDP2 layer unit's forward queues the next unit's all-gather (FSDP2's explicit forward prefetch)
+    # instead of leaving it to when the host reaches that unit: a host behind its GPU (small layers, fast
+    # GPUs) no longer delays the gathers. The plan holds two units gathered either way
+    fsdp_forward_prefetch: bool = True
     # a step of several micro-batches under FSDP2: `unsharded` keeps each unit's gradient whole (in the
     # reduce dtype: the whole local model) until the step's last backward, one reduce-scatter a step;
     # `sharded` reduce-scatters after every micro-batch (memory of the shards only, more traffic); `auto`:

@@ -41,6 +41,10 @@ FSDP_PREFETCH_LAYERS = 2  # FSDP2 holds the current layer and the prefetched nex
 # bytes, of at most AUTO_UNIT_MAX_LAYERS layers (the most measured), and fewer where the plan would not fit.
 AUTO_UNIT_BYTES = 512 * 2**20
 AUTO_UNIT_MAX_LAYERS = 4
+# parallel.fsdp_reshard_after_forward `auto`: units stay gathered from forward to backward only where that
+# estimate fits with the planner's calibration bound to spare (within 15% of measured peaks:
+# tests/test_bench.py), since a run that no longer fits would only find out at its first step
+KEEP_GATHERED_MARGIN = 1.15
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -70,6 +74,9 @@ class MemoryEstimate:
     fsdp_grad_accumulation: str | None = None
     # consecutive layers an FSDP2 unit gathers (parallel.fsdp_unit_layers, `auto` resolved here)
     fsdp_unit_layers: int = 1
+    # whether FSDP2 frees a unit's gathered weights after its forward (parallel.fsdp_reshard_after_forward,
+    # `auto` resolved here); True where there are no FSDP2 units
+    fsdp_reshard_after_forward: bool = True
 
     @property
     def train_gb(self) -> float:
@@ -108,6 +115,8 @@ class MemoryEstimate:
             "rollout_items": [asdict(i) for i in self.rollout_items],
             "host_items": [asdict(i) for i in self.host_items], "stage_totals_gb": self.stage_totals_gb,
             "notes": self.notes, "fsdp_grad_accumulation": self.fsdp_grad_accumulation,
+            "fsdp_unit_layers": self.fsdp_unit_layers,
+            "fsdp_reshard_after_forward": self.fsdp_reshard_after_forward,
         }
 
 
@@ -262,11 +271,14 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
         put("master weights", sharded * mb,
             f"{master} FSDP2 shards over dp x cp={dense_shards} / edp={expert_shards}",
             1.0 if off.params else 0.0)
-        put("gathered weights", FSDP_PREFETCH_LAYERS * sp.largest_unit * w
-            if sharded < full or master != job.precision.compute
+        gathered = (FSDP_PREFETCH_LAYERS * sp.largest_unit * w if job.parallel.fsdp_reshard_after_forward
+                    else max(full, FSDP_PREFETCH_LAYERS * sp.largest_unit) * w)
+        put("gathered weights", gathered if sharded < full or master != job.precision.compute
             else 0.0,  # one unsharded bf16 copy needs none
             f"{job.precision.compute}, {FSDP_PREFETCH_LAYERS} units of {job.parallel.fsdp_unit_layers} "
-            "layer(s) unsharded at a time")
+            "layer(s) unsharded at a time" if job.parallel.fsdp_reshard_after_forward else
+            f"{job.precision.compute}, every unit of {job.parallel.fsdp_unit_layers} layer(s) kept unsharded "
+            "from its forward to its backward (parallel.fsdp_reshard_after_forward: false)")
         # FSDP2 without gradient sync keeps each unit's gradient whole, in the reduce dtype, until the step's
         # last backward reduce-scatters it unit by unit into the shards (which exist only from then on)
         whole = (full * (g if master == "fp32" else mb)
@@ -406,8 +418,16 @@ def estimate_memory(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEs
     is `unsharded` where that estimate fits, else `sharded` (the runtime asks `fsdp_grad_accumulation`)."""
     if job.parallel.fsdp_unit_layers == "auto":
         return _auto_units(job, arch, layout)
+    fsdp = _fsdp_units(job, layout)
+    if job.parallel.fsdp_reshard_after_forward == "auto":
+        # kept gathered where that fits with the estimate's error to spare: it saves the backward's
+        # all-gather and FSDP2's host work for it, and costs the whole stage's weights gathered
+        if fsdp:
+            kept = estimate_memory(_with_parallel(job, fsdp_reshard_after_forward=False), arch, layout)
+            if kept.fits and kept.total_gb * KEEP_GATHERED_MARGIN <= kept.usable_gb:
+                return kept
+        return estimate_memory(_with_parallel(job, fsdp_reshard_after_forward=True), arch, layout)
     mode = job.parallel.fsdp_grad_accumulation
-    fsdp = job.optimizer.backend == "fsdp2" and (layout.world > 1 or job.parallel.fsdp_one_rank)
     if not fsdp or (mode == "auto" and layout.micro_batches == 1):  # nothing accumulates
         return _estimate(job, arch, layout, None)
     if mode != "sharded":
@@ -425,10 +445,21 @@ def fsdp_grad_accumulation(job: JobConfig, arch: ModelArch, layout: Layout) -> s
     return estimate_memory(job, arch, layout).fsdp_grad_accumulation
 
 
-def fsdp_unit_layers(job: JobConfig, arch: ModelArch, layout: Layout) -> int:
-    """Consecutive layers each FSDP2 unit gathers and reduces (parallel.fsdp_unit_layers, `auto` resolved):
-    the planner reports it, the runtime lays the units out by it."""
-    return estimate_memory(job, arch, layout).fsdp_unit_layers
+def fsdp_units(job: JobConfig, arch: ModelArch, layout: Layout) -> tuple[int, bool]:
+    """(consecutive layers each FSDP2 unit gathers and reduces, whether a unit reshards after its forward):
+    parallel.fsdp_unit_layers and fsdp_reshard_after_forward with `auto` resolved. The planner reports them,
+    the runtime lays the units out by them."""
+    estimate = estimate_memory(job, arch, layout)
+    return estimate.fsdp_unit_layers, estimate.fsdp_reshard_after_forward
+
+
+def _fsdp_units(job: JobConfig, layout: Layout) -> bool:
+    """Whether this job's parameters live in FSDP2 units (several ranks, or one under fsdp_one_rank)."""
+    return job.optimizer.backend == "fsdp2" and (layout.world > 1 or job.parallel.fsdp_one_rank)
+
+
+def _with_parallel(job: JobConfig, **keys) -> JobConfig:
+    return job.model_copy(update={"parallel": job.parallel.model_copy(update=keys)})
 
 
 def _auto_units(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstimate:
@@ -436,14 +467,13 @@ def _auto_units(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstima
     layers, up to AUTO_UNIT_MAX_LAYERS, whose gathered weights stay within AUTO_UNIT_BYTES, halved until
     the estimate fits."""
     units = 1
-    if job.optimizer.backend == "fsdp2" and (layout.world > 1 or job.parallel.fsdp_one_rank):
+    if _fsdp_units(job, layout):
         layer = max(sum(_layer_params_per_gpu(arch, layout, i)) for i in range(arch.num_layers))
         fitting = AUTO_UNIT_BYTES // (layer * DTYPE_BYTES[job.precision.compute])
         most = max(len(layers) for layers in layout.stage_layers)  # no unit beyond a stage's layers
         units = int(min(AUTO_UNIT_MAX_LAYERS, most, max(1, fitting)))
     while True:
-        parallel = job.parallel.model_copy(update={"fsdp_unit_layers": units})
-        estimate = estimate_memory(job.model_copy(update={"parallel": parallel}), arch, layout)
+        estimate = estimate_memory(_with_parallel(job, fsdp_unit_layers=units), arch, layout)
         if estimate.fits or units == 1:
             return estimate
         units //= 2
@@ -473,4 +503,5 @@ def _estimate(job: JobConfig, arch: ModelArch, layout: Layout, accumulation: str
     return MemoryEstimate(stage=worst, items=items, capacity_gb=capacity, host_items=host_items,
                           host_capacity_gb=c.host_memory_gb, stage_totals_gb=totals, rollout_items=rollout,
                           notes=notes, fsdp_grad_accumulation=accumulation,
-                          fsdp_unit_layers=job.parallel.fsdp_unit_layers)
+                          fsdp_unit_layers=job.parallel.fsdp_unit_layers,
+                          fsdp_reshard_after_forward=job.parallel.fsdp_reshard_after_forward)

@@ -517,7 +517,6 @@ def check_runtime_keys(
     check_model_losses(job, arch)
     check_fsdp_one_rank(job, world_size)
     check_fsdp_units(job, world_size)
-    check_fsdp_grad_accumulation(job, world_size)
     check_overlaps(job)
     check_backend_trained(job, device_type, has_megatron)
     check_precision(job, world_size, device_type)
@@ -684,38 +683,37 @@ def check_fsdp_one_rank(job: JobConfig, world_size: int) -> None:
 
 
 def check_fsdp_units(job: JobConfig, world_size: int) -> None:
-    """parallel.fsdp_unit_layers groups FSDP2's units, so it needs FSDP2."""
-    n = job.parallel.fsdp_unit_layers
-    if n in (1, "auto"):  # auto is 1 wherever there are no FSDP2 units (mlite.plan.memory.fsdp_unit_layers)
-        return
-    if job.optimizer.backend != "fsdp2":
+    """parallel.fsdp_unit_layers, fsdp_reshard_after_forward, fsdp_forward_prefetch and
+    fsdp_grad_accumulation shape FSDP2's units, so each needs them (FSDP2 over several ranks, or
+    fsdp_one_rank) wherever it is set away from its default; `auto` resolves to what holds without them
+    (mlite.plan.memory)."""
+    par = job.parallel
+    keys = [("fsdp_unit_layers", par.fsdp_unit_layers, "groups FSDP2's units", (1, "auto")),
+            ("fsdp_reshard_after_forward", par.fsdp_reshard_after_forward,
+             "keeps FSDP2's units gathered from forward to backward", (True, "auto")),
+            ("fsdp_forward_prefetch", par.fsdp_forward_prefetch,
+             "sets how FSDP2 prefetches its units in the forward", (True,)),
+            ("fsdp_grad_accumulation", par.fsdp_grad_accumulation,
+             "chooses how FSDP2 accumulates gradients", ("auto",))]
+    for key, value, does, defaults in keys:
+        if value in defaults:
+            continue
+        shown = str(value).lower() if isinstance(value, bool) else value
+        if job.optimizer.backend != "fsdp2":
+            raise MliteError(
+                f"parallel.{key}: {shown} {does}, and optimizer.backend is {job.optimizer.backend} (Megatron "
+                f"DDP has none); use optimizer.backend fsdp2, or remove parallel.{key}"
+            )
+        if world_size == 1 and not par.fsdp_one_rank:
+            raise MliteError(
+                f"parallel.{key}: {shown} {does}, and one plain process has none; start several ranks "
+                f"(torchrun), set parallel.fsdp_one_rank: true, or remove parallel.{key}"
+            )
+    off = job.offload
+    if par.fsdp_reshard_after_forward is False and (off.params or off.grads or off.optimizer):
         raise MliteError(
-            f"parallel.fsdp_unit_layers: {n} groups FSDP2's units, and optimizer.backend is "
-            f"{job.optimizer.backend}; use optimizer.backend fsdp2, or remove parallel.fsdp_unit_layers"
-        )
-    if world_size == 1 and not job.parallel.fsdp_one_rank:
-        raise MliteError(
-            f"parallel.fsdp_unit_layers: {n} groups FSDP2's units, and one plain process has none; start "
-            "several ranks (torchrun), set parallel.fsdp_one_rank: true, or remove parallel.fsdp_unit_layers"
-        )
-
-
-def check_fsdp_grad_accumulation(job: JobConfig, world_size: int) -> None:
-    """parallel.fsdp_grad_accumulation chooses how FSDP2 accumulates a step's gradients, so it needs FSDP2."""
-    mode = job.parallel.fsdp_grad_accumulation
-    if mode == "auto":
-        return
-    if job.optimizer.backend != "fsdp2":
-        raise MliteError(
-            f"parallel.fsdp_grad_accumulation: {mode} chooses how FSDP2 accumulates gradients, and "
-            f"optimizer.backend is {job.optimizer.backend} (its gradient buffer is whole); use "
-            "optimizer.backend fsdp2, or remove parallel.fsdp_grad_accumulation"
-        )
-    if world_size == 1 and not job.parallel.fsdp_one_rank:
-        raise MliteError(
-            f"parallel.fsdp_grad_accumulation: {mode} chooses how FSDP2 accumulates gradients, and one plain "
-            "process has no FSDP2; start several ranks (torchrun), set parallel.fsdp_one_rank: true, or "
-            "remove parallel.fsdp_grad_accumulation"
+            "parallel.fsdp_reshard_after_forward: false keeps every gathered layer on the GPU, the memory "
+            "offload.* is there to save; remove one of them"
         )
 
 

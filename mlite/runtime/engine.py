@@ -35,7 +35,7 @@ from mlite.runtime import forward, state
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.layout import COMPUTE_DTYPES, build_parallel_model, hf_config_of, place
 from mlite.runtime.optim import LocalAdamW, LRSchedule
-from mlite.runtime.parallel.parallelize import grad_norm, set_gradient_sync
+from mlite.runtime.parallel.parallelize import grad_norm, reshard_units, set_gradient_sync
 from mlite.runtime.state import export_checkpoint, seed_everything
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,12 @@ class Runtime:
         elif self.mesh is not None:  # FSDP2 (one plain process reduces nothing)
             set_gradient_sync(self.chunks[chunk] if self.chunks else self.model,
                               last or self.reduce_every_micro_batch)
+
+    def release_gathered(self) -> None:
+        """After a pass without backward: FSDP2 units it left gathered free their weights (reshard_units)."""
+        if self.job.optimizer.backend == "fsdp2" and self.mesh is not None:
+            for chunk in self.chunks.values() if self.chunks else [self.model]:
+                reshard_units(chunk)
 
     def zero_grad(self) -> None:
         self.optim.zero_grad()

@@ -71,6 +71,8 @@ def forward_backward(
             computed = [_one(rt, full, share, loss_fn, forward_only, with_entropy, temperature, aux_weight,
                              last=ends_step and i == len(fulls) - 1)
                         for i, (full, share) in enumerate(zip(fulls, shares))]
+    if forward_only:  # no backward frees what FSDP2 units kept gathered for one
+        rt.release_gathered()
     outputs = []
     for full, share, (loss, metrics, logprobs, entropy) in zip(fulls, shares, computed):
         # loss and metrics stay 0-dim tensors (numbers after a pipeline's broadcast): reading one

@@ -27,7 +27,7 @@ from torch import nn
 from mlite.config.arch import ModelArch
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
-from mlite.plan.memory import fsdp_unit_layers
+from mlite.plan.memory import fsdp_units
 from mlite.plan.rules import Layout, check_job, check_layout, megatron_installed
 from mlite.runtime.models import build_model, seeded_init
 from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
@@ -152,13 +152,16 @@ def build_parallel_model(job: JobConfig, placement: Placement, arch: ModelArch,
     return stage_view(chunks), runner, chunks
 
 
-def with_unit_layers(job: JobConfig, arch: ModelArch, world_size: int) -> JobConfig:
-    """The job with parallel.fsdp_unit_layers as a number: `auto` is the planner's choice
-    (mlite.plan.memory.fsdp_unit_layers), so the units the runtime lays out are those the plan sized."""
-    if job.parallel.fsdp_unit_layers != "auto":
+def with_fsdp_units(job: JobConfig, arch: ModelArch, world_size: int) -> JobConfig:
+    """The job with parallel.fsdp_unit_layers and fsdp_reshard_after_forward resolved: `auto` is the
+    planner's choice (mlite.plan.memory.fsdp_units), so the units the runtime lays out are those the plan
+    sized."""
+    par = job.parallel
+    if "auto" not in (par.fsdp_unit_layers, par.fsdp_reshard_after_forward):
         return job
-    units = fsdp_unit_layers(job, arch, check_layout(job, arch, world_size))
-    return job.model_copy(update={"parallel": job.parallel.model_copy(update={"fsdp_unit_layers": units})})
+    units, reshard = fsdp_units(job, arch, check_layout(job, arch, world_size))
+    return job.model_copy(update={"parallel": par.model_copy(update={
+        "fsdp_unit_layers": units, "fsdp_reshard_after_forward": reshard})})
 
 
 def rank_chunks(job: JobConfig, arch: ModelArch, dims: ParallelDims, mesh: ParallelMesh | None,
@@ -172,7 +175,7 @@ def rank_chunks(job: JobConfig, arch: ModelArch, dims: ParallelDims, mesh: Paral
     will compute on (their attention backend is chosen for it, not for the meta device)."""
     model = job.model
     if mesh is not None:
-        job = with_unit_layers(job, arch, dims.world_size)
+        job = with_fsdp_units(job, arch, dims.world_size)
 
     def build(layers):
         return build_model(arch, model.attention_backend, dtype=dtype, device="meta", layers=layers,

@@ -152,6 +152,8 @@ def apply_fsdp(
     offload_fraction: float = 0.0,
     reduce_dtype: torch.dtype = torch.float32,
     unit_layers: int = 1,
+    reshard_after_forward: bool = True,
+    forward_prefetch: bool = True,
 ) -> None:
     """FSDP2: sharded parameters (the master copy, so the optimizer state is sharded too), gathered in
     `compute_dtype` for compute, gradients reduced in `reduce_dtype` (precision.grad_reduce). Dense
@@ -162,7 +164,13 @@ def apply_fsdp(
     `offload_fraction`: the share of layers whose sharded parameters, gradients and therefore optimizer
     state (and step) live on the host (FSDP2's CPUOffloadPolicy per layer unit); 1.0 offloads everything.
     `unit_layers` (parallel.fsdp_unit_layers): consecutive layers gathered and reduced as one unit (never
-    across the offload boundary): FSDP2's host work per step grows with its units."""
+    across the offload boundary): FSDP2's host work per step grows with its units.
+    `reshard_after_forward` (parallel.fsdp_reshard_after_forward): False keeps every unit gathered from its
+    forward to its backward, which then gathers nothing (one all-gather a step less, and its host work); a
+    pass without backward reshards them itself (`reshard_units`).
+    `forward_prefetch` (parallel.fsdp_forward_prefetch): each layer unit's forward queues the next unit's
+    all-gather behind its own, so a host that runs behind its GPU does not also delay the gathers (the plan
+    holds two units gathered either way)."""
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     layers = blocks(model)
     offloaded = round(offload_fraction * len(layers))
@@ -170,7 +178,8 @@ def apply_fsdp(
     def shard(module, mesh_name, offload):
         extra = {"offload_policy": CPUOffloadPolicy()} if offload else {}
         return fully_shard(
-            module, mesh=mesh[mesh_name], mp_policy=policy, reshard_after_forward=True, **extra
+            module, mesh=mesh[mesh_name], mp_policy=policy, reshard_after_forward=reshard_after_forward,
+            **extra
         )
 
     # experts over edp and the router over dp_cp_tp are units of their own only where those meshes are not
@@ -182,12 +191,17 @@ def apply_fsdp(
         if is_moe(layer) and own_units:
             groups.append(shard(layer.mlp.experts, "edp", i < offloaded))
             groups.append(shard(layer.mlp, "dp_cp_tp", i < offloaded))  # the router
+    layer_units = []
     for start, end in unit_runs(len(layers), offloaded, unit_layers):
         unit = layers[start:end]
         if len(unit) == 1:
-            groups.append(shard(unit[0], "dp_cp", start < offloaded))
+            layer_units.append(shard(unit[0], "dp_cp", start < offloaded))
         else:  # one unit over several modules: one state, reached from any of them
-            groups.append(shard(unit, "dp_cp", start < offloaded)[0])
+            layer_units.append(shard(unit, "dp_cp", start < offloaded)[0])
+    if forward_prefetch:  # the next unit's all-gather queued with this one's, not when the host gets there
+        for unit, following in zip(layer_units, layer_units[1:]):
+            unit.set_modules_to_forward_prefetch([following])
+    groups += layer_units
     everything = offload_fraction >= 1.0
     tied = model.output is not None and model.embed is not None and model.output.weight is model.embed.weight
     if tied:  # one unit over both modules of the shared matrix: gathered for either one's forward
@@ -245,6 +259,7 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, devi
     apply_expert_parallel(model, mesh)
     if job.optimizer.backend == "dist_opt":  # Megatron's DDP shards the optimizer and reduces the gradients
         return model
+    par = _resolved(job).parallel
     apply_fsdp(
         model,
         mesh,
@@ -252,15 +267,19 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, devi
         compute_dtype=COMPUTE_DTYPES[job.precision.compute] if device_type == "cuda" else torch.float32,
         offload_fraction=job.offload.optimizer_fraction if job.offload.optimizer else 0.0,
         reduce_dtype=COMPUTE_DTYPES[job.precision.grad_reduce],
-        unit_layers=_resolved(job.parallel.fsdp_unit_layers),
+        unit_layers=par.fsdp_unit_layers,
+        reshard_after_forward=par.fsdp_reshard_after_forward,
+        forward_prefetch=par.fsdp_forward_prefetch,
     )
     return model
 
 
-def _resolved(unit_layers: int | str) -> int:
-    if not isinstance(unit_layers, int):  # the caller resolves `auto` (mlite.runtime.layout.with_unit_layers)
-        raise ValueError(f"parallel.fsdp_unit_layers {unit_layers!r}: resolve it to a number first")
-    return unit_layers
+def _resolved(job: JobConfig) -> JobConfig:
+    """The caller resolves `auto` (mlite.runtime.layout.with_fsdp_units): the units are the plan's."""
+    for key in ("fsdp_unit_layers", "fsdp_reshard_after_forward"):
+        if getattr(job.parallel, key) == "auto":
+            raise ValueError(f"parallel.{key} auto: resolve it first (mlite.runtime.layout.with_fsdp_units)")
+    return job
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
@@ -269,6 +288,15 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     for module in model.modules():
         if hasattr(module, "set_requires_gradient_sync"):
             module.set_requires_gradient_sync(enabled, recurse=False)
+
+
+def reshard_units(model: nn.Module) -> None:
+    """Free every FSDP2 unit's gathered weights: after a pass without backward, units kept gathered from
+    forward to backward (parallel.fsdp_reshard_after_forward false) would hold them, stale after the next
+    update, and the memory the plan gives the next step. Units already sharded cost nothing."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
