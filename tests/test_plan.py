@@ -182,6 +182,9 @@ def test_fsdp_reshard_after_forward_auto_keeps_units_gathered_only_with_memory_t
     assert kept.memory.train_gb - resharded.memory.train_gb == pytest.approx(gained) and gained > 1.0
     for template in ("qwen3_235b_a22b_sft", "deepseek_v4_flash_sft"):
         assert sized(template).memory.fsdp_reshard_after_forward is True, template
+    # offload saves GPU memory: never spent on gathered weights, even where they would fit
+    offloaded = sized("qwen3_30b_a3b_sft", [*dense, "offload.optimizer=true"])
+    assert offloaded.memory.fits and offloaded.memory.fsdp_reshard_after_forward is True
     # a GPU on which the kept plan fits, but without the 15% to spare: resharded
     tight = [*dense, f"cluster.gpu_memory_gb={kept.memory.total_gb * 1.07 / HEADROOM}"]
     squeezed = sized("qwen3_30b_a3b_sft", [*tight, "parallel.fsdp_reshard_after_forward=false"])

@@ -421,8 +421,10 @@ def estimate_memory(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEs
     fsdp = _fsdp_units(job, layout)
     if job.parallel.fsdp_reshard_after_forward == "auto":
         # kept gathered where that fits with the estimate's error to spare: it saves the backward's
-        # all-gather and FSDP2's host work for it, and costs the whole stage's weights gathered
-        if fsdp:
+        # all-gather and FSDP2's host work for it, and costs the whole stage's weights gathered (never
+        # under offload, which is there to save GPU memory)
+        off = job.offload
+        if fsdp and not (off.params or off.grads or off.optimizer):
             kept = estimate_memory(_with_parallel(job, fsdp_reshard_after_forward=False), arch, layout)
             if kept.fits and kept.total_gb * KEEP_GATHERED_MARGIN <= kept.usable_gb:
                 return kept
