@@ -143,26 +143,29 @@ def test_both_expert_exchanges_give_the_one_process_outputs_and_gradients(tmp_pa
 
 
 def _equal_lengths_worker(rank, world, out):
-    from mlite.runtime.parallel.step import equal_lengths
+    from mlite.runtime.parallel.step import equal_lengths, local_share
 
     # rank r: micro-batches of 5 + r and 9 - r tokens; a third call with one micro-batch more on rank 0
     mine = [PackedBatch.from_sequences([[1] * (5 + rank)]),
             PackedBatch.from_sequences([[2] * 3, [3] * (6 - rank)])]
     padded = equal_lengths(mine)
+    mesh = ParallelDims(world, dp=world).build("cpu")
+    shares = [local_share(b, mesh) for b in mine]  # pure dp: no padding
     try:
         equal_lengths(mine + mine[:1] if rank == 0 else mine)
         refusal = ""
     except RuntimeError as err:
         refusal = str(err)
-    torch.save({"padded": padded, "refusal": refusal}, f"{out}.{rank}")
+    torch.save({"padded": padded, "shares": shares, "refusal": refusal}, f"{out}.{rank}")
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_equal_lengths_pads_each_micro_batch_to_the_longest_of_its_index_on_any_rank(tmp_path, world):
     """What the all-gather expert exchange needs of a step (mlite.plan.rules.equal_micro_batch_lengths): the
     m-th micro-batch of every rank padded to the longest m-th micro-batch of any rank, by one ignored,
-    marked sequence, the tokens of its own unchanged, and every micro-batch carries the mark (so every
-    rank's routers run the same code); unequal micro-batch counts refused on every rank."""
+    marked sequence, the tokens of its own unchanged; unequal micro-batch counts refused on every rank.
+    Every rank's share (`local_share`) carries the mark, zeros where it has no padding, so every rank's
+    routers run the same code."""
     out = tmp_path / "lengths"
     launch(world, _equal_lengths_worker, str(out))
     longest = [5 + world - 1, 9]
@@ -171,12 +174,14 @@ def test_equal_lengths_pads_each_micro_batch_to_the_longest_of_its_index_on_any_
         own = [5 + rank, 9 - rank]
         for batch, n, total in zip(got["padded"], own, longest, strict=True):
             assert batch.num_tokens == total and sum(batch.host_lens) == total
-            if total == n:  # the longest: its own tokens, marked as such (every rank takes the same path)
-                assert torch.equal(batch.extras[PADDING], torch.zeros(n))
+            if total == n:  # the longest: its own tokens
+                assert PADDING not in batch.extras
                 continue
             assert batch.host_lens[-1] == total - n  # one padding sequence at the end
             assert torch.equal(batch.extras[PADDING], (torch.arange(total) >= n).float())
             assert (batch.labels[n:] == IGNORE).all() and batch.cu_seqlens[-1] == total
+        for share, n in zip(got["shares"], own, strict=True):  # unpadded, marked as such
+            assert torch.equal(share.extras[PADDING], torch.zeros(n))
         assert "micro-batches per step differ between ranks ([2, 3])" in got["refusal"]
 
 

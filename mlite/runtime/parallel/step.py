@@ -3,10 +3,11 @@
 - `local_share(batch, mesh)`: what this rank computes of a micro-batch. Context parallel needs the stream in
   2 x cp equal chunks and sequence parallel in tp equal token shards, so a stream of another length gets
   one padding sequence at its end (ignored labels; its tokens attend only to each other, so no real
-  token's log-prob changes), then the zigzag split. The padding is marked (`extras[PADDING]`) and MoE
-  routers leave it out of their balance statistics, so any stream length is exact.
+  token's log-prob changes), then the zigzag split. The padding is marked (`extras[PADDING]`; every share
+  under a mesh carries the mark) and MoE routers leave it out of their balance statistics, so any stream
+  length is exact.
 - `equal_lengths(batches)`: each micro-batch padded (the same way) to the longest of its index on any rank,
-  every one marked, for the all-gather expert exchange (mlite.plan.rules.equal_micro_batch_lengths).
+  for the all-gather expert exchange (mlite.plan.rules.equal_micro_batch_lengths).
 - `vocab_parallel_logprobs`: per-token log-probs (and entropy) from logits split over `tp` by vocabulary:
   `cross_entropy(reduction="none")` under `loss_parallel()` (each rank reduces its vocabulary slice, one
   all-reduce of max and sum per token; the full [T, vocab] logits never exist on one rank). The result is
@@ -71,20 +72,27 @@ def equal_lengths(batches: list[PackedBatch], group=None) -> list[PackedBatch]:
         counts = sorted({len(other) for other in every})
         raise RuntimeError(f"micro-batches per step differ between ranks ({counts}); expert parallel runs "
                            "them in lockstep")
-    padded = [pad_to_length(b, max(column)) for b, column in zip(batches, zip(*every))]
-    # every rank's micro-batch carries the padding mark (zeros where it has none), so every rank's routers
-    # take the same path: under full recompute a rank without it ran other code, and FSDP2's collectives
-    # fell out of step with the other ranks' (the Qwen3-30B twin's gloo run)
-    return [b if PADDING in b.extras else replace(b, extras={**b.extras, PADDING: torch.zeros(
-        b.num_tokens, device=b.input_ids.device)}) for b in padded]
+    return [pad_to_length(b, max(column)) for b, column in zip(batches, zip(*every))]
+
+
+def marked(batch: PackedBatch) -> PackedBatch:
+    """The batch with a padding mark (`extras[PADDING]`), zeros where it has no padding yet."""
+    if PADDING in batch.extras:
+        return batch
+    return replace(batch, extras={**batch.extras, PADDING: torch.zeros(batch.num_tokens,
+                                                                       device=batch.input_ids.device)})
 
 
 def local_share(batch: PackedBatch, mesh: ParallelMesh | None, chunk_multiple: int = 1) -> PackedBatch:
     """This rank's part of a micro-batch: the whole of it (padded to a multiple of tp under sequence
     parallel), or its zigzag share under context parallel, each chunk a multiple of `chunk_multiple`
-    (the rule book's `context_chunk_multiple`) and tp tokens."""
+    (the rule book's `context_chunk_multiple`) and tp tokens. Under a mesh every share carries the padding
+    mark, zeros where it has none, so every rank's routers take the same path whether or not its share
+    needed padding: under full recompute a rank that ran other code put FSDP2's collectives out of step
+    with the other ranks' (the Qwen3-30B twin's gloo run, with `equal_lengths`' padding)."""
     if mesh is None:
         return batch
+    batch = marked(batch)
     cp, tp = mesh.dims.cp, mesh.dims.tp
     if cp == 1:
         return pad_to_multiple(batch, tp)
