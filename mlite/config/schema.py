@@ -103,13 +103,13 @@ class ParallelConfig(Section):
     # consecutive decoder layers FSDP2 gathers and reduces as one unit: FSDP2's host work per step grows
     # with its units (scripts/fsdp_host_probe.py), so small layers on fast GPUs gain from 2-4 a unit, at
     # the memory of that many layers held gathered (the planner counts it); 1 is torchtitan's layout.
-    # `auto`: the planner's choice (mlite.plan.memory.fsdp_unit_layers): units of about AUTO_UNIT_BYTES of
+    # `auto`: the planner's choice (mlite.plan.memory.fsdp_units): units of about AUTO_UNIT_BYTES of
     # gathered weights, at most 4 layers, fewer where the estimate would not fit
     fsdp_unit_layers: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
     # whether FSDP2 frees each unit's gathered weights after its forward (true: ZeRO-3, gathered again
     # for the backward) or keeps them until the backward (false: one all-gather a step less, at the memory
-    # of the whole local model gathered). `auto`: the planner's choice (mlite.plan.memory.
-    # fsdp_reshard_after_forward): false where that estimate fits, else true
+    # of the whole local model gathered). `auto`: the planner's choice (mlite.plan.memory.fsdp_units):
+    # false where that estimate fits with KEEP_GATHERED_MARGIN to spare and nothing is offloaded, else true
     fsdp_reshard_after_forward: Literal["auto"] | bool = "auto"
     # each FSDP2 layer unit's forward queues the next unit's all-gather (FSDP2's explicit forward prefetch)
     # instead of leaving it to when the host reaches that unit: a host behind its GPU (small layers, fast

@@ -413,9 +413,12 @@ def _kv_bytes_per_sequence(arch: ModelArch, layer: int, length: int, act: int) -
 
 # ------------------------------------------------------------------------------------------------ entry
 def estimate_memory(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstimate:
-    """Itemised memory of the fullest pipeline rank, and host memory per node. A step of several
-    micro-batches under FSDP2 accumulates its gradients as `parallel.fsdp_grad_accumulation` says; `auto`
-    is `unsharded` where that estimate fits, else `sharded` (the runtime asks `fsdp_grad_accumulation`)."""
+    """Itemised memory of the fullest pipeline rank, and host memory per node. `auto` keys are resolved here,
+    in this order, and the runtime asks the same estimate (`fsdp_units`, `fsdp_grad_accumulation`):
+    parallel.fsdp_unit_layers (`_auto_units`), parallel.fsdp_reshard_after_forward (kept gathered where that
+    fits with KEEP_GATHERED_MARGIN to spare and nothing is offloaded), then how a step of several
+    micro-batches under FSDP2 accumulates its gradients (`parallel.fsdp_grad_accumulation`: `unsharded`
+    where that estimate fits, else `sharded`)."""
     if job.parallel.fsdp_unit_layers == "auto":
         return _auto_units(job, arch, layout)
     fsdp = _fsdp_units(job, layout)
