@@ -6,7 +6,7 @@ Measured on this project's 2-core CI machine (docs/PERFORMANCE.md, "Several GPUs
 grows with the parameters, not with the units, so grouping blocks into fewer units does not help; fewer,
 larger parameters (fused projections) or a flat-buffer data-parallel path would.
 
-    python3 scripts/fsdp_host_probe.py [--blocks 28] [--linears 4 8] [--group 1 2 4]
+    python3 scripts/fsdp_host_probe.py [--blocks 28] [--linears 4 8] [--group 1 2 4] [--keep-gathered]
 """
 
 from __future__ import annotations
@@ -39,16 +39,25 @@ class Block(nn.Module):
         return x + h
 
 
-def host_ms(blocks: int, linears: int, group: int, mesh, steps: int = 20) -> float:
-    """Milliseconds per forward + backward; group 0: the plain model."""
+def host_ms(blocks: int, linears: int, group: int, mesh, steps: int = 20, reshard: bool = True,
+            prefetch: bool = False) -> float:
+    """Milliseconds per forward + backward; group 0: the plain model. `reshard`: FSDP2's
+    reshard_after_forward (parallel.fsdp_reshard_after_forward); `prefetch`: each unit names the next for
+    FSDP2's forward prefetch (parallel.fsdp_forward_prefetch)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(linears) for _ in range(blocks)])
     if group:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         layers = list(model)
+        units = []
         for i in range(0, blocks, group):
-            fully_shard(layers[i : i + group] if group > 1 else layers[i], mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+            unit = fully_shard(layers[i : i + group] if group > 1 else layers[i], mesh=mesh, mp_policy=policy,
+                               reshard_after_forward=reshard)
+            units.append(unit[0] if group > 1 else unit)
+        if prefetch:
+            for unit, following in zip(units, units[1:]):
+                unit.set_modules_to_forward_prefetch([following])
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     x = torch.randn(8, WIDTH, dtype=torch.bfloat16 if group else torch.float32)
 
     def step():
@@ -67,6 +76,10 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=28)
     parser.add_argument("--linears", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--group", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--keep-gathered", action="store_true",
+                        help="also each grouping kept gathered from forward to backward, with and without "
+                             "the forward prefetch (the defaults of parallel.fsdp_reshard_after_forward auto "
+                             "and parallel.fsdp_forward_prefetch)")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -82,6 +95,11 @@ def main() -> None:
             units = -(-args.blocks // group) + 1
             print(f"  FSDP2, {group} block(s) a unit ({units} units): +{added:.1f} ms/step, "
                   f"{added / units:.2f} ms a unit, {added / params * 1e3:.0f} us a parameter")
+            if args.keep_gathered:
+                for prefetch in (False, True):
+                    kept = host_ms(args.blocks, linears, group, mesh, reshard=False, prefetch=prefetch)
+                    kept -= plain
+                    print(f"    kept gathered{', prefetched' if prefetch else ''}: +{kept:.1f} ms/step")
     dist.destroy_process_group()
 
 
