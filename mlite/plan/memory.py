@@ -271,14 +271,16 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
         put("master weights", sharded * mb,
             f"{master} FSDP2 shards over dp x cp={dense_shards} / edp={expert_shards}",
             1.0 if off.params else 0.0)
-        gathered = (FSDP_PREFETCH_LAYERS * sp.largest_unit * w if job.parallel.fsdp_reshard_after_forward
-                    else max(full, FSDP_PREFETCH_LAYERS * sp.largest_unit) * w)
-        put("gathered weights", gathered if sharded < full or master != job.precision.compute
+        units, held = job.parallel.fsdp_unit_layers, FSDP_PREFETCH_LAYERS * sp.largest_unit
+        if job.parallel.fsdp_reshard_after_forward:
+            gathered, how = held, f"{FSDP_PREFETCH_LAYERS} units of {units} layer(s) unsharded at a time"
+        else:
+            gathered = max(full, held)
+            how = (f"every unit of {units} layer(s) kept unsharded from its forward to its backward "
+                   "(parallel.fsdp_reshard_after_forward: false)")
+        put("gathered weights", gathered * w if sharded < full or master != job.precision.compute
             else 0.0,  # one unsharded bf16 copy needs none
-            f"{job.precision.compute}, {FSDP_PREFETCH_LAYERS} units of {job.parallel.fsdp_unit_layers} "
-            "layer(s) unsharded at a time" if job.parallel.fsdp_reshard_after_forward else
-            f"{job.precision.compute}, every unit of {job.parallel.fsdp_unit_layers} layer(s) kept unsharded "
-            "from its forward to its backward (parallel.fsdp_reshard_after_forward: false)")
+            f"{job.precision.compute}, {how}")
         # FSDP2 without gradient sync keeps each unit's gradient whole, in the reduce dtype, until the step's
         # last backward reduce-scatters it unit by unit into the shards (which exist only from then on)
         whole = (full * (g if master == "fp32" else mb)

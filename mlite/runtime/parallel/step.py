@@ -42,11 +42,11 @@ def pad_to_length(batch: PackedBatch, length: int) -> PackedBatch:
     pad = length - batch.num_tokens
     if pad <= 0:
         return batch
+    batch = marked(batch)
     device = batch.input_ids.device
     ends = torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:] + pad])
     extras = {k: torch.cat([v, v.new_zeros(pad, *v.shape[1:])]) for k, v in batch.extras.items()}
-    marked = batch.extras.get(PADDING, torch.zeros(batch.num_tokens, device=device))
-    extras[PADDING] = torch.cat([marked, torch.ones(pad, device=device)])
+    extras[PADDING] = torch.cat([batch.extras[PADDING], torch.ones(pad, device=device)])
     return replace(
         batch,
         input_ids=torch.cat([batch.input_ids, batch.input_ids.new_zeros(pad)]),
