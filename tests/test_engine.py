@@ -492,11 +492,13 @@ def test_fsdp_unit_layers_gathers_consecutive_layers_as_one_unit_with_the_same_n
     torch.testing.assert_close(auto, single, rtol=1e-6, atol=0)
 
 
-def test_fsdp_reshard_after_forward_false_keeps_units_gathered_until_the_backward_with_the_same_numbers():
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-qwen3"], ids=["own-head-unit", "tied-head"])
+def test_fsdp_reshard_after_forward_false_keeps_units_gathered_to_the_backward_with_the_same_numbers(model):
     """parallel.fsdp_reshard_after_forward: false leaves each FSDP2 unit's gathered weights registered after
     its forward (true puts the shards back), a pass without backward frees them (else the next update would
     leave them stale), and training gives the numbers of resharding, bitwise. `auto` (the default) keeps
-    them gathered here: a tiny model fits with memory to spare."""
+    them gathered here: a tiny model fits with memory to spare. A tied head shares the embedding's unit and
+    runs after the model's forward, which FSDP2 leaves open after a pass without backward: it is freed too."""
     from torch.distributed.tensor import DTensor
 
     from mlite.plan.memory import fsdp_units
@@ -504,7 +506,7 @@ def test_fsdp_reshard_after_forward_false_keeps_units_gathered_until_the_backwar
 
     def run(reshard: bool | str):
         job = job_from_dict({
-            "model": {"name": "tiny-qwen3-moe"}, "precision": {"compute": "fp32"}, "data": {"seq_len": 512},
+            "model": {"name": model}, "precision": {"compute": "fp32"}, "data": {"seq_len": 512},
             # units of one layer: a unit of several reshards after its last layer's forward only
             "parallel": {"fsdp_one_rank": True, "fsdp_unit_layers": 1, "fsdp_reshard_after_forward": reshard},
             "optimizer": {"lr": 1e-3, "clip_grad": 1.0}, "trainer": {"device": "cpu", "seed": 7},

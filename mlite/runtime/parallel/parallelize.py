@@ -293,10 +293,18 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 def reshard_units(model: nn.Module) -> None:
     """Free every FSDP2 unit's gathered weights: after a pass without backward, units kept gathered from
     forward to backward (parallel.fsdp_reshard_after_forward false) would hold them, stale after the next
-    update, and the memory the plan gives the next step. Units already sharded cost nothing."""
+    update, and the memory the plan gives the next step. Units already sharded cost nothing.
+
+    A unit that keeps its weights gathered ignores `reshard()` while FSDP2 counts its forward as open, and
+    a tied embedding's unit stays open after a pass without backward: its head runs outside the model's
+    forward, after FSDP2 closed the unit at the root's. So each is asked as a unit that reshards after
+    forward, then set back (FSDP2's `set_reshard_after_forward`)."""
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if isinstance(module, FSDPModule) and (group := module._get_fsdp_state()._fsdp_param_group):
+            kept = not group._reshard_after_forward  # FSDP2 has no public getter for it
+            module.set_reshard_after_forward(True, recurse=False)
             module.reshard()
+            module.set_reshard_after_forward(not kept, recurse=False)
 
 
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
