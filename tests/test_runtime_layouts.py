@@ -342,7 +342,8 @@ def rl_steps(tmp_path: Path, layout: dict) -> dict:
     from mlite.runtime.engine import Runtime
 
     rt = Runtime(job_from_dict(rl_job(tmp_path, layout)))
-    batches, result = rl_batches(), {"loss": [], "grad_norm": []}
+    mine = list(range(rt.dp_rank, len(rl_batches()), rt.dp_size))  # each dp rank its own micro-batches
+    batches, result = [rl_batches()[i] for i in mine], {"loss": [], "grad_norm": [], "mine": mine}
     reference = rt.snapshot_weights()  # GRPO's reference policy: this rank's shards of the initial weights
     # outputs compared before any update: Adam's first steps amplify float rounding in tiny gradients
     evaluated = rt.forward_backward(batches, None, forward_only=True, with_entropy=True, temperature=0.7)
@@ -376,29 +377,39 @@ def _rl_worker(rank, world, tmp_path, layout, out):
 
 
 @pytest.mark.parametrize(
-    "layout", [{"tp": 2}, {"cp": 2}, {"pp": 2}, {"pp": 2, "vpp": 2}], ids=["tp2", "cp2", "pp2", "pp2+vpp2"]
+    "layout,tied",
+    [({"tp": 2}, False), ({"cp": 2}, False), ({"pp": 2}, False), ({"pp": 2, "vpp": 2}, False), ({}, True)],
+    ids=["tp2", "cp2", "pp2", "pp2+vpp2", "fsdp2-dp2-tied"],
 )
-def test_rl_outputs_and_gradients_through_logprobs_and_entropy_match_one_process(tmp_path, layout):
+def test_rl_outputs_and_gradients_through_logprobs_and_entropy_match_one_process(tmp_path, layout, tied):
     """forward_backward's contract on 2 gloo ranks: the loss_fn's gradients through log-probs and entropy,
     extras split with their tokens, and every rank's returned whole-stream log-probs and entropy (training
     and forward-only with a temperature) equal one process. So do the GRPO reference policy's log-probs
-    (the initial weights swapped in on the runtime's own path) and the KL term after two updates."""
+    (the initial weights swapped in on the runtime's own path) and the KL term after two updates. The tied
+    head under fsdp2 dp2 shares the embedding's unit, kept gathered: the reference's log-probs must not
+    reuse the policy's matrix a forward-only pass left gathered."""
     from parallel_harness import launch
 
-    write_model(tmp_path)  # once, before any rank reads it
+    write_model(tmp_path, tied)  # once, before any rank reads it
     want = rl_steps(tmp_path, {})
     out = tmp_path / "rl.pt"
     launch(2, _rl_worker, str(tmp_path), layout, str(out))
+    n = len(want["mine"])
     for rank in range(2):
         got = torch.load(f"{out}.{rank}")
+
+        def picked(values):  # one process's per-micro-batch values (runs of n) at this rank's micro-batches
+            return [values[start + i] for start in range(0, len(values), n) for i in got["mine"]]
+
         assert got["loss"] == pytest.approx(want["loss"], rel=RTOL), rank
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=RTOL), rank
         for name in ("logprobs", "entropy", "ref_logprobs"):
-            for ours, ref in zip(got[name], want[name]):
+            assert len(got[name]) == len(picked(want[name])), (rank, name)
+            for ours, ref in zip(got[name], picked(want[name])):
                 torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
         # the reference is the initial policy on every layout, and the live weights come back after it
         assert got["ref_is_initial"] and got["swapped_back"], rank
-        assert got["kl"] == pytest.approx(want["kl"], rel=1e-4, abs=1e-7), rank
+        assert got["kl"] == pytest.approx(picked(want["kl"]), rel=1e-4, abs=1e-7), rank
     assert all(kl > 0 for kl in want["kl"])  # two updates moved the policy: the KL term is not trivially 0
 
 
