@@ -136,10 +136,15 @@ def test_multi_rank_cases_run_under_torchrun_on_gloo(tmp_path):
     assert "of 2 x one GPU; collectives measured at" in proc.stdout
 
 
-def test_ab_step_takes_turns_over_variants_on_one_process_group(tmp_path):
+@pytest.mark.parametrize("interleave", [False, True], ids=["rounds", "interleaved"])
+def test_ab_step_takes_turns_over_variants_on_one_process_group(tmp_path, interleave):
     """scripts/ab_step.py on 2 gloo ranks: each variant builds its own Runtime on the one process group the
-    launch holds (hold_launch_group), round after round, and rank 0 reports each variant's best."""
+    launch holds (hold_launch_group), round after round, and rank 0 reports each variant's best. With
+    --interleave every variant is built once and they take turns in blocks of steps, cycle after cycle;
+    rank 0 reports each block, each variant's median block and its cycle-by-cycle difference from the
+    first variant."""
     import os
+    import re
     import subprocess
     import sys
     from pathlib import Path
@@ -148,17 +153,33 @@ def test_ab_step_takes_turns_over_variants_on_one_process_group(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(root / "scripts" / "ab_step.py"), "tiny-cpu-dp2", "--variant", "",
-         "--variant", "parallel.fsdp_unit_layers=2", "--rounds", "2", "--steps", "1", "--warmup", "1"],
+         "--variant", "parallel.fsdp_unit_layers=2", "--rounds", "2", "--steps", "1", "--warmup", "1",
+         *(["--interleave"] if interleave else [])],
         capture_output=True, text=True, cwd=tmp_path, timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rounds = [line for line in proc.stdout.splitlines() if line.startswith("round ")]
-    assert [line.split(":")[0] for line in rounds] == [
-        "round 1 (as the case is)", "round 1 parallel.fsdp_unit_layers=2",
-        "round 2 (as the case is)", "round 2 parallel.fsdp_unit_layers=2",
-    ]
-    assert sum(line.startswith("best of 2:") for line in proc.stdout.splitlines()) == 2
+    lines = proc.stdout.splitlines()
+    if not interleave:
+        rounds = [line for line in lines if line.startswith("round ")]
+        assert [line.split(":")[0] for line in rounds] == [
+            "round 1 (as the case is)", "round 1 parallel.fsdp_unit_layers=2",
+            "round 2 (as the case is)", "round 2 parallel.fsdp_unit_layers=2",
+        ]
+        assert sum(line.startswith("best of 2:") for line in lines) == 2
+        return
+    cycles = [line for line in lines if line.startswith("cycle ")]
+    block = r"\(as the case is\) ([0-9.]+) ms, parallel.fsdp_unit_layers=2 ([0-9.]+) ms"
+    assert [re.fullmatch(rf"cycle {i}: {block}", line) is not None for i, line in enumerate(cycles, 1)] \
+        == [True, True], cycles
+    times = [[float(x) for x in re.fullmatch(rf"cycle \d: {block}", line).groups()] for line in cycles]
+    assert all(t > 0 for pair in times for t in pair)
+    medians = [line for line in lines if line.startswith("median of 2 blocks:")]
+    assert [line.split("ms")[-1].strip() for line in medians] == ["(as the case is)",
+                                                                   "parallel.fsdp_unit_layers=2"]
+    (paired,) = [line for line in lines if line.startswith("paired against (as the case is):")]
+    faster = sum(b < a for a, b in times)
+    assert paired.endswith(f"faster in {faster} of 2 cycles  parallel.fsdp_unit_layers=2"), paired
 
 
 def test_replicas_draw_their_own_sequences_and_the_ranks_of_one_replica_the_same():
