@@ -342,8 +342,9 @@ def rl_steps(tmp_path: Path, layout: dict) -> dict:
     from mlite.runtime.engine import Runtime
 
     rt = Runtime(job_from_dict(rl_job(tmp_path, layout)))
-    mine = list(range(rt.dp_rank, len(rl_batches()), rt.dp_size))  # each dp rank its own micro-batches
-    batches, result = [rl_batches()[i] for i in mine], {"loss": [], "grad_norm": [], "mine": mine}
+    everything = rl_batches()
+    mine = list(range(rt.dp_rank, len(everything), rt.dp_size))  # each dp rank its own micro-batches
+    batches, result = [everything[i] for i in mine], {"loss": [], "grad_norm": [], "mine": mine}
     reference = rt.snapshot_weights()  # GRPO's reference policy: this rank's shards of the initial weights
     # outputs compared before any update: Adam's first steps amplify float rounding in tiny gradients
     evaluated = rt.forward_backward(batches, None, forward_only=True, with_entropy=True, temperature=0.7)
