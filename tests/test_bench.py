@@ -170,9 +170,9 @@ def test_ab_step_takes_turns_over_variants_on_one_process_group(tmp_path, interl
         return
     cycles = [line for line in lines if line.startswith("cycle ")]
     block = r"\(as the case is\) ([0-9.]+) ms, parallel.fsdp_unit_layers=2 ([0-9.]+) ms"
-    assert [re.fullmatch(rf"cycle {i}: {block}", line) is not None for i, line in enumerate(cycles, 1)] \
-        == [True, True], cycles
-    times = [[float(x) for x in re.fullmatch(rf"cycle \d: {block}", line).groups()] for line in cycles]
+    matches = [re.fullmatch(rf"cycle {i}: {block}", line) for i, line in enumerate(cycles, 1)]
+    assert len(matches) == 2 and all(matches), cycles
+    times = [[float(x) for x in match.groups()] for match in matches]
     assert all(t > 0 for pair in times for t in pair)
     medians = [line for line in lines if line.startswith("median of 2 blocks:")]
     assert [line.split("ms")[-1].strip() for line in medians] == ["(as the case is)",
