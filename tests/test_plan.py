@@ -223,6 +223,26 @@ def test_fsdp2_accumulates_whole_gradients_only_where_they_fit():
     assert dist_opt.memory.fsdp_grad_accumulation is None  # its own whole gradient buffer
 
 
+@pytest.mark.parametrize("overrides,reduced", [
+    ([], "fp32"),  # auto: fp32 masters keep fp32 gradients
+    (["precision.master=bf16"], "bf16"),  # auto: bf16 masters, bf16 gradients, as Megatron reduces them
+    (["precision.grad_reduce=bf16"], "bf16"),
+    (["precision.master=bf16", "precision.grad_reduce=fp32"], "fp32"),
+])
+def test_gradients_are_reduced_in_the_masters_dtype_unless_asked(overrides, reduced):
+    """precision.grad_reduce auto is the master weights' dtype: the plan says which."""
+    from mlite.plan.rules import grad_reduce_dtype
+
+    gpus = ["cluster.gpu=h100", "trainer.device=cuda", "precision.compute=bf16"]
+    job = load_job("demo_sft", [*gpus, "cluster.gpus_per_node=8", *overrides])
+    assert grad_reduce_dtype(job) == reduced
+    note = {i.name: i.note for i in plan_job(job).memory.items}["gradients"]
+    assert note.endswith(f"reduced in {reduced}"), note
+    masters = [o for o in overrides if o.startswith("precision.master")]  # one rank refuses a bf16 reduction
+    one_gpu = plan_job(load_job("demo_sft", [*gpus, *masters]))
+    assert "reduced in" not in {i.name: i.note for i in one_gpu.memory.items}["gradients"]  # one rank
+
+
 def test_activations_follow_recompute_sp_cp_and_pipeline():
     base = ["parallel.pp=1", "parallel.cp=1", "parallel.ep=1", "parallel.pp_first_stage_layers=null",
             "parallel.pp_last_stage_layers=null", "cluster.nodes=1", "cluster.gpus_per_node=1",

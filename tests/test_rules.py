@@ -300,6 +300,7 @@ for preset, overrides in jobs:
         rules.check_job(job, arch, job.cluster.world_size, device, megatron)
     except MliteError:
         pass
+    rules.grad_reduce_dtype(job)
     try:
         rules.check_dist_opt_adapter(job, job.parallel)
     except MliteError:

@@ -241,6 +241,26 @@ def test_sft_on_two_gpus_in_bf16_matches_one_gpu(assets, tmp_path, model, overri
 
 
 @pytest.mark.gpu
+def test_bf16_masters_reduce_in_bf16_over_two_gpus_with_the_bits_of_the_fp32_reduction(assets, tmp_path):
+    """precision.grad_reduce auto with bf16 masters reduces in bf16 (mlite.plan.rules.grad_reduce_dtype).
+    Over two ranks each element of a reduce-scatter is one sum, and the fp32 reduction rounds it back to
+    the bf16 gradient, so both give the same bits: every step's loss and grad norm are equal."""
+    if torch.cuda.device_count() < 2:
+        pytest.fail(f"this test needs 2 GPUs, {torch.cuda.device_count()} visible")
+    gpu = {"cluster": {"gpu": "h100", "gpus_per_node": 2}, "precision": {"compute": "bf16", "master": "bf16"},
+           "trainer": {"device": "cuda"}}
+    curves = {}
+    for reduce in ("auto", "fp32", "bf16"):
+        out = tmp_path / reduce
+        done = mlite_cli(tmp_path, job_dict(assets, "dense", out, **gpu), 2,
+                         f"precision.grad_reduce={reduce}")
+        assert done.returncode == 0, failure(done)
+        curves[reduce] = [(r["loss"], r["grad_norm"]) for r in records(out)]
+    assert len(curves["auto"]) >= 3
+    assert curves["auto"] == curves["fp32"] == curves["bf16"]
+
+
+@pytest.mark.gpu
 def test_fsdp_one_rank_on_one_gpu_matches_the_plain_run_and_its_step_runs_the_kernel(assets, tmp_path):
     """parallel.fsdp_one_rank on one GPU: the multi-GPU path (FSDP2 DTensor shards) trains as the plain
     model does in bf16, and its update is TritonAdamW's kernel over the local shards (clipping and the

@@ -176,7 +176,9 @@ class PrecisionConfig(Section):
     # bf16: parameters, gradients and Adam state all in bf16 (half the state memory; what plain HF
     # training does)
     master: Literal["fp32", "bf16"] = "fp32"
-    grad_reduce: Literal["fp32", "bf16"] = "fp32"
+    # dtype of the cross-rank gradient reduction; auto: the master weights' (bf16 gradients of bf16 masters
+    # are reduced in bf16, as Megatron's default; fp32 masters in fp32). mlite.plan.rules.grad_reduce_dtype
+    grad_reduce: Literal["auto", "fp32", "bf16"] = "auto"
     # Adam's two moments: master: in precision.master's dtype; fp8: float8 e4m3 with one power-of-two
     # scale per 128 elements, stochastically rounded (2 bytes per parameter instead of 4 or 8)
     optimizer_state: Literal["master", "fp8"] = "master"

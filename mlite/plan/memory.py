@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from mlite.config.arch import V4_CSA, V4_DENSE_ENTRIES_PER_PICK, V4_KEY_SET_LOGITS, ModelArch
 from mlite.config.catalog import count_params, embedding_params, final_params, layer_params
 from mlite.config.schema import JobConfig
-from mlite.plan.rules import Layout, expert_exchange
+from mlite.plan.rules import Layout, expert_exchange, grad_reduce_dtype
 
 GIB = 2**30
 HEADROOM = 0.90  # an estimate above this share of device (or host) memory does not fit
@@ -240,7 +240,7 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
     `unsharded_grads`: FSDP2 accumulates the step's micro-batches into whole gradients."""
     w = DTYPE_BYTES[job.precision.compute]
     act = w
-    g = 4 if job.precision.grad_reduce == "fp32" else 2
+    g = 4 if grad_reduce_dtype(job) == "fp32" else 2
     fp32_compute = job.precision.compute == "fp32"
     off = job.offload
     frac = off.optimizer_fraction if off.optimizer else 0.0
@@ -248,6 +248,7 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
     dense_shards, expert_shards = layout.dp * layout.cp, layout.edp
     sharded = sp.dense / dense_shards + sp.experts / expert_shards  # parameters this GPU owns a shard of
     full = sp.dense + sp.experts  # parameters this GPU computes with
+    reduced = f", reduced in {grad_reduce_dtype(job)}" if sharded < full else ""  # across ranks
     items: list[MemoryItem] = []
     host = 0.0
 
@@ -261,7 +262,7 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
     if job.optimizer.backend == "dist_opt":
         put("weights", full * w, f"{job.precision.compute}, full copy of this stage after tp/ep split")
         put("gradients", full * (g if master == "fp32" else mb),
-            f"{job.precision.grad_reduce if master == 'fp32' else master} grad buffer, "
+            f"{grad_reduce_dtype(job) if master == 'fp32' else master} grad buffer, "
             "not sharded (Megatron DDP)")
         if not fp32_compute and master == "fp32":
             put("master weights", sharded * 4,
@@ -289,10 +290,10 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
                        "parallel.fsdp_grad_accumulation: unsharded)")
         if whole and not off.grads:
             put("gradients", max(whole, sharded * mb) + sp.largest_unit * w,
-                f"{accumulated}, then {master} shards")
+                f"{accumulated}, then {master} shards{reduced}")
         else:
             put("gradients", sharded * mb + sp.largest_unit * w,
-                f"{master} shards + one unsharded unit being reduced",
+                f"{master} shards + one unsharded unit being reduced{reduced}",
                 (sharded * mb / (sharded * mb + sp.largest_unit * w)) if off.grads else 0.0)
             if whole:  # the shards on the host, the whole gradients on the GPU
                 put("gradients: accumulated whole", whole, accumulated)
@@ -350,7 +351,8 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
         grads = next(i for i in items if i.name == "gradients")
         acts = sum(i.gb for i in items if i.name.startswith("activations") or i.name == "logits")
         items[items.index(grads)] = MemoryItem("gradients", max(0.0, grads.gb - acts),
-                                               "freed between steps; replace activations during the backward")
+                                               "freed between steps; replace activations during the backward"
+                                               + reduced)
     cpu = job.cluster.gpu == "cpu"
     put("framework overhead", (CPU_OVERHEAD_GB if cpu else GPU_OVERHEAD_GB) * GIB,
         "torch runtime" if cpu else "CUDA context, NCCL buffers, workspaces, allocator slack")

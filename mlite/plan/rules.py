@@ -598,7 +598,7 @@ def _adapter_gaps(job: JobConfig, dims: Degrees) -> list[tuple[str, str]]:
             "or use optimizer.backend fsdp2"
         )
         gaps.append((f"precision.master {precision.master}", line))
-    if precision.grad_reduce != "fp32" and precision.compute == "fp32":
+    if precision.grad_reduce == "bf16" and precision.compute == "fp32":
         line = (
             f"precision.grad_reduce {precision.grad_reduce} with precision.compute fp32: gradients are "
             "fp32 and are reduced in fp32 anyway; remove precision.grad_reduce or compute in bf16"
@@ -644,6 +644,18 @@ def check_backend_trained(job: JobConfig, device_type: str, has_megatron: bool) 
         )
 
 
+def grad_reduce_dtype(job: JobConfig) -> str:
+    """The dtype gradients are reduced in across ranks (FSDP2's reduce_dtype, Megatron DDP's
+    grad_reduce_in_fp32), and what the planner sizes their buffers by. `auto` takes the master weights'
+    dtype. bf16 masters keep bf16 gradients, and a reduced shard is rounded back to bf16: over two ranks
+    each element is one sum, rounded once either way, so the bf16 reduction gives the fp32 one's bits at half
+    the bytes; over more ranks, a ring rounds each partial sum (Megatron's default, grad_reduce_in_fp32
+    off). fp32 masters keep fp32 gradients: the reduction stays fp32."""
+    if job.precision.grad_reduce != "auto":
+        return job.precision.grad_reduce
+    return "bf16" if job.precision.master == "bf16" else "fp32"
+
+
 def check_precision(job: JobConfig, world_size: int, device_type: str) -> None:
     precision = job.precision
     if precision.master == "bf16" and device_type != "cuda":
@@ -658,7 +670,7 @@ def check_precision(job: JobConfig, world_size: int, device_type: str) -> None:
             "it to the host, where the step is torch's own; set precision.optimizer_state: master, or "
             "remove offload"
         )
-    if precision.grad_reduce != "fp32" and world_size == 1 and not job.parallel.fsdp_one_rank:
+    if precision.grad_reduce == "bf16" and world_size == 1 and not job.parallel.fsdp_one_rank:
         raise MliteError(
             f"precision.grad_reduce: {precision.grad_reduce} sets the dtype of the gradient reduction "
             "across ranks, and this run has one process; remove it, start several ranks (torchrun), or "

@@ -72,7 +72,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mlite.errors import MliteError
-from mlite.plan.rules import check_dist_opt_adapter
+from mlite.plan.rules import check_dist_opt_adapter, grad_reduce_dtype
 from mlite.runtime.optim import clip_coef
 from mlite.runtime.parallel.megatron import (
     NEEDS_MEGATRON,
@@ -543,7 +543,7 @@ def build_dist_opt(
     # torch's AdamW inside Megatron (no TE or Apex) can take the clip and the skip on the device
     on_device = megatron_optimizer.USING_PYTORCH_OPTIMIZER
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=job.precision.grad_reduce == "fp32",
+        grad_reduce_in_fp32=grad_reduce_dtype(job) == "fp32",
         # async reduce-scatters: the backend starts each bucket's in the step's last backward (its hooks, not
         # Megatron's: Megatron's would watch the shadows, which autograd never reaches)
         overlap_grad_reduce=opt.overlap_grad_reduce,

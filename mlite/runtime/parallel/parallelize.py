@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from mlite.errors import MliteError
-from mlite.plan.rules import expert_exchange
+from mlite.plan.rules import expert_exchange, grad_reduce_dtype
 from mlite.runtime.models.moe import local_dispatch, local_stats, whole
 from mlite.runtime.parallel.context import context_geometry, context_parallel_attention
 from mlite.runtime.parallel.expert import expert_parallel_dispatch, local_slice, token_group_stats
@@ -266,7 +266,7 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, devi
         # CPU: fp32
         compute_dtype=COMPUTE_DTYPES[job.precision.compute] if device_type == "cuda" else torch.float32,
         offload_fraction=job.offload.optimizer_fraction if job.offload.optimizer else 0.0,
-        reduce_dtype=COMPUTE_DTYPES[job.precision.grad_reduce],
+        reduce_dtype=COMPUTE_DTYPES[grad_reduce_dtype(job)],
         unit_layers=par.fsdp_unit_layers,
         reshard_after_forward=par.fsdp_reshard_after_forward,
         forward_prefetch=par.fsdp_forward_prefetch,
