@@ -241,23 +241,33 @@ def test_sft_on_two_gpus_in_bf16_matches_one_gpu(assets, tmp_path, model, overri
 
 
 @pytest.mark.gpu
-def test_bf16_masters_reduce_in_bf16_over_two_gpus_with_the_bits_of_the_fp32_reduction(assets, tmp_path):
-    """precision.grad_reduce auto with bf16 masters reduces in bf16 (mlite.plan.rules.grad_reduce_dtype).
-    Over two ranks each element of a reduce-scatter is one sum, and the fp32 reduction rounds it back to
-    the bf16 gradient, so both give the same bits: every step's loss and grad norm are equal."""
+def test_bf16_masters_reduce_in_bf16_on_two_gpus(assets, tmp_path):
+    """precision.grad_reduce auto with bf16 masters reduces in bf16 (mlite.plan.rules.grad_reduce_dtype):
+    - one micro-batch a step: each reduced element is one sum over the two ranks, rounded once to the
+      bf16 gradient either way, so every step's loss and grad norm have the fp32 reduction's bits;
+    - several: the micro-batches accumulate in bf16 (the fp32 reduction accumulates them in fp32), the
+      explicit bf16 reduction's bits, within bf16 rounding of the fp32 curve."""
     if torch.cuda.device_count() < 2:
         pytest.fail(f"this test needs 2 GPUs, {torch.cuda.device_count()} visible")
     gpu = {"cluster": {"gpu": "h100", "gpus_per_node": 2}, "precision": {"compute": "bf16", "master": "bf16"},
            "trainer": {"device": "cuda"}}
-    curves = {}
-    for reduce in ("auto", "fp32", "bf16"):
-        out = tmp_path / reduce
-        done = mlite_cli(tmp_path, job_dict(assets, "dense", out, **gpu), 2,
-                         f"precision.grad_reduce={reduce}")
+
+    def curve(name: str, data: dict, reduce: str) -> list[tuple[float, float]]:
+        out = tmp_path / name
+        job = job_dict(assets, "dense", out, data=data, **gpu)
+        done = mlite_cli(tmp_path, job, 2, f"precision.grad_reduce={reduce}")
         assert done.returncode == 0, failure(done)
-        curves[reduce] = [(r["loss"], r["grad_norm"]) for r in records(out)]
-    assert len(curves["auto"]) >= 3
-    assert curves["auto"] == curves["fp32"] == curves["bf16"]
+        return [(r["loss"], r["grad_norm"]) for r in records(out)]
+
+    one = {"global_batch_size": 2, "micro_batch_size": 1, "dynamic_batch": False,
+           "max_tokens_per_micro_batch": None}
+    auto = curve("one-auto", one, "auto")
+    assert len(auto) >= 3 and auto == curve("one-fp32", one, "fp32")
+    several = curve("several-auto", {}, "auto")
+    assert several == curve("several-bf16", {}, "bf16")
+    fp32 = curve("several-fp32", {}, "fp32")
+    assert several != fp32
+    assert [v for pair in several for v in pair] == pytest.approx([v for pair in fp32 for v in pair], rel=2e-2)
 
 
 @pytest.mark.gpu

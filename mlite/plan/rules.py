@@ -647,10 +647,13 @@ def check_backend_trained(job: JobConfig, device_type: str, has_megatron: bool) 
 def grad_reduce_dtype(job: JobConfig) -> str:
     """The dtype gradients are reduced in across ranks (FSDP2's reduce_dtype, Megatron DDP's
     grad_reduce_in_fp32), and what the planner sizes their buffers by. `auto` takes the master weights'
-    dtype. bf16 masters keep bf16 gradients, and a reduced shard is rounded back to bf16: over two ranks
-    each element is one sum, rounded once either way, so the bf16 reduction gives the fp32 one's bits at half
-    the bytes; over more ranks, a ring rounds each partial sum (Megatron's default, grad_reduce_in_fp32
-    off). fp32 masters keep fp32 gradients: the reduction stays fp32."""
+    dtype. fp32 masters keep fp32 gradients, reduced in fp32. bf16 masters keep bf16 gradients, as on one
+    GPU, and the bf16 reduction halves the bytes (Megatron's default, grad_reduce_in_fp32 off):
+    - a step of one micro-batch: each reduced element is rounded once to the bf16 gradient either way, so
+      over two ranks it has the fp32 reduction's bits;
+    - several micro-batches: they accumulate in bf16, as one GPU's bf16 gradients do (an fp32 reduction
+      would accumulate them in fp32);
+    - over more ranks, a ring rounds each partial sum."""
     if job.precision.grad_reduce != "auto":
         return job.precision.grad_reduce
     return "bf16" if job.precision.master == "bf16" else "fp32"
