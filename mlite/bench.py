@@ -183,6 +183,9 @@ CASES: dict[str, BenchCase] = {
         # the reference is every rank running the one-GPU step at the same time ("N x one GPU")
         BenchCase("dense-1.7b-4k-dp2", "qwen3-1.7b", 4096, gpus=2, dp=2, baseline=False),
         BenchCase("dense-1.7b-4k-dp4", "qwen3-1.7b", 4096, gpus=4, dp=4, baseline=False),
+        # 4 micro-batches a step on each rank, as an SFT global batch gives them: one reduce-scatter a
+        # step (FSDP2 accumulates whole gradients), an all-gather a micro-batch
+        BenchCase("dense-1.7b-4k-dp2-accum4", "qwen3-1.7b", 4096, gpus=2, dp=2, accum=4, baseline=False),
         BenchCase("moe-30b-a3b-8l-4k-ep2", "qwen3-30b-a3b", 4096, num_layers=8, gpus=2, dp=2, ep=2,
                   baseline=False),
         BenchCase("moe-30b-a3b-8l-4k-ep4", "qwen3-30b-a3b", 4096, num_layers=8, gpus=4, dp=4, ep=4,
