@@ -532,6 +532,32 @@ def test_fsdp_reshard_after_forward_false_keeps_units_gathered_to_the_backward_w
     torch.testing.assert_close(kept, resharded, rtol=0, atol=0)
 
 
+def test_fsdp_units_hand_each_block_the_steps_own_inputs():
+    """FSDP2's units do not cast their forward inputs (they come in the compute dtype): each block gets the
+    step's PackedBatch itself, not a copy rebuilt per block (host time in every block's call)."""
+    from mlite.runtime.data.packed import PackedBatch
+    from mlite.runtime.loss import sft_loss
+    from mlite.runtime.parallel.parallelize import blocks
+
+    job = job_from_dict({
+        "model": {"name": "tiny-qwen3"}, "precision": {"compute": "fp32"}, "data": {"seq_len": 512},
+        "parallel": {"fsdp_one_rank": True}, "trainer": {"device": "cpu", "seed": 7},
+    })
+    rt = Runtime(job)
+    try:
+        seen = []
+        for layer in blocks(rt.model):
+            layer.register_forward_pre_hook(lambda module, args: seen.append(args[1]))
+        batch = PackedBatch.from_sequences([[5, 6, 7, 8, 9], [10, 11, 12]],
+                                           extras={"weight": [[0.5] * 5, [2.0] * 3]})
+        rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
+        assert len(seen) == len(blocks(rt.model)) >= 2
+        assert {id(b) for b in seen} == {id(seen[0])}  # one PackedBatch object for every block
+        assert seen[0].extras["weight"].dtype == torch.float32
+    finally:
+        rt.close()
+
+
 def test_fsdp_forward_prefetch_gathers_the_next_unit_before_the_host_reaches_it_with_the_same_numbers():
     """parallel.fsdp_forward_prefetch (on by default): a layer unit's forward queues the next unit's
     all-gather (FSDP2's explicit prefetch, which its profiler ranges name), so a host behind its GPU does not

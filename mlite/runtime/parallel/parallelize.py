@@ -171,7 +171,12 @@ def apply_fsdp(
     `forward_prefetch` (parallel.fsdp_forward_prefetch): each layer unit's forward queues the next unit's
     all-gather behind its own, so a host that runs behind its GPU does not also delay the gathers (the plan
     holds two units gathered either way)."""
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+    # cast_forward_inputs off: every unit's inputs already come in the compute dtype (the embedding's output,
+    # RoPE's cos/sin cast to it, pipeline activations received in it, token ids), and the cast walks each
+    # call's arguments, the PackedBatch included, rebuilding it per block: host time in every block's call
+    # (docs/PERFORMANCE.md, 2026-11-28), where a host behind its GPU sets the step
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype,
+                                  cast_forward_inputs=False)
     layers = blocks(model)
     offloaded = round(offload_fraction * len(layers))
 
