@@ -1,6 +1,8 @@
-"""Probe (temporary): how far the host runs ahead of the GPU through a bench step. Marks (a CUDA event and
-the host clock) at each block's forward and at the Runtime calls; lead = when the GPU reached the mark minus
-when the host queued it. A lead near 0 is the GPU waiting for the host there.
+"""How far the host runs ahead of its GPU through a bench step (CUDA only), on every rank of the launch.
+A mark (a CUDA event and the host clock) at each block's forward and at each Runtime call of the step; its
+lead is when the GPU reached the mark minus when the host queued it. A lead near 0 is the GPU waiting for
+the host there: a host-bound step. Rank 0 prints the last of 3 steps mark by mark; every other rank its
+range of forward leads (with several ranks, collectives pace every GPU by the slowest host).
 
     torchrun --standalone --nproc-per-node 2 scripts/host_lead.py dense-1.7b-4k-dp2
     python3 scripts/host_lead.py dense-1.7b-4k
@@ -70,9 +72,11 @@ if rank == 0:
     print(f"3 steps: host queued them in {end[1]:.1f} ms, the GPU ran them in {end[2]:.1f} ms")
 if dist.is_initialized():
     dist.barrier()
-if rank == 1:
-    leads = [g - h for _, h, g in last_step if "forward block" in _]
-    print(f"rank 1: forward-block leads {min(leads):.2f}..{max(leads):.2f} ms")
+for other in range(1, dist.get_world_size() if dist.is_initialized() else 1):
+    if rank == other:
+        leads = [g - h for label, h, g in last_step if label.startswith("forward block")]
+        print(f"rank {rank}: forward-block leads {min(leads):.2f}..{max(leads):.2f} ms", flush=True)
+    dist.barrier()
 rt.close()
 if dist.is_initialized():
     dist.destroy_process_group()
