@@ -240,7 +240,8 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
     `unsharded_grads`: FSDP2 accumulates the step's micro-batches into whole gradients."""
     w = DTYPE_BYTES[job.precision.compute]
     act = w
-    g = 4 if grad_reduce_dtype(job) == "fp32" else 2
+    reduce = grad_reduce_dtype(job)  # the dtype gradients are reduced in across ranks
+    g = 4 if reduce == "fp32" else 2
     fp32_compute = job.precision.compute == "fp32"
     off = job.offload
     frac = off.optimizer_fraction if off.optimizer else 0.0
@@ -248,7 +249,7 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
     dense_shards, expert_shards = layout.dp * layout.cp, layout.edp
     sharded = sp.dense / dense_shards + sp.experts / expert_shards  # parameters this GPU owns a shard of
     full = sp.dense + sp.experts  # parameters this GPU computes with
-    reduced = f", reduced in {grad_reduce_dtype(job)}" if sharded < full else ""  # across ranks
+    reduced = f", reduced in {reduce}" if sharded < full else ""  # the note where ranks reduce
     items: list[MemoryItem] = []
     host = 0.0
 
@@ -262,7 +263,7 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
     if job.optimizer.backend == "dist_opt":
         put("weights", full * w, f"{job.precision.compute}, full copy of this stage after tp/ep split")
         put("gradients", full * (g if master == "fp32" else mb),
-            f"{grad_reduce_dtype(job) if master == 'fp32' else master} grad buffer, "
+            f"{reduce if master == 'fp32' else master} grad buffer, "
             "not sharded (Megatron DDP)")
         if not fp32_compute and master == "fp32":
             put("master weights", sharded * 4,

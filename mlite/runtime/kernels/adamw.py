@@ -399,9 +399,8 @@ class TritonAdamW(torch.optim.AdamW):
 
     def _local_shards(self, p, g, m, v) -> tuple | None:
         """This rank's shards of a DTensor parameter, its gradient and moments (None: torch's step)."""
-        mesh, placements = p.device_mesh, p.placements
-        if not all(isinstance(t, DTensor) and t.placements == placements
-                   and (t.device_mesh is mesh or t.device_mesh == mesh) for t in (g, m, v)):
+        if not all(isinstance(t, DTensor) and t.placements == p.placements and t.device_mesh == p.device_mesh
+                   for t in (g, m, v)):
             return None
         return p.to_local(), g.to_local(), m.to_local(), v.to_local()
 
