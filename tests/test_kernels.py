@@ -271,6 +271,38 @@ def test_packed_backend_on_one_long_sequence_agrees_with_the_torch_path():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads, kv_heads", [(16, 8), (32, 4)], ids=["qwen3-1.7b", "qwen3-30b-a3b"])
+def test_cudnn_takes_fewer_kv_heads_as_they_are(heads, kv_heads):
+    """One long sequence (the bench cases' attention shapes) goes to cuDNN with its K/V heads as they are:
+    the backward keeps no K/V copy per query head (only q and the output have the query heads' size), and
+    the output and gradients agree with the fp32 torch path and with the same call on repeated K/V."""
+    n, dim, groups = 4096, 128, heads // kv_heads
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(n, h, dim, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for h in (heads, kv_heads, kv_heads))
+    cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        out = varlen_attention(q, k, v, cu, n, backend="packed")
+    assert sum(size == n * heads * dim for size in saved) == 2  # q and the output; K/V at kv_heads
+    grads = torch.autograd.grad(out.float().square().mean(), (q, k, v))
+
+    k_rep, v_rep = (t.detach().repeat_interleave(groups, 1).requires_grad_() for t in (k, v))
+    out_rep = varlen_attention(q, k_rep, v_rep, cu, n, backend="packed")
+    dq_rep, dk_rep, dv_rep = torch.autograd.grad(out_rep.float().square().mean(), (q, k_rep, v_rep))
+    dk_rep, dv_rep = (g.float().unflatten(1, (kv_heads, groups)).sum(2) for g in (dk_rep, dv_rep))
+    for got, want in zip((out, *grads), (out_rep, dq_rep, dk_rep, dv_rep), strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)
+
+    ref = varlen_attention(q.float(), k.float(), v.float(), cu, n, backend="torch")
+    ref_grads = torch.autograd.grad(ref.square().mean(), (q, k, v))
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    for got, want in zip(grads, ref_grads, strict=True):
+        want = want.float()
+        torch.testing.assert_close(got.float() / want.abs().max(), want / want.abs().max(), rtol=0, atol=2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("counts", [[128, 0, 64, 320], [16] * 8])
 def test_torch_grouped_mm_equals_the_loop_in_bf16(counts):
     assert hasattr(torch, "_grouped_mm")
