@@ -83,6 +83,17 @@ def test_on_cpu_it_is_torch_adamw(dtype, options):
     assert all(sd_ours["state"][i].keys() == sd_theirs["state"][i].keys() for i in sd_ours["state"])
 
 
+def test_the_tile_follows_the_gpu_where_one_was_measured_faster():
+    """An H200 streams with 4096-element tiles of 16 warps (measured faster there); other GPUs, and the fp8
+    kernel (swept on an H100 only), keep the class tile."""
+    assert TritonAdamW.tile_for("NVIDIA H200") == (4096, 16)
+    h100 = TritonAdamW.tile_for("NVIDIA H100 80GB HBM3")
+    assert h100 == (TritonAdamW.block, TritonAdamW.num_warps) == (2048, 8)
+    assert kernel.Fp8StateAdamW.tile_for("NVIDIA H200") == (1024, 4)
+    for block, warps in TritonAdamW.tiles_by_gpu.values():
+        assert block == warps * 32 * 8  # one 16-byte bf16 vector per thread
+
+
 @pytest.mark.skipif(kernel._INTERPRET, reason="under TRITON_INTERPRET=1 the kernel serves CPU tensors")
 @pytest.mark.parametrize("direction", ["ours->torch", "torch->ours"])
 def test_on_cpu_a_checkpoint_of_one_loads_into_the_other(direction):
@@ -170,6 +181,8 @@ def _compare(label, ours, theirs):
 def test_gpu_kernel_matches_torch_fused(dtype):
     ours, theirs = _gpu_params(dtype), _gpu_params(dtype)
     opt_ours = TritonAdamW(_groups(ours), lr=1e-3, betas=BETAS, eps=EPS, fused=True)
+    # this GPU's tile (an H200's differs from the class default)
+    assert (opt_ours.block, opt_ours.num_warps) == TritonAdamW.tile_for(torch.cuda.get_device_name())
     opt_theirs = torch.optim.AdamW(_groups(theirs), lr=1e-3, betas=BETAS, eps=EPS, fused=True)
     _run([(opt_ours, ours), (opt_theirs, theirs)], range(5))
     assert opt_ours._tables, "TritonAdamW fell back to torch's step"

@@ -187,12 +187,25 @@ class TritonAdamW(torch.optim.AdamW):
     chunk = 65536  # elements per program: a 4B-parameter step is ~66k programs, its tables ~0.3 MB
     block = 2048  # elements per tile: num_warps * 32 threads * 8 elements (one 16-byte bf16 vector each)
     num_warps = 8
+    # (block, num_warps) by GPU name where another tile measured faster: an H200's memory (4.2 TB/s copies
+    # against an H100's 2.9) wants more bytes in flight per program. In the bench step on one H200 4096 x 16
+    # beat 2048 x 8 by 1.1 ms (MoE) and 0.5 ms (dense) (docs/PERFORMANCE.md, 2026-11-28)
+    tiles_by_gpu = {"H200": (4096, 16)}
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        first = next((p for group in self.param_groups for p in group["params"]), None)
+        if first is not None and first.is_cuda:
+            self.block, self.num_warps = self.tile_for(torch.cuda.get_device_name(first.device))
         # (a group's parameter and state addresses and sizes, chunk) -> (its launches, tables on the device;
         # the gradient addresses each table holds): see _launches
         self._tables: dict[tuple, tuple[list[tuple], list[tuple]]] = {}
+
+    @classmethod
+    def tile_for(cls, gpu_name: str) -> tuple[int, int]:
+        """The kernels' (block, num_warps) on the GPU of this name."""
+        return next((tile for key, tile in cls.tiles_by_gpu.items() if key in gpu_name),
+                    (cls.block, cls.num_warps))
 
     @torch.no_grad()
     def step(self, closure=None, grad_coef: torch.Tensor | None = None,
@@ -704,6 +717,7 @@ class Fp8StateAdamW(TritonAdamW):
 
     block = 1024  # elements per tile: 8 scale blocks of 128 (scripts/adamw_floor.py --fp8 --sweep: 1024
     num_warps = 4  # elements and 4 warps beat 2048 and 8 by 8% on an H100)
+    tiles_by_gpu: dict[str, tuple[int, int]] = {}  # not swept on other GPUs
 
     def __init__(self, *args, seed: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
