@@ -241,7 +241,7 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
     w = DTYPE_BYTES[job.precision.compute]
     act = w
     reduce = grad_reduce_dtype(job)  # the dtype gradients are reduced in across ranks
-    g = 4 if reduce == "fp32" else 2
+    g = DTYPE_BYTES[reduce]
     fp32_compute = job.precision.compute == "fp32"
     off = job.offload
     frac = off.optimizer_fraction if off.optimizer else 0.0

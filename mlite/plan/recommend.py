@@ -160,7 +160,7 @@ def step_cost(job: JobConfig, arch: ModelArch, layout: Layout, memory: MemoryEst
         volume = 2 * passes * moe_layers_here * tokens_rank / layout.tp * arch.moe.top_k * arch.hidden * act
         ep_comm = volume * (layout.ep - 1) / layout.ep / bw(layout.ep * layout.etp)
     sp = max((stage_params(arch, layout, s) for s in range(layout.pp)), key=lambda p: p.dense + p.experts)
-    grad_bytes = 4 if grad_reduce_dtype(job) == "fp32" else 2
+    grad_bytes = DTYPE_BYTES[grad_reduce_dtype(job)]
     # reduce-scatter gradients (once a step, or after every micro-batch where FSDP2 cannot hold them whole)
     # + all-gather parameters
     reduces = layout.micro_batches if memory.fsdp_grad_accumulation == "sharded" else 1
