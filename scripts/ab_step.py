@@ -73,6 +73,11 @@ def interleaved(args, device: str, rank: int) -> None:
                   flush=True)
     for runtime in runtimes:
         runtime.close()  # the process group stays: this script started it
+    # the runtimes' hooks close reference cycles: collect them now, while the process group they hold work
+    # on still exists (left to the interpreter's exit, a rank aborted there once: "terminate called")
+    steps.clear()
+    runtimes.clear()
+    bench.free_memory(device)
     if rank == 0:
         first = names[0]
         for name in names:
