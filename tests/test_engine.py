@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from mlite.config import job_from_dict
 from mlite.config.schema import OptimizerConfig
@@ -561,8 +562,9 @@ def test_fsdp_units_hand_each_block_the_steps_own_inputs():
 def test_fsdp_forward_prefetch_gathers_the_next_unit_before_the_host_reaches_it_with_the_same_numbers():
     """parallel.fsdp_forward_prefetch (on by default): a layer unit's forward queues the next unit's
     all-gather (FSDP2's explicit prefetch, which its profiler ranges name), so a host behind its GPU does not
-    also delay the gathers; off, each unit is gathered when its own forward starts. The numbers are the
-    same, bitwise."""
+    also delay the gathers, and the last one queues the untied LM head's, which the loss would otherwise
+    gather with nothing to overlap it; off, each unit is gathered when its own forward starts. The numbers
+    are the same, bitwise."""
     from torch.profiler import ProfilerActivity, profile
 
     def run(prefetch: bool):
@@ -584,8 +586,39 @@ def test_fsdp_forward_prefetch_gathers_the_next_unit_before_the_host_reaches_it_
 
     prefetched, layers, with_prefetch = run(True)
     none, _, without = run(False)
-    assert prefetched == {f"layers.{i}" for i in range(1, layers)} and none == set()
+    assert prefetched == {*(f"layers.{i}" for i in range(1, layers)), "output"} and none == set()
     torch.testing.assert_close(with_prefetch, without, rtol=0, atol=0)
+
+
+def test_an_untied_fsdp_head_reduces_its_gradient_before_the_backward_reaches_the_embedding():
+    """The LM-head kernel reads an untied FSDP2 head's gathered weight outside the head's forward, so FSDP2's
+    hooks never see it used; left to them, its gradient is reduced in FSDP2's end-of-backward callback, where
+    nothing overlaps the reduce-scatter. The loss passes the hidden states through the head unit's
+    post-backward hook instead: the sharded gradient is there once the kernel's backward has run, before the
+    layers' backward ends. The steps train as before: `test_fsdp_one_rank_runs_the_sharded_path_on_one_...`
+    compares them with the plain model."""
+    job = job_from_dict({
+        "model": {"name": "tiny-qwen3-moe"}, "precision": {"compute": "fp32"}, "data": {"seq_len": 512},
+        "parallel": {"fsdp_one_rank": True}, "trainer": {"device": "cpu", "seed": 7},
+    })
+    rt = Runtime(job)
+    try:
+        assert not rt.arch.tie_embeddings
+        head_grad_at_the_embedding = []
+
+        def watch(module, args, output):
+            output.register_hook(lambda grad: head_grad_at_the_embedding.append(rt.model.output.weight.grad))
+
+        rt.model.embed.register_forward_hook(watch)
+        batch = PackedBatch.from_sequences(sequences([30, 17]))
+        for _ in range(2):  # each step's gradient is a new one (zero_grad frees the last)
+            rt.zero_grad()
+            rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
+        assert len(head_grad_at_the_embedding) == 2
+        assert all(isinstance(g, DTensor) and g.to_local().abs().sum() > 0
+                   for g in head_grad_at_the_embedding)
+    finally:
+        rt.close()
 
 
 def test_fsdp_units_are_runs_of_layers_cut_at_the_offload_boundary():

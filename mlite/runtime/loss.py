@@ -23,6 +23,7 @@ from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.kernels.lm_head import linear_logprobs
 from mlite.runtime.models.deepseek_v4 import DeepseekV4
 from mlite.runtime.models.qwen3 import Transformer
+from mlite.runtime.parallel.parallelize import reduce_after_backward
 
 # models whose compute_logits is their `output` nn.Linear applied to the hidden states
 PLAIN_HEAD_MODELS = (Transformer, DeepseekV4)
@@ -48,10 +49,10 @@ def linear_head_weight(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -
     the autograd path: tp shards (a DTensor weight), other hooks on the head, a bias.
 
     An untied FSDP2 head, a unit of its own, is gathered here (`unshard`), since the kernel's path never
-    calls the forward in whose hooks FSDP2 would gather it. With gradients on, FSDP2's end-of-backward
-    callback reduce-scatters the gathered weight's gradient and reshards it (the path it takes for any unit
-    whose forward did not run in the backward); without, call `release_head` once the log-probs are
-    computed. A tied head shares its unit with the embedding, whose own backward hooks reduce it: it keeps
+    calls the forward in whose hooks FSDP2 would gather it (the last layer unit's forward has queued its
+    all-gather already: `apply_fsdp`). With gradients on, the unit's post-backward hook reduce-scatters the
+    gradient and reshards the weight (`_reduce_head_early`); without, call `release_head` once the log-probs
+    are computed. A tied head shares its unit with the embedding, whose own backward hooks reduce it: it keeps
     the autograd path."""
     owner, head = _head(compute_logits)
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
@@ -73,6 +74,17 @@ def release_head(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None
     _, head = _head(compute_logits)
     if isinstance(head, FSDPModule):
         head.reshard()
+
+
+def _reduce_head_early(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor):
+    """An untied FSDP2 head reduce-scatters its gradient as soon as the kernel's backward has formed it,
+    under the layers' backward, rather than in FSDP2's end-of-backward callback (`reduce_after_backward`).
+    Not where the model reads the head in its own forward too (DeepSeek-V4's MTP loss): the reduction
+    reshards the head, whose later backward still needs it."""
+    owner, head = _head(compute_logits)
+    if not isinstance(head, FSDPModule) or getattr(owner, "mtp", None) is not None:
+        return hidden
+    return reduce_after_backward(head, hidden)
 
 
 def _head(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> tuple[object, Callable]:
@@ -112,6 +124,8 @@ def token_logprobs(
     backward = torch.is_grad_enabled() and hidden.requires_grad
     weight = None if with_entropy else linear_head_weight(compute_logits)
     if weight is not None:
+        if backward:
+            hidden = _reduce_head_early(compute_logits, hidden)
         logp = _head_logprobs(hidden, labels, weight, temperature, chunk_tokens)
         if not backward:
             release_head(compute_logits)

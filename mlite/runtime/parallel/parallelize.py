@@ -204,16 +204,19 @@ def apply_fsdp(
             layer_units.append(shard(unit[0], "dp_cp", start < offloaded))
         else:  # one unit over several modules: one state, reached from any of them
             layer_units.append(shard(unit, "dp_cp", start < offloaded)[0])
-    if forward_prefetch:  # the next unit's all-gather queued with this one's, not when the host gets there
-        for unit, following in zip(layer_units, layer_units[1:]):
-            unit.set_modules_to_forward_prefetch([following])
     groups += layer_units
     everything = offload_fraction >= 1.0
     tied = model.output is not None and model.embed is not None and model.output.weight is model.embed.weight
+    following = [*layer_units[1:]]
     if tied:  # one unit over both modules of the shared matrix: gathered for either one's forward
         groups.append(shard([model.embed, model.output], "dp_cp", everything)[0])  # one state for both
     elif model.output is not None:  # the LM head runs in the loss, outside the decoder's forward
-        groups.append(shard(model.output, "dp_cp", everything))
+        head = shard(model.output, "dp_cp", everything)
+        groups.append(head)
+        following.append(head)  # gathered behind the last layers', not at the loss, where nothing overlaps it
+    if forward_prefetch:  # the next unit's all-gather queued with this one's, not when the host gets there
+        for unit, next_unit in zip(layer_units, following):
+            unit.set_modules_to_forward_prefetch([next_unit])
     groups.append(shard(model, "dp_cp", everything))
     for module in groups:
         module.set_gradient_divide_factor(1.0)
@@ -225,6 +228,19 @@ def unit_runs(num_layers: int, offloaded: int, unit_layers: int) -> list[tuple[i
     first `offloaded` layers apart from the rest (a unit is offloaded whole or not at all)."""
     starts = sorted({*range(0, offloaded, unit_layers), *range(offloaded, num_layers, unit_layers)})
     return list(zip(starts, [*starts[1:], num_layers]))
+
+
+def reduce_after_backward(unit: FSDPModule, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` through FSDP2's post-backward hook of `unit`: once autograd has the gradient of `tensor`,
+    the unit's gradients are reduce-scattered (or accumulated, without gradient sync), as for a unit whose
+    forward took `tensor` as its input. For a unit whose weights are read outside its forward (an untied LM
+    head under the LM-head kernel): FSDP2 would otherwise reduce it in its end-of-backward callback, where
+    nothing overlaps the reduce-scatter. The weights' own gradients are in place by then: autograd runs a
+    leaf's gradient accumulation before any other node that the same backward node feeds, which FSDP2's
+    own hooks rely on too. Only for a unit read once in the step: the hook reshards it after the reduction."""
+    group = unit._get_fsdp_state()._fsdp_param_group  # FSDP2 has no public way to register its hook
+    (tensor,), _ = group._register_post_backward_hook((tensor,), {})
+    return tensor
 
 
 def parameter_holders(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
