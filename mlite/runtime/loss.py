@@ -23,7 +23,6 @@ from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.kernels.lm_head import linear_logprobs
 from mlite.runtime.models.deepseek_v4 import DeepseekV4
 from mlite.runtime.models.qwen3 import Transformer
-from mlite.runtime.parallel.parallelize import reduce_after_backward
 
 # models whose compute_logits is their `output` nn.Linear applied to the hidden states
 PLAIN_HEAD_MODELS = (Transformer, DeepseekV4)
@@ -77,14 +76,20 @@ def release_head(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None
 
 
 def _reduce_head_early(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor):
-    """An untied FSDP2 head reduce-scatters its gradient as soon as the kernel's backward has formed it,
-    under the layers' backward, rather than in FSDP2's end-of-backward callback (`reduce_after_backward`).
-    Not where the model reads the head in its own forward too (DeepSeek-V4's MTP loss): the reduction
-    reshards the head, whose later backward still needs it."""
+    """`hidden` through an untied FSDP2 head's post-backward hook: once autograd has the gradient of the
+    hidden states, the head's gradient is reduce-scattered (or accumulated, without gradient sync), as for
+    a unit whose forward took them as input, under the layers' backward. FSDP2's own hooks never see the
+    kernel read the weight, and would reduce it in their end-of-backward callback, where nothing overlaps
+    the reduce-scatter. The weight's gradient is in place by then: autograd runs a leaf's accumulation
+    before the other nodes the kernel's backward feeds, which FSDP2's hooks rely on too. Not where the model
+    reads the head in its own forward as well (DeepSeek-V4's MTP loss): the hook reshards the head, whose
+    later backward still needs it."""
     owner, head = _head(compute_logits)
     if not isinstance(head, FSDPModule) or getattr(owner, "mtp", None) is not None:
         return hidden
-    return reduce_after_backward(head, hidden)
+    group = head._get_fsdp_state()._fsdp_param_group  # FSDP2 has no public way to register its hook
+    (hidden,), _ = group._register_post_backward_hook((hidden,), {})
+    return hidden
 
 
 def _head(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> tuple[object, Callable]:

@@ -230,19 +230,6 @@ def unit_runs(num_layers: int, offloaded: int, unit_layers: int) -> list[tuple[i
     return list(zip(starts, [*starts[1:], num_layers]))
 
 
-def reduce_after_backward(unit: FSDPModule, tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` through FSDP2's post-backward hook of `unit`: once autograd has the gradient of `tensor`,
-    the unit's gradients are reduce-scattered (or accumulated, without gradient sync), as for a unit whose
-    forward took `tensor` as its input. For a unit whose weights are read outside its forward (an untied LM
-    head under the LM-head kernel): FSDP2 would otherwise reduce it in its end-of-backward callback, where
-    nothing overlaps the reduce-scatter. The weights' own gradients are in place by then: autograd runs a
-    leaf's gradient accumulation before any other node that the same backward node feeds, which FSDP2's
-    own hooks rely on too. Only for a unit read once in the step: the hook reshards it after the reduction."""
-    group = unit._get_fsdp_state()._fsdp_param_group  # FSDP2 has no public way to register its hook
-    (tensor,), _ = group._register_post_backward_hook((tensor,), {})
-    return tensor
-
-
 def parameter_holders(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     """id(parameter) -> every (module, name) that registers it (a tied matrix has two)."""
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
