@@ -392,3 +392,19 @@ def test_dist_opt_jobs_its_adapter_does_not_run_are_refused_but_still_sized():
     dense = plan_job(load_job("qwen3_30b_a3b_sft", ["optimizer.backend=dist_opt", "model.name=qwen3-8b",
                                                    "parallel.ep=1", "parallel.pp=2"]))
     assert dense.refused is None
+
+
+def test_embedding_rows_leave_the_embedding_out_of_the_gathered_weights():
+    """parallel.fsdp_embedding rows: the embedding is never gathered, so the plan's gathered weights (units
+    kept gathered from forward to backward: the whole stage in bf16) lose exactly the [vocab, hidden] matrix
+    in bf16; the rest of the estimate is unchanged."""
+    dense = ["model.name=qwen3-8b", "parallel.ep=1", "cluster.gpus_per_node=4", "cluster.gpu=h200",
+             "parallel.fsdp_reshard_after_forward=false"]
+    gathered = sized("qwen3_30b_a3b_sft", dense)
+    rows = sized("qwen3_30b_a3b_sft", [*dense, "parallel.fsdp_embedding=rows"])
+    assert not gathered.refused and not rows.refused
+    matrix = rows.arch.vocab * rows.arch.hidden * 2 / GIB
+    assert items(gathered)["gathered weights"] - items(rows)["gathered weights"] == pytest.approx(matrix)
+    assert {k: v for k, v in items(rows).items() if k != "gathered weights"} == \
+        {k: v for k, v in items(gathered).items() if k != "gathered weights"}
+    assert gathered.memory.train_gb - rows.memory.train_gb == pytest.approx(matrix) and matrix > 0.5

@@ -145,6 +145,22 @@ BAD_JOBS = [
      ["parallel.fsdp_grad_accumulation=unsharded", "optimizer.backend=dist_opt"],
      "parallel.fsdp_grad_accumulation: unsharded chooses how FSDP2 accumulates gradients, and "
      "optimizer.backend is dist_opt", None),
+    ("fsdp-embedding-one-process", "demo_sft", ["parallel.fsdp_embedding=rows"],
+     "parallel.fsdp_embedding: rows keeps the embedding sharded by vocabulary rows, and one plain process "
+     "has none", "sft"),
+    ("fsdp-embedding-dist_opt", "qwen3_30b_a3b_sft",
+     ["parallel.fsdp_embedding=rows", "optimizer.backend=dist_opt"],
+     "parallel.fsdp_embedding: rows keeps the embedding sharded by vocabulary rows, and optimizer.backend is "
+     "dist_opt", None),
+    ("fsdp-embedding-tied", "qwen3_30b_a3b_sft",
+     ["parallel.fsdp_embedding=rows", "model.name=qwen3-1.7b", "parallel.ep=1"],
+     "qwen3-1.7b ties it to the LM head, which reads the whole matrix", None),
+    ("fsdp-embedding-tp", "qwen3_30b_a3b_sft",
+     ["parallel.fsdp_embedding=rows", "parallel.ep=1", "parallel.tp=2"],
+     "tp=2 already splits it by vocabulary over tp", None),
+    ("fsdp-embedding-offload", "qwen3_30b_a3b_sft",
+     ["parallel.fsdp_embedding=rows", "offload.optimizer=true"],
+     "offload.optimizer_fraction 1.0 moves everything to the host", None),
     ("overlap-fsdp2", "demo_sft", ["optimizer.overlap_grad_reduce=false"],
      "optimizer.overlap_grad_reduce: false turns off dist_opt's overlap, and optimizer.backend is fsdp2",
      "sft"),
@@ -307,7 +323,7 @@ for preset, overrides in jobs:
         pass
 rules.check_degrees(8, 2, 2, 1, 2, 2)
 rules.expert_exchange(8, 6)
-rules.equal_micro_batch_lengths(4, 8)
+rules.equal_micro_batch_lengths(4, 8, embedding_rows=True)
 rules.split_chunks(61, 12, 1, 6, 5)
 try:
     rules.split_chunks(61, 12, 1, None, None)  # the hint: balanced first/last stage sizes

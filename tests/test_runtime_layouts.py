@@ -65,12 +65,19 @@ LAYOUTS = [
     ("moe", ["parallel.ep=2", "parallel.fsdp_unit_layers=2"]),
     # a reduce-scatter after every micro-batch instead of one a step
     ("dense", ["parallel.fsdp_grad_accumulation=sharded"]),
+    # the embedding kept sharded by vocabulary rows, its lookups exchanged: micro-batches of any length
+    # (padded to one per index), the evaluation's forward-only passes; over the cp pair's zigzag shares; with
+    # experts over ep (whose all-gather exchange pads the same way)
+    ("dense", ["parallel.fsdp_embedding=rows"]),
+    ("dense", ["parallel.cp=2", "parallel.fsdp_embedding=rows"]),
+    ("moe", ["parallel.ep=2", "parallel.fsdp_embedding=rows"]),
 ]
 
 
 @pytest.mark.parametrize("model,overrides", LAYOUTS,
                          ids=["pp2", "cp2", "fsdp2-dp2", "ep2", "moe-pp2", "moe-cp2", "moe-tp2",
-                              "moe-ep2-units2", "fsdp2-dp2-sharded-grads"])
+                              "moe-ep2-units2", "fsdp2-dp2-sharded-grads", "fsdp2-dp2-embedding-rows",
+                              "cp2-embedding-rows", "ep2-embedding-rows"])
 def test_sft_cli_on_two_ranks_matches_one_process(assets, one_process, tmp_path, model, overrides):
     out = tmp_path / "run"
     done = mlite_cli(tmp_path, job_dict(assets, model, out), 2, *overrides)
@@ -88,6 +95,18 @@ def test_tp2_matches_one_process_and_its_checkpoint_resumes_on_one_process(asset
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_curve(records(saved), one_process["dense"])
     assert held_out(saved) == pytest.approx(one_process["dense", "val"], rel=RTOL)
+    out = tmp_path / "one"
+    resume = str(CheckpointManager(saved).path_for(2))
+    train_sft(job_from_dict(job_dict(assets, "dense", out, trainer={"resume": resume})), show_progress=False)
+    assert_same_curve(records(out), one_process["dense"][2:])
+
+
+def test_embedding_rows_checkpoint_resumes_on_one_process(assets, one_process, tmp_path):
+    """The embedding kept as row shards is saved whole, like every parameter: a dp2 run's step-2 checkpoint
+    under parallel.fsdp_embedding rows continues on one process on the uninterrupted curve."""
+    saved = tmp_path / "rows"
+    done = mlite_cli(tmp_path, job_dict(assets, "dense", saved), 2, "parallel.fsdp_embedding=rows")
+    assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "one"
     resume = str(CheckpointManager(saved).path_for(2))
     train_sft(job_from_dict(job_dict(assets, "dense", out, trainer={"resume": resume})), show_progress=False)
@@ -410,8 +429,9 @@ def _rl_worker(rank, world, tmp_path, layout, out):
 
 @pytest.mark.parametrize(
     "layout,tied",
-    [({"tp": 2}, False), ({"cp": 2}, False), ({"pp": 2}, False), ({"pp": 2, "vpp": 2}, False), ({}, True)],
-    ids=["tp2", "cp2", "pp2", "pp2+vpp2", "fsdp2-dp2-tied"],
+    [({"tp": 2}, False), ({"cp": 2}, False), ({"pp": 2}, False), ({"pp": 2, "vpp": 2}, False), ({}, True),
+     ({"fsdp_embedding": "rows"}, False)],
+    ids=["tp2", "cp2", "pp2", "pp2+vpp2", "fsdp2-dp2-tied", "fsdp2-dp2-embedding-rows"],
 )
 def test_rl_outputs_and_gradients_through_logprobs_and_entropy_match_one_process(tmp_path, layout, tied):
     """forward_backward's contract on 2 gloo ranks: the loss_fn's gradients through log-probs and entropy,
@@ -536,3 +556,68 @@ def test_compiled_blocks_under_fsdp2_and_ep_match_one_eager_process(tmp_path, mo
             assert got["breaks"] == one["breaks"], (rank, got, one)
         for (loss, norm), (want_loss, want_norm) in zip(got["steps"], eager["steps"]):
             assert loss == pytest.approx(want_loss, rel=1e-5) and norm == pytest.approx(want_norm, rel=1e-4)
+
+
+def _embedding_rows_worker(rank, world, out):
+    """One step of each parallel.fsdp_embedding mode on this rank's own micro-batches (lengths differ from
+    the other rank's): the loss, the embedding's whole gradient, how the weight is held."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    from mlite.config.catalog import PRESETS
+    from mlite.runtime.data.packed import PackedBatch
+    from mlite.runtime.engine import Runtime
+    from mlite.runtime.loss import sft_loss
+
+    hf_config = {**PRESETS["tiny-qwen3"], "tie_word_embeddings": False}
+    g = torch.Generator().manual_seed(rank)
+    lengths = [[30, 21], [17, 40]][rank]  # micro-batch i has another length on the other rank
+    batches = [PackedBatch.from_sequences([torch.randint(0, 256, (n,), generator=g).tolist()])
+               for n in lengths]
+    targets = torch.tensor(sum(b.num_target_tokens for b in batches))
+    dist.all_reduce(targets)
+    found = {}
+    for mode in ("gathered", "rows"):
+        job = job_from_dict({"model": {"name": "tiny-qwen3"}, "precision": {"compute": "fp32"},
+                             "data": {"seq_len": 64}, "parallel": {"fsdp_embedding": mode},
+                             "trainer": {"device": "cpu", "seed": 7}})
+        rt = Runtime(job, hf_config=hf_config)
+        outs = rt.forward_backward(batches, sft_loss(int(targets)))
+        weight = rt.model.embed.weight
+        in_fsdp2 = any(fsdp_param.sharded_param is weight for module in rt.model.modules()
+                       if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_group
+                       for fsdp_param in module._get_fsdp_state()._fsdp_param_group.fsdp_params)
+        found[mode] = {
+            "loss": sum(float(o["loss"]) for o in outs),
+            "logprobs": [o["logprobs"] for o in outs],
+            "grad": weight.grad.full_tensor(),
+            "rows here": tuple(weight.to_local().shape),
+            "sharded by rows": isinstance(weight, DTensor) and weight.placements == (Shard(0),),
+            "an FSDP2 parameter": in_fsdp2,
+            "equal lengths": rt.placement.equal_lengths,
+        }
+        rt.close()
+    torch.save(found, f"{out}.{rank}")
+
+
+def test_embedding_rows_keep_the_matrix_sharded_and_give_the_gathered_gradient(tmp_path):
+    """parallel.fsdp_embedding rows (2 gloo ranks, micro-batches of other lengths on each): the embedding is
+    no FSDP2 unit but a [vocab / 2, hidden] shard of rows on each rank, and one step's loss, log-probs and
+    whole embedding gradient are FSDP2's gathered ones (the gradient rows come out complete, with no
+    reduction); only rows pads the micro-batches to one length on both ranks."""
+    from parallel_harness import launch
+
+    out = tmp_path / "found"
+    launch(2, _embedding_rows_worker, str(out))
+    for rank in range(2):
+        found = torch.load(f"{out}.{rank}")
+        gathered, rows = found["gathered"], found["rows"]
+        assert rows["sharded by rows"] and not rows["an FSDP2 parameter"] and rows["rows here"] == (128, 64)
+        assert gathered["an FSDP2 parameter"] and not gathered["equal lengths"] and rows["equal lengths"]
+        assert rows["loss"] == pytest.approx(gathered["loss"], rel=1e-6)
+        for ours, theirs in zip(rows["logprobs"], gathered["logprobs"]):
+            assert ours.shape == theirs.shape  # the padding is dropped again
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        assert gathered["grad"].abs().sum() > 0
+        torch.testing.assert_close(rows["grad"], gathered["grad"], rtol=1e-5, atol=1e-7)

@@ -120,6 +120,12 @@ class ParallelConfig(Section):
     # `sharded` reduce-scatters after every micro-batch (memory of the shards only, more traffic); `auto`:
     # unsharded where the plan has several micro-batches a step and its estimate with it fits, else sharded
     fsdp_grad_accumulation: Literal["auto", "unsharded", "sharded"] = "auto"
+    # the untied input embedding under FSDP2: `gathered` (FSDP2's unit: the whole [vocab, hidden] matrix
+    # gathered at each step's start and its gradient reduce-scattered at the end); `rows` (kept sharded by
+    # vocabulary rows over dp_cp: each lookup exchanges the ranks' token ids and their rows, 2 x ranks x
+    # tokens x hidden elements a micro-batch, and each rank's gradient rows come out complete, nothing to
+    # reduce; micro-batches are padded to one length on every rank for it)
+    fsdp_embedding: Literal["gathered", "rows"] = "gathered"
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -274,10 +274,14 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
             f"{master} FSDP2 shards over dp x cp={dense_shards} / edp={expert_shards}",
             1.0 if off.params else 0.0)
         units, held = job.parallel.fsdp_unit_layers, FSDP_PREFETCH_LAYERS * sp.largest_unit
+        # parallel.fsdp_embedding rows: the first stage's embedding is never gathered (its exchange moves
+        # token rows, a few MB)
+        rows = job.parallel.fsdp_embedding == "rows" and stage == 0
+        never_gathered = arch.vocab * arch.hidden if rows else 0
         if job.parallel.fsdp_reshard_after_forward:
             gathered, how = held, f"{FSDP_PREFETCH_LAYERS} units of {units} layer(s) unsharded at a time"
         else:
-            gathered = max(full, held)
+            gathered = max(full - never_gathered, held)
             how = (f"every unit of {units} layer(s) kept unsharded from its forward to its backward "
                    "(parallel.fsdp_reshard_after_forward: false)")
         put("gathered weights", gathered * w if sharded < full or master != job.precision.compute

@@ -402,12 +402,14 @@ def expert_exchange(ep: int, top_k: int) -> str:
     return "all_gather" if ep <= top_k else "all_to_all"
 
 
-def equal_micro_batch_lengths(ep: int, top_k: int | None) -> bool:
+def equal_micro_batch_lengths(ep: int, top_k: int | None, embedding_rows: bool = False) -> bool:
     """Whether a step pads each micro-batch to the longest of its index on any rank first
     (mlite.runtime.parallel.step.equal_lengths): where the all-gather exchange runs, whose blocks are of one
-    size on every rank. The padding is one ignored sequence, as for sequence parallel; one host read of the
-    lengths per step, where the exchange read the group's longest in every layer before."""
-    return ep > 1 and top_k is not None and expert_exchange(ep, top_k) == "all_gather"
+    size on every rank, and where the embedding exchanges rows (parallel.fsdp_embedding rows: one all-gather
+    of every rank's token ids). The padding is one ignored sequence, as for sequence parallel; the lengths
+    are exchanged over the host once per call (`Placement.host_group`), where the exchange read the group's
+    longest in every layer before."""
+    return embedding_rows or (ep > 1 and top_k is not None and expert_exchange(ep, top_k) == "all_gather")
 
 
 def check_batches(job: JobConfig, arch: ModelArch, dp: int) -> tuple[int, int]:
@@ -517,6 +519,7 @@ def check_runtime_keys(
     check_model_losses(job, arch)
     check_fsdp_one_rank(job, world_size)
     check_fsdp_units(job, world_size)
+    check_fsdp_embedding(job, arch)
     check_overlaps(job)
     check_backend_trained(job, device_type, has_megatron)
     check_precision(job, world_size, device_type)
@@ -709,7 +712,9 @@ def check_fsdp_units(job: JobConfig, world_size: int) -> None:
             ("fsdp_forward_prefetch", par.fsdp_forward_prefetch,
              "sets how FSDP2 prefetches its units in the forward", (True,)),
             ("fsdp_grad_accumulation", par.fsdp_grad_accumulation,
-             "chooses how FSDP2 accumulates gradients", ("auto",))]
+             "chooses how FSDP2 accumulates gradients", ("auto",)),
+            ("fsdp_embedding", par.fsdp_embedding, "keeps the embedding sharded by vocabulary rows",
+             ("gathered",))]
     for key, value, does, defaults in keys:
         if value in defaults:
             continue
@@ -729,6 +734,30 @@ def check_fsdp_units(job: JobConfig, world_size: int) -> None:
         raise MliteError(
             "parallel.fsdp_reshard_after_forward: false keeps every gathered layer on the GPU, the memory "
             "offload.* is there to save; remove one of them"
+        )
+
+
+def check_fsdp_embedding(job: JobConfig, arch: ModelArch) -> None:
+    """parallel.fsdp_embedding rows: the model's embedding kept sharded by vocabulary rows over dp_cp
+    (mlite.runtime.parallel.parallelize.shard_embedding_rows); FSDP2 itself is `check_fsdp_units`' rule."""
+    par, off = job.parallel, job.offload
+    if par.fsdp_embedding != "rows":
+        return
+    if arch.tie_embeddings:
+        raise MliteError(
+            f"parallel.fsdp_embedding: rows keeps the embedding sharded by rows, and {arch.name} ties it to "
+            "the LM head, which reads the whole matrix; use parallel.fsdp_embedding: gathered"
+        )
+    if par.tp > 1:
+        raise MliteError(
+            f"parallel.fsdp_embedding: rows shards the embedding over the data ranks, and tp={par.tp} "
+            "already splits it by vocabulary over tp; use parallel.fsdp_embedding: gathered"
+        )
+    if off.optimizer and off.optimizer_fraction >= 1.0:
+        raise MliteError(
+            "parallel.fsdp_embedding: rows keeps the embedding's shard and its optimizer state on the GPU, "
+            "and offload.optimizer_fraction 1.0 moves everything to the host; use parallel.fsdp_embedding: "
+            "gathered, or a lower fraction"
         )
 
 

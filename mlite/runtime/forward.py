@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mlite.plan.rules import context_chunk_multiple, equal_micro_batch_lengths
+from mlite.plan.rules import context_chunk_multiple
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.loss import token_logprobs
 from mlite.runtime.parallel.pipeline import forward_only as forward_only_schedule
@@ -59,8 +59,8 @@ def forward_backward(
         raise ValueError("forward_backward needs a loss_fn unless forward_only")
     fulls = [b.to(rt.device, non_blocking=True) for b in micro_batches]
     padded = fulls  # outputs are the micro-batches' own tokens (`fulls`); padding is computed, then dropped
-    if equal_micro_batch_lengths(rt.dims.ep, rt.arch.moe.top_k if rt.arch.moe else None):
-        padded = equal_lengths(fulls)
+    if rt.placement.equal_lengths:
+        padded = equal_lengths(fulls, rt.placement.host_group)
     shares = [local_share(b, rt.mesh, context_chunk_multiple(rt.arch)) for b in padded]
     aux_weight = 1.0 / (len(fulls) * rt.dims.dp)
     with torch.set_grad_enabled(not forward_only), _autocast(rt), _vocab_parallel(rt):

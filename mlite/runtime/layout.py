@@ -28,7 +28,7 @@ from mlite.config.arch import ModelArch
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
 from mlite.plan.memory import fsdp_units
-from mlite.plan.rules import Layout, check_job, check_layout, megatron_installed
+from mlite.plan.rules import Layout, check_job, check_layout, equal_micro_batch_lengths, megatron_installed
 from mlite.runtime.models import build_model, seeded_init
 from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
 from mlite.runtime.parallel.parallelize import (
@@ -78,6 +78,12 @@ class Placement:
     mesh: ParallelMesh | None
     owns_process_group: bool  # this runtime started the process group, and ends it in `close`
     layout: Layout  # the rule book's verdict for this world
+    # each step's micro-batches padded to one length on every rank (rules.equal_micro_batch_lengths), the
+    # lengths exchanged over `host_group`: gloo on the host, so the exchange never waits for the GPU (an
+    # object all-gather over NCCL reads its result on the host, after the GPU's queued work); None: the
+    # default group, itself gloo on the CPU
+    equal_lengths: bool = False
+    host_group: dist.ProcessGroup | None = None
 
     @property
     def loss_group(self) -> dist.ProcessGroup | None:
@@ -128,7 +134,10 @@ def place(job: JobConfig, arch: ModelArch) -> Placement:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     dims = ParallelDims.from_job(job, world)
     mesh = dims.build(device.type) if sharded else None
-    return Placement(device, dims, mesh, owns, layout)
+    equal = sharded and equal_micro_batch_lengths(dims.ep, arch.moe.top_k if arch.moe else None,
+                                                  job.parallel.fsdp_embedding == "rows")
+    host_group = dist.new_group(backend="gloo") if equal and device.type == "cuda" else None
+    return Placement(device, dims, mesh, owns, layout, equal, host_group)
 
 
 def build_parallel_model(job: JobConfig, placement: Placement, arch: ModelArch,
