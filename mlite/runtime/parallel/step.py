@@ -7,7 +7,8 @@
   under a mesh carries the mark) and MoE routers leave it out of their balance statistics, so any stream
   length is exact.
 - `equal_lengths(batches)`: each micro-batch padded (the same way) to the longest of its index on any rank,
-  for the all-gather expert exchange (mlite.plan.rules.equal_micro_batch_lengths).
+  for the all-gather expert exchange and the embedding's row exchange
+  (mlite.plan.rules.equal_micro_batch_lengths).
 - `vocab_parallel_logprobs`: per-token log-probs (and entropy) from logits split over `tp` by vocabulary:
   `cross_entropy(reduction="none")` under `loss_parallel()` (each rank reduces its vocabulary slice, one
   all-reduce of max and sum per token; the full [T, vocab] logits never exist on one rank). The result is
@@ -62,16 +63,17 @@ def pad_to_length(batch: PackedBatch, length: int) -> PackedBatch:
 def equal_lengths(batches: list[PackedBatch], group=None) -> list[PackedBatch]:
     """Each micro-batch padded (`pad_to_length`) to the longest micro-batch of the same index on any rank of
     `group` (default: the world), so that every rank's stream, and every layer's rows, have one length:
-    what the all-gather expert exchange needs (mlite.plan.rules.equal_micro_batch_lengths). One exchange of
-    the lengths and one host read per call, not one per layer. The world, not the ep group: ranks that share
-    a micro-batch (tp, cp, pp) must pad it alike."""
+    what the all-gather expert exchange and the embedding's row exchange need
+    (mlite.plan.rules.equal_micro_batch_lengths). One exchange of the lengths per call, not one per layer,
+    over `group`: the runtime passes a gloo group on the host (`Placement.host_group`), so it never waits for
+    the GPU. The world, not the ep group: ranks that share a micro-batch (tp, cp, pp) must pad it alike."""
     lengths = [b.num_tokens for b in batches]
     every: list[list[int] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, lengths, group=group)
     if any(len(other) != len(lengths) for other in every):
         counts = sorted({len(other) for other in every})
-        raise RuntimeError(f"micro-batches per step differ between ranks ({counts}); expert parallel runs "
-                           "them in lockstep")
+        raise RuntimeError(f"micro-batches per step differ between ranks ({counts}); the all-gather expert "
+                           "exchange and parallel.fsdp_embedding rows run them in lockstep")
     return [pad_to_length(b, max(column)) for b, column in zip(batches, zip(*every))]
 
 
