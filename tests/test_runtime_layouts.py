@@ -241,9 +241,10 @@ OFFLOAD = "offload.optimizer=true"
      ("dense", ["parallel.tp=2", OFFLOAD]), ("dense", ["parallel.pp=2", OFFLOAD]),
      ("moe", ["parallel.ep=2", OFFLOAD]),
      ("tied", ["parallel.tp=2"]),  # the tied LM head, one parameter under tp
-     ("tied", [])],  # ... and one FSDP2 unit with the embedding, kept gathered, freed after each evaluation
+     ("tied", []),  # ... and one FSDP2 unit with the embedding, kept gathered, freed after each evaluation
+     ("dense", ["parallel.fsdp_embedding=rows"])],  # the embedding's rows exchanged on NCCL, cast to bf16
     ids=["tp2", "fsdp2-dp2", "fsdp2-dp2-offload", "tp2-offload", "pp2-offload", "moe-ep2-offload",
-         "tied-tp2", "tied-fsdp2-dp2"],
+         "tied-tp2", "tied-fsdp2-dp2", "fsdp2-dp2-embedding-rows"],
 )
 def test_sft_on_two_gpus_in_bf16_matches_one_gpu(assets, tmp_path, model, overrides):
     if torch.cuda.device_count() < 2:
