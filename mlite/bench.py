@@ -474,6 +474,17 @@ def hold_launch_group(device: str) -> None:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
 
 
+def launch_device() -> str:
+    """This torchrun rank's GPU (LOCAL_RANK; cuda:0 alone), made current, with the launch's process group
+    held (`hold_launch_group`): where the GPU scripts that time one case start."""
+    import torch
+
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    torch.cuda.set_device(device)
+    hold_launch_group(device)
+    return device
+
+
 def launch_ranks(cases: list[BenchCase]) -> tuple[int, int]:
     """(world, rank) of this torchrun launch, refused in one line unless every multi-GPU case runs on it."""
     from mlite.errors import MliteError

@@ -19,9 +19,7 @@ from mlite.runtime.parallel.parallelize import blocks
 
 case = sys.argv[1]
 rank = int(os.environ.get("RANK", "0"))
-device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-torch.cuda.set_device(device)
-bench.hold_launch_group(device)
+device = bench.launch_device()
 step, rt, last = bench.case_step(case, device=device)
 marks: list = []
 on = [False]

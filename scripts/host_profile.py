@@ -23,9 +23,7 @@ CALLS = ("zero_grad", "forward_backward", "optimizer_step", "lr_scheduler_step")
 
 case = sys.argv[1]
 rank = int(os.environ.get("RANK", "0"))
-device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-torch.cuda.set_device(device)
-bench.hold_launch_group(device)
+device = bench.launch_device()
 step, rt, _last = bench.case_step(case, device=device)
 mode = {"now": None}  # None: untimed; "time": host times; "profile": host times under cProfile
 host_ms: dict[str, list[float]] = {}

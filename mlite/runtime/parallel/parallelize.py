@@ -211,7 +211,7 @@ def apply_fsdp(
     groups += layer_units
     everything = offload_fraction >= 1.0
     tied = model.output is not None and model.embed is not None and model.output.weight is model.embed.weight
-    following = [*layer_units[1:]]
+    following = layer_units[1:]
     if tied:  # one unit over both modules of the shared matrix: gathered for either one's forward
         groups.append(shard([model.embed, model.output], "dp_cp", everything)[0])  # one state for both
     elif model.output is not None:  # the LM head runs in the loss, outside the decoder's forward
@@ -221,11 +221,11 @@ def apply_fsdp(
     if forward_prefetch:  # the next unit's all-gather queued with this one's, not when the host gets there
         for unit, next_unit in zip(layer_units, following):
             unit.set_modules_to_forward_prefetch([next_unit])
-    own_rows = {}
+    ignored = None
     if embedding_rows and model.embed is not None:  # the rule book refused a tied one
         shard_embedding_rows(model.embed, mesh["dp_cp"], compute_dtype)
-        own_rows["ignored_params"] = {model.embed.weight}
-    groups.append(shard(model, "dp_cp", everything, **own_rows))
+        ignored = {model.embed.weight}
+    groups.append(shard(model, "dp_cp", everything, ignored_params=ignored))
     for module in groups:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
