@@ -595,6 +595,8 @@ def _embedding_rows_worker(rank, world, out):
             "grad": weight.grad.full_tensor(),
             "rows here": tuple(weight.to_local().shape),
             "sharded by rows": isinstance(weight, DTensor) and weight.placements == (Shard(0),),
+            # as the weight is: the fused optimizer step and the gradient norm take this rank's rows
+            "gradient rows here": (weight.grad.placements, tuple(weight.grad.to_local().shape)),
             "an FSDP2 parameter": in_fsdp2,
             "equal lengths": rt.placement.equal_lengths,
         }
@@ -606,8 +608,10 @@ def test_embedding_rows_keep_the_matrix_sharded_and_give_the_gathered_gradient(t
     """parallel.fsdp_embedding rows (2 gloo ranks, micro-batches of other lengths on each): the embedding is
     no FSDP2 unit but a [vocab / 2, hidden] shard of rows on each rank, and one step's loss, log-probs and
     whole embedding gradient are FSDP2's gathered ones (the gradient rows come out complete, with no
-    reduction); only rows pads the micro-batches to one length on both ranks."""
+    reduction, and stay a shard of rows like the weight); only rows pads the micro-batches to one length on
+    both ranks."""
     from parallel_harness import launch
+    from torch.distributed.tensor import Shard
 
     out = tmp_path / "found"
     launch(2, _embedding_rows_worker, str(out))
@@ -615,6 +619,7 @@ def test_embedding_rows_keep_the_matrix_sharded_and_give_the_gathered_gradient(t
         found = torch.load(f"{out}.{rank}")
         gathered, rows = found["gathered"], found["rows"]
         assert rows["sharded by rows"] and not rows["an FSDP2 parameter"] and rows["rows here"] == (128, 64)
+        assert rows["gradient rows here"] == ((Shard(0),), (128, 64))
         assert gathered["an FSDP2 parameter"] and not gathered["equal lengths"] and rows["equal lengths"]
         assert rows["loss"] == pytest.approx(gathered["loss"], rel=1e-6)
         for ours, theirs in zip(rows["logprobs"], gathered["logprobs"]):
