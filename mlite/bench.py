@@ -232,6 +232,9 @@ HF_CLASSES = {"deepseek_v4": "DeepseekV4ForCausalLM"}  # model types that not ev
 class Timing:
     step_ms: list[float] = field(default_factory=list)
     wall_ms: float = 0.0  # the timed steps' host wall time over their count, the final wait included
+    # Python's garbage collections during the timed steps, [generation, ms] each (trainer.gc_every puts
+    # them on the step's schedule; left to Python they land on any step, on each rank at its own time)
+    gc_passes: list[list[float]] = field(default_factory=list)
 
     @property
     def median_ms(self) -> float:
@@ -240,11 +243,37 @@ class Timing:
 
 def time_steps(step: Callable[[], None], warmup: int, steps: int, device: str) -> Timing:
     """Median-friendly per-step times; CUDA events on GPUs (no host sync inside a step)."""
-    import torch
-
     for _ in range(warmup):
         step()
     timing = Timing()
+    with collector_passes(timing.gc_passes):
+        _timed_steps(step, steps, device, timing)
+    return timing
+
+
+@contextlib.contextmanager
+def collector_passes(passes: list[list[float]]):
+    """Append [generation, ms] for each garbage collection while the block runs."""
+    import gc
+
+    began: list[float] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            began.append(time.perf_counter())
+        elif began:
+            passes.append([info["generation"], (time.perf_counter() - began.pop()) * 1e3])
+
+    gc.callbacks.append(seen)
+    try:
+        yield passes
+    finally:
+        gc.callbacks.remove(seen)
+
+
+def _timed_steps(step: Callable[[], None], steps: int, device: str, timing: Timing) -> None:
+    import torch
+
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -264,7 +293,6 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int, device: str) -
             step()
             timing.step_ms.append((time.perf_counter() - t0) * 1e3)
         timing.wall_ms = (time.perf_counter() - began) * 1e3 / steps
-    return timing
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -376,6 +404,11 @@ def case_precision(case: BenchCase, cuda: bool, one_gpu: bool = False) -> dict:
     if one_gpu and case.reference_master:
         return {"compute": "bf16", "master": case.reference_master}
     return {"compute": "bf16", "master": "fp32" if case.backend == "dist_opt" else "bf16"}
+
+
+# the keys a multi-GPU case's name fixes (its mesh): `mlite bench --set` takes any other key
+LAYOUT_KEYS = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep", "parallel.etp",
+               "cluster.gpus_per_node", "cluster.nodes")
 
 
 def case_job(case: BenchCase, device: str, one_gpu: bool = False, overrides: Sequence[str] = ()):
@@ -616,6 +649,8 @@ def measure(make: Callable[[], tuple], device: str, steps: int, warmup: int,
         before_timing()
     timing = time_steps(step, warmup, steps, device)
     footprint, allocated, outside = _peak_gb(device)
+    if hasattr(keep, "close"):  # a Runtime: Python's automatic garbage collection back on (trainer.gc_every)
+        keep.close()
     del step, keep
     free_memory(device)
     return Measured(timing, footprint, allocated, {key: float(value) for key, value in last.items()}, outside)
@@ -673,6 +708,7 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
             device=device,
             extra={"seq_lens": seq_lens if len(seq_lens) < 64 else len(seq_lens),
                    "step_ms_all": m.timing.step_ms, "wall_ms_per_step": m.timing.wall_ms,
+                   "gc_passes": m.timing.gc_passes,
                    "peak_allocated_gb": m.allocated_gb, "accum": case.accum,
                    "outside_allocator_gb": m.outside_allocator_gb,
                    **({"overrides": list(overrides)} if side == "mlite" and overrides else {}), **m.last},
@@ -696,12 +732,13 @@ def one_process():
 
 
 def run_parallel_cases(cases: list[BenchCase], device: str, steps: int = 8, warmup: int = 3, gpu: str = "cpu",
-                       peak_tflops: float = 1.0) -> list[BenchResult]:
+                       peak_tflops: float = 1.0, overrides: Sequence[str] = ()) -> list[BenchResult]:
     """Multi-GPU cases on the ranks of this torchrun launch, every rank returning the same results (rank 0
     reports them). First every rank runs each case's one-GPU step on its own GPU, all ranks at once and
     before the process group exists (a Runtime of one process: N x one GPU); then this starts the process
     group and runs each case in its layout. scaling = parallel tokens/s over the N x one-GPU tokens/s.
-    Both are the Runtime's step as `case_job` sets it: compiled blocks on GPUs, eager on CPU."""
+    Both are the Runtime's step as `case_job` sets it: compiled blocks on GPUs, eager on CPU. `overrides`
+    (job keys other than the layout's, LAYOUT_KEYS) apply to both, parallel.* keys to the layout only."""
     import torch.distributed as dist
 
     from mlite.runtime.layout import end_process_group
@@ -712,13 +749,15 @@ def run_parallel_cases(cases: list[BenchCase], device: str, steps: int = 8, warm
         seq_lens = case_seq_lens(case)
         sequences = random_sequences(seq_lens, case_arch(case).vocab, seed=rank)  # each rank its own data
         with one_process():
-            make = functools.partial(runtime_step_fn, case, sequences, device, one_gpu=True)
+            make = functools.partial(runtime_step_fn, case, sequences, device, one_gpu=True,
+                                     overrides=[o for o in overrides if not o.startswith("parallel.")])
             singles[case.name] = measure(make, device, steps, warmup)
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     try:
         results = []
         for case in cases:
-            results += _parallel_case(case, singles[case.name], device, steps, warmup, gpu, peak_tflops)
+            results += _parallel_case(case, singles[case.name], device, steps, warmup, gpu, peak_tflops,
+                                      overrides)
     except BaseException:
         end_process_group(clean=False)
         raise
@@ -756,7 +795,7 @@ def collective_bus_gbs(device: str, mbytes: int = 128, repeats: int = 5) -> dict
 
 
 def _parallel_case(case: BenchCase, single: Measured, device: str, steps: int, warmup: int, gpu: str,
-                   peak_tflops: float) -> list[BenchResult]:
+                   peak_tflops: float, overrides: Sequence[str] = ()) -> list[BenchResult]:
     import torch
     import torch.distributed as dist
 
@@ -779,29 +818,34 @@ def _parallel_case(case: BenchCase, single: Measured, device: str, steps: int, w
     seed = replica_seed(case, device, dist.get_rank(), world)
     sequences = random_sequences(seq_lens, arch.vocab, seed=seed)
     bus = collective_bus_gbs(device)
-    par = measure(lambda: runtime_step_fn(case, sequences, device), device, steps, warmup,
-                  before_timing=dist.barrier)
+    par = measure(lambda: runtime_step_fn(case, sequences, device, overrides=overrides), device, steps,
+                  warmup, before_timing=dist.barrier)
     bus = {key: min(bus[key], after) for key, after in collective_bus_gbs(device).items()}  # before and after
     bus = dict(zip(bus, reduce(list(bus.values()), dist.ReduceOp.MIN)))  # the slowest rank's view
-    slowest, par_peak, par_alloc, par_outside = reduce(
-        [par.timing.median_ms, par.peak_gb, par.allocated_gb, par.outside_allocator_gb], dist.ReduceOp.MAX)
+    slowest, par_peak, par_alloc, par_outside, par_gc_ms = reduce(
+        [par.timing.median_ms, par.peak_gb, par.allocated_gb, par.outside_allocator_gb,
+         sum(ms for _generation, ms in par.timing.gc_passes)], dist.ReduceOp.MAX)
     tokens = sum(seq_lens) * case.accum * dims.dp
     tps = tokens / (slowest / 1e3)
     return [
         BenchResult(case=case.name, side=f"mlite x{world}", tokens_per_step=tokens, step_ms=slowest,
                     tokens_per_s=tps, flops_per_token=fpt, mfu=mfu(arch, seq_lens, tps / world, peak_tflops),
-                    peak_gb=par_peak, estimate_gb=planner_estimate_gb(case, arch, gpu), device=device,
+                    peak_gb=par_peak, estimate_gb=planner_estimate_gb(case, arch, gpu, overrides),
+                    device=device,
                     extra={"scaling": tps / single_tps, "world": world, "peak_allocated_gb": par_alloc,
                            "outside_allocator_gb": par_outside, **bus,
                            "accum": case.accum, "step_ms_all": par.timing.step_ms,
-                           "wall_ms_per_step": par.timing.wall_ms, **par.last}),
+                           "wall_ms_per_step": par.timing.wall_ms, "gc_passes": par.timing.gc_passes,
+                           "gc_ms_slowest_rank": par_gc_ms,
+                           **({"overrides": list(overrides)} if overrides else {}), **par.last}),
         BenchResult(case=case.name, side=f"{world} x one GPU", tokens_per_step=single_tokens * world,
                     step_ms=single.timing.median_ms, tokens_per_s=single_tps, flops_per_token=fpt,
                     mfu=mfu(arch, seq_lens, single_tps / world, peak_tflops), peak_gb=single_peak,
                     device=device,
                     extra={"world": world, "step_ms_all": single.timing.step_ms,
                            "master": case_precision(case, device.startswith("cuda"), one_gpu=True)["master"],
-                           "wall_ms_per_step": single.timing.wall_ms, **single.last}),
+                           "wall_ms_per_step": single.timing.wall_ms, "gc_passes": single.timing.gc_passes,
+                           **single.last}),
     ]
 
 

@@ -35,3 +35,18 @@ def pytest_collection_modifyitems(config, items):
             f"{len(selected_gpu)} GPU tests selected but no CUDA GPU is visible; run them on a GPU machine "
             "(invoke test --gpu) or deselect them with -m 'not gpu'"
         )
+
+
+@pytest.fixture(autouse=True)
+def python_gc_back_on():
+    """A Runtime turns Python's automatic garbage collection off until it is closed (trainer.gc_every);
+    many tests leave theirs open, and the tests after them would run, and hold memory, without it."""
+    yield
+    import sys
+
+    collection = sys.modules.get("mlite.runtime.collection")  # not imported: no Runtime was built
+    if collection is not None and collection.StepCollection.live:
+        import gc
+
+        collection.StepCollection.live = 0
+        gc.enable()

@@ -118,7 +118,7 @@ def test_multi_rank_cases_run_under_torchrun_on_gloo(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "mlite", "bench", "tiny-cpu-dp2", "tiny-cpu-ep2", "--device", "cpu", "--steps", "2",
-         "--warmup", "1", f"--out={out}"],
+         "--warmup", "1", f"--out={out}", "--set", "trainer.gc_every=1"],
         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -133,6 +133,11 @@ def test_multi_rank_cases_run_under_torchrun_on_gloo(tmp_path):
         # the launch's own collective bandwidth and each side's wall time travel with the figure
         assert parallel["extra"]["all_gather_bus_gbs"] > 0 and parallel["extra"]["reduce_scatter_bus_gbs"] > 0
         assert parallel["extra"]["wall_ms_per_step"] > 0 and single["extra"]["wall_ms_per_step"] > 0
+        # --set reaches both sides: the garbage collector runs once after each timed step, and only then
+        for side in (parallel, single):
+            assert [generation for generation, _ms in side["extra"]["gc_passes"]] == [1, 1], side["extra"]
+        assert parallel["extra"]["overrides"] == ["trainer.gc_every=1"]
+        assert parallel["extra"]["gc_ms_slowest_rank"] > 0
     assert "of 2 x one GPU; collectives measured at" in proc.stdout
 
 
@@ -421,13 +426,14 @@ def test_the_planners_estimate_takes_the_set_keys_too():
                                ["recompute.granularity=full"]) < dense
 
 
-def test_set_is_refused_for_multi_gpu_cases_in_one_line():
+def test_set_of_a_layout_key_is_refused_for_multi_gpu_cases_in_one_line():
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "-m", "mlite", "bench", "tiny-cpu-dp2", "--device", "cpu",
-                          "--set", "optimizer.lr=0.1"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "--set applies to one-GPU cases" in out.stderr + out.stdout
+                          "--set", "parallel.ep=2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "--set parallel.ep=2: a multi-GPU case's name fixes its layout" in out.stderr
     assert "Traceback" not in out.stderr
 
 
@@ -463,11 +469,13 @@ def test_the_planner_sizes_the_v4_bench_case_within_10_percent_of_the_h100_runs(
     "h100x4-2026-11-27b-segment-sum-moe-ep4-dist-opt.json",
     "h100x4-2026-11-27c-equal-lengths-moe-ep4-dist-opt-2.json",
     "h100x4-2026-11-27c-dense-dp4-fsdp-units-auto.json", "h100x2-2026-11-27d-dense-dp2-kept-gathered.json",
+    "h200x4-2026-11-28d-moe-ep4-dist-opt.json", "h200x4-2026-11-28d-dense-dp4.json",
 ])
 def test_the_planner_sizes_the_multi_gpu_bench_cases_within_15_percent(result):
-    """Issue 17's calibration on the 2 and 4 x H100 runs (footprint per GPU, the fullest rank): fsdp2 over
-    dp on the dense case, ep on the MoE case (the expert exchange's allocator slack, EP_EXCHANGE_SLACK),
-    and both under dist_opt (fp32 master and Adam shards, Megatron's param and grad buffers)."""
+    """Issue 17's calibration on the 2 and 4 x H100 and 4 x H200 runs (footprint per GPU, the fullest
+    rank): fsdp2 over dp on the dense case, ep on the MoE case (the expert exchange's allocator slack,
+    EP_EXCHANGE_SLACK), and both under dist_opt (fp32 master and Adam shards, Megatron's param and grad
+    buffers)."""
     import json
     from pathlib import Path
 

@@ -629,3 +629,42 @@ def test_fsdp_units_are_runs_of_layers_cut_at_the_offload_boundary():
     # three offloaded layers: no unit holds both an offloaded layer and a resident one
     assert unit_runs(6, 3, 2) == [(0, 2), (2, 3), (3, 5), (5, 6)]
     assert unit_runs(4, 4, 3) == [(0, 3), (3, 4)]
+
+
+@pytest.mark.parametrize("every", [1, 0], ids=["every-step", "python"])
+def test_gc_every_puts_the_garbage_collector_on_the_step_schedule(every):
+    """trainer.gc_every N: Python's automatic collector is off while the Runtime lives, and the optimizer
+    step collects the young generations every Nth step, everything every tenth time; close() turns the
+    automatic collector back on. 0 leaves Python's own schedule, and the steps collect nothing themselves."""
+    import gc
+
+    job = make_job()
+    job = job.model_copy(update={"trainer": job.trainer.model_copy(update={"gc_every": every})})
+    rt = Runtime(job)
+    assert gc.isenabled() == (every == 0)
+    batch = PackedBatch.from_sequences(sequences([12, 7]))
+    passes = []
+
+    def seen(phase, info):
+        if phase == "start":
+            passes.append(info["generation"])
+
+    by_step = []
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10**9)  # no automatic pass in these steps: any pass seen is a step's own
+    try:
+        for _ in range(10):
+            rt.zero_grad()
+            rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
+            gc.callbacks.append(seen)
+            try:
+                rt.optimizer_step()
+            finally:
+                gc.callbacks.remove(seen)
+            by_step.append(list(passes))
+            passes.clear()
+    finally:
+        gc.set_threshold(*thresholds)
+    assert by_step == ([[1]] * 9 + [[2]] if every else [[]] * 10)
+    rt.close()
+    assert gc.isenabled()

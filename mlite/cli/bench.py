@@ -42,8 +42,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     multi = [n for n in names if bench.CASES[n].gpus > 1]
-    if multi and args.overrides:
-        raise MliteError("--set applies to one-GPU cases; the multi-GPU cases run their own layouts")
+    fixed = [o for o in args.overrides if o.split("=", 1)[0].strip() in bench.LAYOUT_KEYS]
+    if multi and fixed:
+        raise MliteError(f"--set {fixed[0]}: a multi-GPU case's name fixes its layout; pick the case of that "
+                         "layout (mlite bench --list), --set takes other keys")
     if multi and len(multi) != len(names):
         raise MliteError("multi-GPU and one-GPU bench cases run in separate launches; "
                          "name one kind at a time")
@@ -65,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     if multi:  # one launch: the N x one-GPU references first, then every case in its layout
         console.print(f"[bold]{', '.join(multi)}[/bold] on {world} x {gpu} ...")
         results = bench.run_parallel_cases([bench.CASES[n] for n in multi], device, steps=args.steps,
-                                           warmup=args.warmup, gpu=gpu, peak_tflops=peak)
+                                           warmup=args.warmup, gpu=gpu, peak_tflops=peak,
+                                           overrides=args.overrides)
     else:
         results = []
         for name in names:

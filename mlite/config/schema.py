@@ -284,6 +284,10 @@ class TrainerConfig(Section):
     tensorboard: bool = True
     deterministic: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Python's garbage collector runs after every this many optimizer steps, at the same step on every rank,
+    # not whenever allocations trigger it (a collecting rank stalls the others at the next collective);
+    # 0: Python's own schedule (mlite.runtime.collection)
+    gc_every: int = Field(50, ge=0)
     # a phase of the loop (a step, an evaluation, a save) that takes longer ends the job with every thread's
     # stack in <output_dir>/hang/ (mlite.trainers.watchdog); null: never. startup_timeout_s: the same for
     # each phase of the start-up (process group, model, weights, data) and the first step (it compiles)

@@ -32,6 +32,7 @@ from mlite.config.arch import ModelArch, arch_from_hf_config
 from mlite.config.schema import JobConfig
 from mlite.plan.memory import fsdp_grad_accumulation
 from mlite.runtime import forward, state
+from mlite.runtime.collection import StepCollection
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.layout import COMPUTE_DTYPES, build_parallel_model, hf_config_of, place
 from mlite.runtime.optim import LocalAdamW, LRSchedule
@@ -85,6 +86,7 @@ class Runtime:
                                     grad_norm_fn=grad_norm if self.mesh is not None else None,
                                     state=job.precision.optimizer_state, seed=job.trainer.seed)
         self.schedule = LRSchedule(self.optim.optimizer, job.optimizer, total_steps or job.trainer.steps)
+        self.collection = StepCollection(job.trainer.gc_every)  # the collector on the step's schedule
 
     # ------------------------------------------------------------------------------------- layout
     @property
@@ -119,7 +121,8 @@ class Runtime:
 
     def close(self, clean: bool = True) -> None:
         """End the process group if this runtime started it (a no-op for one process); `clean=False`
-        after an error (no closing barrier)."""
+        after an error (no closing barrier). Python's automatic garbage collection comes back on."""
+        self.collection.close()
         self.placement.close(clean)
 
     # ---------------------------------------------------------------------------------- training
@@ -160,8 +163,11 @@ class Runtime:
         """Clip and update. Returns (grad norm before clipping, skipped) as 0-dim tensors (float() / bool()
         read them, which waits for the step); a non-finite norm skips the update, decided on the GPU where
         one GPU holds the whole model. Several ranks: FSDP2 has reduced the gradients; the norm is taken
-        over every mesh (`grad_norm`)."""
-        return self.optim.step()
+        over every mesh (`grad_norm`). Then the garbage collector's turn, if this step has one
+        (trainer.gc_every), while the GPU works through the queued update."""
+        result = self.optim.step()
+        self.collection.step()
+        return result
 
     def set_total_steps(self, total_steps: int) -> None:
         """The schedule's length, when the trainer knows it only after reading the data (trainer.epochs)."""
