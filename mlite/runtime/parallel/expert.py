@@ -115,11 +115,9 @@ def _gathered(hidden, expert_ids, weights, experts, num_experts, group) -> torch
     routing = _gather_rows(torch.cat([weights.to(wide), expert_ids.to(wide)], 1), group)  # [ep*N, 2k]
     gathered_weights, gathered_ids = routing[:, :k], routing[:, k:].long()
     mine = gathered_ids // local == me  # [ep*N, k]: which pairs run here
-    # this rank's pairs first, in (token, choice) order: a sort of known size, queued before the host read
-    pairs_first = torch.argsort((~mine).reshape(-1).to(torch.int8), stable=True)
     pairs, tokens = _count_then_gather_rows(mine.sum(), hidden, group)  # tokens: [ep*N, H]
-    # then grouped by local expert for the grouped GEMM
-    position = pairs_first[:pairs]
+    # this rank's pairs in (token, choice) order, then grouped by local expert for the grouped GEMM
+    position = torch.argsort((~mine).reshape(-1).to(torch.int8), stable=True)[:pairs]
     expert = gathered_ids.reshape(-1)[position] - me * local
     order = torch.argsort(expert, stable=True)
     by_token = inverse_permutation(order)
@@ -203,20 +201,11 @@ def _gather_rows(x, group):
 @torch.compiler.disable
 def _count_then_gather_rows(count, x, group):
     """(int(count), _gather_rows(x)): the exchange's host read, this rank's pair count (the grouped GEMM's
-    row count). Its copy to the host is queued first and the tokens' gather after it, then the host waits
-    for the copy alone: the GPU runs the gather while the host wakes and queues what follows (a blocking
-    read before the gather left the GPU idle in between). The event is recorded for the device tensor:
-    an earlier form asked the host copy whether it was on CUDA, skipped the wait, and read the pinned
-    buffer before the copy landed (counts larger than the routing's on GPUs, docs/PARALLEL.md)."""
-    on_host = count.to("cpu", non_blocking=True)
-    copied = None
-    if count.is_cuda:
-        copied = torch.cuda.Event()
-        copied.record()
-    tokens = _AllGatherRows.apply(x, group)
-    if copied is not None:
-        copied.synchronize()
-    return int(on_host), tokens
+    row count), waits for the router and the small routing gather only; the tokens' gather is the first
+    thing queued after it. A blocking read: a copy queued ahead and read after an event gave counts larger
+    than the routing's on GPUs (docs/PARALLEL.md, "GPU suite")."""
+    pairs = int(count)
+    return pairs, _AllGatherRows.apply(x, group)
 
 
 @torch.compiler.disable
