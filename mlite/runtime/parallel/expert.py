@@ -202,8 +202,9 @@ def _gather_rows(x, group):
 def _count_then_gather_rows(count, x, group):
     """(int(count), _gather_rows(x)): the exchange's host read, this rank's pair count (the grouped GEMM's
     row count), waits for the router and the small routing gather only; the tokens' gather is the first
-    thing queued after it. A blocking read: a copy queued ahead and read after an event gave counts larger
-    than the routing's on GPUs (docs/PARALLEL.md, "GPU suite")."""
+    thing queued after it. A blocking read: the copy queued ahead of the tokens' gather and read after an
+    event stepped no faster on 4 x H200 (docs/PERFORMANCE.md, 2026-11-28). (Its first form gave counts
+    larger than the routing's: it asked the host copy, not the device tensor, whether to wait.)"""
     pairs = int(count)
     return pairs, _AllGatherRows.apply(x, group)
 
