@@ -41,6 +41,10 @@ def main() -> None:
                         help="build every variant once and take turns in blocks of --steps steps, --rounds "
                              "cycles (paired samples)")
     args = parser.parse_args()
+    if args.interleave and any("trainer.gc_every" in variant for variant in args.variant):
+        # the collector's switch is the process's: variants built side by side would all run with it off
+        parser.error("trainer.gc_every is process-wide and cannot be interleaved; A/B it in separate "
+                     "launches (mlite bench CASE --set trainer.gc_every=0)")
     rank = int(os.environ.get("RANK", "0"))
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):

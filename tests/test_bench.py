@@ -187,6 +187,23 @@ def test_ab_step_takes_turns_over_variants_on_one_process_group(tmp_path, interl
     assert paired.endswith(f"faster in {faster} of 2 cycles  parallel.fsdp_unit_layers=2"), paired
 
 
+def test_ab_step_refuses_to_interleave_the_process_wide_gc_key():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "ab_step.py"), "tiny-cpu", "--interleave", "--variant", "",
+         "--variant", "trainer.gc_every=0"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert proc.returncode == 2
+    assert "trainer.gc_every is process-wide and cannot be interleaved" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_replicas_draw_their_own_sequences_and_the_ranks_of_one_replica_the_same():
     from mlite.bench import CASES, replica_seed
 
