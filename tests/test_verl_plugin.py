@@ -100,6 +100,7 @@ def test_engine_and_optimizer_sections_map_onto_the_mlite_job():
             "optim.lr_warmup_steps_ratio=0.1",
             "optim.lr_scheduler_type=cosine",
             "optim.min_lr_ratio=0.1",
+            "engine.gc_every=0",
         ]
     )
     engine, optim = omega_conf_to_dataclass(cfg.engine), omega_conf_to_dataclass(cfg.optim)
@@ -109,4 +110,4 @@ def test_engine_and_optimizer_sections_map_onto_the_mlite_job():
     assert (job.optimizer.lr, job.optimizer.weight_decay, job.optimizer.clip_grad) == (3e-4, 0.1, 0.5)
     assert (job.optimizer.warmup_steps, job.optimizer.schedule) == (5, "cosine")
     assert job.optimizer.min_lr == pytest.approx(3e-5)
-    assert job.trainer.steps == 50
+    assert job.trainer.steps == 50 and job.trainer.gc_every == 0

@@ -24,6 +24,7 @@ class MliteEngineConfig(EngineConfig):
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "bfloat16"  # compute dtype: bfloat16 | float16 | float32 (master weights stay fp32)
     seed: int = 42
+    gc_every: int = 50  # trainer.gc_every: Python's garbage collector every this many steps; 0: Python's own
 
     def __post_init__(self):
         super().__post_init__()
@@ -92,6 +93,7 @@ def to_job_dict(
             "seed": int(engine.seed),
             "device": engine.device,
             "steps": max(int(total_steps or 1), 1),
+            "gc_every": int(engine.gc_every),
         },
     }
     job["data"] = {"global_batch_size": int(world_size)}
