@@ -250,8 +250,9 @@ def shard_embedding_rows(embed: nn.Embedding, mesh, compute_dtype: torch.dtype) 
         # DTensor has no vocabulary-sharded rule for the lookup's backward: the weight's gradient comes out
         # replicated, every rank holding the whole [vocab, hidden] sum, which the fused optimizer step
         # cannot take (torch's foreach step instead, a host sync per tensor: +43 ms on the dp2 bench step).
-        # The hook keeps the rows this rank holds (a local slice, no communication). Placed at the first lookup, not here: materialising the meta weight
-        # swaps in another tensor, and a hook stays with the one it was put on
+        # The hook keeps the rows this rank holds (a local slice, no communication). Placed at the first
+        # lookup, not here: materialising the meta weight swaps in another tensor, and a hook stays with
+        # the one it was put on
         weight = module.weight
         if not hooked or hooked[0] is not weight:
             weight.register_hook(lambda grad: grad.redistribute(weight.device_mesh, weight.placements))
