@@ -89,3 +89,55 @@ def run_and_compare(tmp_path, world, layout, models):
                 f"moe={moe} step {step}: {norm} vs {ref_norm}"
             )
     return results
+
+
+# An activation of 4096 tokens x 1024 hidden in bf16 is 8 MB, beyond what NCCL's point-to-point buffers hold:
+# a send then waits for its receive to be posted (the tiny layouts above fit the buffers and never wait)
+BIG = {"hidden_size": 1024, "intermediate_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 4,
+       "head_dim": 128, "num_hidden_layers": 4, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+
+
+def _big_pipeline_worker(rank, world, layout, out, device="cuda", config=BIG, tokens=4096):
+    import os
+
+    from mlite.config import job_from_dict
+    from mlite.config.catalog import PRESETS
+    from mlite.runtime.data.packed import PackedBatch
+    from mlite.runtime.engine import Runtime
+    from mlite.runtime.loss import sft_loss
+
+    os.environ["LOCAL_RANK"] = str(rank)  # the runtime's GPU
+    job = job_from_dict({"model": {"name": "tiny-qwen3"}, "parallel": layout,
+                         "cluster": {"gpu": "h100" if device == "cuda" else "cpu", "gpus_per_node": world},
+                         "precision": {"compute": "bf16" if device == "cuda" else "fp32"},
+                         "data": {"seq_len": tokens, "global_batch_size": 4},
+                         "trainer": {"device": device, "seed": 3}})
+    rt = Runtime(job, hf_config={**PRESETS["tiny-qwen3"], **config})
+    g = torch.Generator().manual_seed(0)
+    batches = [PackedBatch.from_sequences([torch.randint(0, 256, (tokens,), generator=g).tolist()])
+               for _ in range(4)]  # the same micro-batches on every stage, as the loader gives them
+    losses = []
+    for _ in range(2):
+        rt.zero_grad()
+        outs = rt.forward_backward(batches, sft_loss(4 * (tokens - 1)))
+        rt.optimizer_step()
+        losses.append(sum(float(o["loss"]) for o in outs))
+    rt.close()
+    if rank == world - 1:  # the last stage holds the loss
+        torch.save(losses, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"pp": 2, "vpp": 2}], ids=["pp2", "pp2+vpp2"])
+def test_pipeline_with_activations_beyond_nccls_buffers_finishes_and_matches_one_gpu(tmp_path, layout):
+    """1F1B's neighbours send each other 8 MB activations and gradients before each receives: over one
+    process group NCCL's in-order stream would hold both sends for ever (tests/test_parallel_units.py
+    simulates it); each direction on its own group (`pipeline.link_group`), the run finishes and its two
+    steps' losses match one GPU in bf16."""
+    if torch.cuda.device_count() < 2:
+        pytest.fail(f"this test needs 2 GPUs, {torch.cuda.device_count()} visible")
+    out = tmp_path / "losses.pt"
+    launch(2, _big_pipeline_worker, layout, str(out), backend="nccl")
+    launch(1, _big_pipeline_worker, {}, f"{out}.one", backend="nccl")
+    got, want = torch.load(out), torch.load(f"{out}.one")
+    assert got == pytest.approx(want, rel=BF16_RTOL)

@@ -19,7 +19,7 @@ from mlite.runtime.parallel.context import (
     zigzag_indices,
 )
 from mlite.runtime.parallel.mesh import ParallelDims
-from mlite.runtime.parallel.pipeline import Action, forward_only, one_f_one_b, split_layers
+from mlite.runtime.parallel.pipeline import Action, forward_only, link_group, one_f_one_b, split_layers
 
 
 # ----------------------------------------------------------------------------------------- layout
@@ -142,6 +142,69 @@ def test_every_pair_of_ranks_receives_in_the_order_it_was_sent(pp, vpp, m, make)
                 if c != last:
                     received.setdefault(((c + 1) % pp, rank), []).append(("B", c + 1, b))
     assert sent == received
+
+
+def simulate_nccl(pp: int, vpp: int, micro_batches: int, make, group_of) -> bool:
+    """Run the schedules' point-to-point traffic under NCCL's rules, worst case. Each rank has one stream
+    per (peer, process group), whose posts run in order; a send completes only while the peer's receive of
+    it is running (a large message: NCCL's buffers do not hold it), so a send at a stream's head holds the
+    posts behind it. `group_of(src, dst)` picks a message's group. The host posts an action's receive and
+    waits for it, computes, then posts its send and goes on. True when every message arrives; False on a
+    deadlock."""
+    last = pp * vpp - 1
+    plans = [make(pp, vpp, rank, micro_batches) for rank in range(pp)]
+    streams: dict = {}  # (rank, peer, group) -> posts in order: [direction, message, done]
+    done_actions = [0] * pp
+    waiting: list = [None] * pp
+
+    def post(rank, peer, direction, message):
+        op = [direction, message, False]
+        src, dst = (rank, peer) if direction == "send" else (peer, rank)
+        streams.setdefault((rank, peer, group_of(src, dst)), []).append(op)
+        return op
+
+    while True:
+        moved = False
+        for rank, plan in enumerate(plans):
+            if waiting[rank] is not None and not waiting[rank][2] or done_actions[rank] == len(plan):
+                continue
+            action = plan[done_actions[rank]]
+            c, m = action.chunk, action.micro_batch
+            source = (c - 1 if c > 0 else None) if action.kind == "F" else (c + 1 if c < last else None)
+            target = (c + 1 if c < last else None) if action.kind == "F" else (c - 1 if c > 0 else None)
+            if source is not None and waiting[rank] is None:
+                waiting[rank] = post(rank, source % pp, "recv", (action.kind, source, m))
+                moved = True
+                continue
+            waiting[rank] = None
+            if target is not None:
+                post(rank, target % pp, "send", (action.kind, c, m))
+            done_actions[rank] += 1
+            moved = True
+        for (rank, peer, group), posts in streams.items():
+            theirs = streams.get((peer, rank, group), [])
+            if posts and theirs and not posts[0][2] and posts[0][1] == theirs[0][1] and \
+                    {posts[0][0], theirs[0][0]} == {"send", "recv"}:
+                posts[0][2] = theirs[0][2] = moved = True
+        for posts in streams.values():
+            while posts and posts[0][2]:
+                posts.pop(0)
+        if not moved:
+            return all(n == len(plan) for n, plan in zip(done_actions, plans)) and not any(streams.values())
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, 1, 1), (2, 1, 4), (4, 1, 3), (4, 1, 8), (2, 2, 4), (4, 2, 8),
+                                      (3, 3, 6), (3, 1, 5)])
+@pytest.mark.parametrize("make", [one_f_one_b, forward_only], ids=["1f1b", "forward-only"])
+def test_the_schedules_run_on_nccls_in_order_streams_with_large_messages(pp, vpp, m, make):
+    """Each direction of a pair of ranks on its own process group (`link_group`): every stream carries one
+    direction in the order its peer receives, and the schedules finish under NCCL's rules (simulate_nccl).
+    Over one group, 1F1B's neighbours, which send to each other before each receives, deadlock there for
+    every schedule with a steady state (the GPU suite's tiny activations fitted NCCL's buffers and never
+    showed it)."""
+    assert simulate_nccl(pp, vpp, m, make, link_group)
+    if make is one_f_one_b and m > 1:
+        assert not simulate_nccl(pp, vpp, m, make, lambda src, dst: 0)
 
 
 def test_interleaving_needs_whole_rounds_of_micro_batches():

@@ -9,7 +9,13 @@ Micro-batches are packed and of any length: every stage reads the same micro-bat
 labels) from the loader, and each activation send is preceded by its shape, so nothing is padded.
 
 Schedules are lists of actions per rank, (F|B, chunk, micro-batch), executed with asynchronous sends and
-blocking receives. Any order consistent with the data dependencies runs without deadlock:
+blocking receives. NCCL runs a pair of ranks' point-to-point messages on one stream per process group, in
+order, and a large send holds that stream until its receive is posted: 1F1B's neighbours send to each other
+(activations one way, gradients the other) before each receives, and over one group they would wait for
+each other for ever. So each direction of a pair has its own group (`link_group`: messages to a higher rank
+over the default group, to a lower one over a second group of every rank), each stream then carries one
+direction in the order the peer receives it, and only the schedule's own dependencies remain. Any order
+consistent with those runs without deadlock:
 - `one_f_one_b` (vpp = 1) and its interleaved form (vpp > 1): warm-up forwards, then one forward and one
   backward alternating, then the remaining backwards.
 - `forward_only`: every rank runs its forwards back to back; since sends do not wait, stage s works on
@@ -97,6 +103,13 @@ def forward_only(pp: int, vpp: int, rank: int, micro_batches: int) -> list[Actio
     return [a for a in one_f_one_b(pp, vpp, rank, micro_batches) if a.kind == "F"]
 
 
+def link_group(src: int, dst: int) -> int:
+    """Which of the runner's two process groups carries a message from rank `src` to rank `dst`: 0 (the
+    default group) towards a higher rank, 1 towards a lower one, so that no NCCL stream carries both
+    directions of a pair (the module docstring; its deadlock proof: tests/test_parallel_units.py)."""
+    return 0 if src < dst else 1
+
+
 class PipelineRunner:
     """Runs a schedule over this rank's chunks of a decoder (mlite.runtime.models contract).
 
@@ -123,6 +136,9 @@ class PipelineRunner:
         self.device = torch.device(device)
         self.num_stats = (self.moe.num_experts if self.moe else 0) + 1  # expert counts, then rows
         self._sends: list = []
+        # the two directions' groups (link_group); every rank builds a runner, so every rank joins this
+        # collective call; a group of one process has no peers
+        self._links = (None, dist.new_group() if dist.is_initialized() else None)
 
     def _owner(self, chunk: int) -> int:
         return self.pp_ranks[chunk % self.pp]
@@ -137,18 +153,20 @@ class PipelineRunner:
         header = torch.tensor([tensor.dim(), *tensor.shape] + [0] * (MAX_DIMS - tensor.dim()),
                               dtype=torch.long, device=self.device)
         dst = self._owner(chunk_to)
+        group = self._links[link_group(dist.get_rank(), dst)]
         for offset, t in enumerate((header, tensor, stats.detach().double().contiguous())):
-            self._sends.append((dist.isend(t, dst, tag=tag + offset), t))
+            self._sends.append((dist.isend(t, dst, group=group, tag=tag + offset), t))
 
     def _recv(self, chunk_from: int, tag: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         src = self._owner(chunk_from)
+        group = self._links[link_group(src, dist.get_rank())]
         header = torch.empty(1 + MAX_DIMS, dtype=torch.long, device=self.device)
-        dist.recv(header, src, tag=tag)
+        dist.recv(header, src, group=group, tag=tag)
         dims = header.tolist()
         tensor = torch.empty(*dims[1: 1 + dims[0]], dtype=dtype, device=self.device)
-        dist.recv(tensor, src, tag=tag + 1)
+        dist.recv(tensor, src, group=group, tag=tag + 1)
         stats = torch.empty(self.num_stats, dtype=torch.float64, device=self.device)
-        dist.recv(stats, src, tag=tag + 2)
+        dist.recv(stats, src, group=group, tag=tag + 2)
         return tensor, stats
 
     def _router_stats(self, stats: list):
