@@ -136,8 +136,8 @@ class PipelineRunner:
         self.device = torch.device(device)
         self.num_stats = (self.moe.num_experts if self.moe else 0) + 1  # expert counts, then rows
         self._sends: list = []
-        # the two directions' groups (link_group); every rank builds a runner, so every rank joins this
-        # collective call; a group of one process has no peers
+        # the two directions' groups (link_group): None is the default group; every rank of the job builds
+        # a runner, so every rank joins the second group's creation, as new_group requires
         self._links = (None, dist.new_group() if dist.is_initialized() else None)
 
     def _owner(self, chunk: int) -> int:
