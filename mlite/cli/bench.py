@@ -16,8 +16,9 @@ def add_parser(sub) -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip the HF-transformers side")
     p.add_argument("--out", default="runs/bench/results.json", help="JSON results file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="a job key for mlite's side of one-GPU cases, as for mlite sft (repeatable), "
-                        "e.g. --set model.compile=false")
+                   help="a job key for mlite's side, as for mlite sft (repeatable), e.g. --set "
+                        "model.compile=false; multi-GPU cases take any key but their layout's (parallel.* "
+                        "keys reach the parallel side only, the others its one-GPU reference too)")
     p.set_defaults(run=run)
 
 
