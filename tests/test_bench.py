@@ -487,6 +487,8 @@ def test_the_planner_sizes_the_v4_bench_case_within_10_percent_of_the_h100_runs(
     "h100x4-2026-11-27c-equal-lengths-moe-ep4-dist-opt-2.json",
     "h100x4-2026-11-27c-dense-dp4-fsdp-units-auto.json", "h100x2-2026-11-27d-dense-dp2-kept-gathered.json",
     "h200x4-2026-11-28d-moe-ep4-dist-opt.json", "h200x4-2026-11-28d-dense-dp4.json",
+    "h200x4-2026-11-28e-moe-30b-a3b-8l-4k-ep4-dist-opt.json", "h200x4-2026-11-28e-dense-1.7b-4k-dp4.json",
+    "h200x4-2026-11-28e-dense-1.7b-4k-dp2.json",
 ])
 def test_the_planner_sizes_the_multi_gpu_bench_cases_within_15_percent(result):
     """Issue 17's calibration on the 2 and 4 x H100 and 4 x H200 runs (footprint per GPU, the fullest

@@ -18,7 +18,7 @@ GPU (`-m gpu`, 2 GPUs, NCCL, bf16 compute, megatron-core 0.16.1):
   micro-batch's backward, and each step leaves every all-gather for the next forward to wait on; the step
   makes no synchronizing CUDA call (torch's AdamW inside Megatron: clip and skip decided on the GPU).
 - a non-finite gradient on one rank (its loss scaled by inf) skips that step on both ranks: weights, fp32
-  shards, Adam's moments and step count stay as they were; the next step trains (not yet run on a GPU).
+  shards, Adam's moments and step count stay as they were; the next step trains.
 - `mlite sft` with optimizer.backend dist_opt under dp2, tp2, pp2, pp2 x vpp2 (dense) and pp2, ep2, tp2
   (MoE): the curve of one GPU within bf16 rounding; a run resumed from its step-2 checkpoint continues it
   bitwise (trainer.deterministic); under dp2, tp2 and ep2, two runs are bitwise identical, and so is a
