@@ -84,14 +84,32 @@ def _entry(rank, world, port, rendezvous, fn, args, errors, backend):
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
-        # every rank done with its collectives before any tears its group down: a gloo group destroyed
-        # while a peer still talks to it can abort that peer's process at exit (seen once in CI)
-        dist.barrier()
+        dist.barrier()  # every rank done with its collectives
     except BaseException:
         errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
         dist.destroy_process_group()
+        raise
+    _exit_together(rendezvous, rank, world)
+
+
+def _exit_together(rendezvous: str, rank: int, world: int, timeout_s: float = 120.0) -> None:
+    """End a rank that succeeded without tearing torch.distributed down. Gloo's worker threads can still
+    hold work when its group is destroyed or the interpreter finalises, and the process then aborts
+    ("terminate called without an active exception", SIGABRT: twice in CI, once after a barrier). Each
+    rank marks a file once out of the barrier and leaves only when every rank has, so no message is in
+    flight; os._exit skips the C++ destructors that abort."""
+    import sys
+    import time
+
+    open(f"{rendezvous}.left.{rank}", "w").close()
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(f"{rendezvous}.left.{r}") for r in range(world)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: a peer never left the final barrier")
+        time.sleep(0.01)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(world: int, fn, *args, backend: str = "gloo"):
