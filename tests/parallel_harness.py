@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -98,9 +100,6 @@ def _exit_together(rendezvous: str, rank: int, world: int, timeout_s: float = 12
     ("terminate called without an active exception", SIGABRT: twice in CI, once after a barrier). Each
     rank marks a file once out of the barrier and leaves only when every rank has, so no message is in
     flight; os._exit skips the C++ destructors that abort."""
-    import sys
-    import time
-
     open(f"{rendezvous}.left.{rank}", "w").close()
     deadline = time.monotonic() + timeout_s
     while not all(os.path.exists(f"{rendezvous}.left.{r}") for r in range(world)):
