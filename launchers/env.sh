@@ -26,10 +26,11 @@ export RAY_health_check_failure_threshold=${RAY_health_check_failure_threshold:-
 export RAY_gcs_rpc_server_reconnect_timeout_s=${RAY_gcs_rpc_server_reconnect_timeout_s:-120}  # workers wait this long for a busy head
 export RAY_DEDUP_LOGS=${RAY_DEDUP_LOGS:-0}                               # every rank's lines in the node logs
 export RAY_USAGE_STATS_ENABLED=${RAY_USAGE_STATS_ENABLED:-0}             # clusters without internet: no usage report
-# Ray >= 2.5x turns token auth on for a head that finds ~/.ray/auth_token (any earlier local ray.init() writes
-# one) but not for the workers that join it, which then fail with InvalidAuthToken: one explicit mode for every
-# node. token: every node must read the same token (RAY_AUTH_TOKEN_PATH on a shared filesystem).
-export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+# Ray's token authentication (https://docs.ray.io/en/latest/ray-security/token-auth.html): without it anyone who
+# reaches a Ray port can run code as this user. One explicit mode for every node (Ray >= 2.5x guesses it from
+# ~/.ray/auth_token, differently on the head and the workers). Every node must read the same token: under Slurm
+# slurm/lib/job.sh makes one per job (RAY_AUTH_TOKEN_PATH); a local ray.init() makes ~/.ray/auth_token.
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 
 # --- Python and tokenizers
 export PYTHONUNBUFFERED=${PYTHONUNBUFFERED:-1}                           # log lines appear as they happen

@@ -93,20 +93,33 @@ validate_with_planner() {
   esac
 }
 
-# Writes the resolved command (environment included) to a file a person can read and rerun.
+# A variable whose name says it may hold a secret (*TOKEN*, *KEY*, *SECRET*, *PASSWORD*, any case): its value
+# is never printed or written, only NAME=<redacted>. TOKENIZERS_PARALLELISM, env.sh's own switch, is no secret.
+is_secret_name() { [[ $1 != TOKENIZERS_PARALLELISM && ${1^^} =~ TOKEN|KEY|SECRET|PASSWORD ]]; }
+
+# Writes the resolved command (environment included, secrets redacted) to a file a person can read and rerun.
+# The file is the user's alone (0600) all the same: it is created anew, under umask 077.
 write_command_file() {
   local file=$1; shift
   mkdir -p "$(dirname "$file")"
-  {
-    echo "#!/usr/bin/env bash"
-    echo "# resolved by $(basename "$0") on $(hostname) at $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    local name
-    for name in $(compgen -e | grep -E '^(CUDA_|NCCL_|TORCH_NCCL_|TORCH_FR_|PYTORCH_|PYTHON[A-Z]|RAY_|OMP_|TOKENIZERS_)' | sort); do
-      printf 'export %s=%q\n' "$name" "${!name}"
-    done
-    printf '%q ' "$@"
-    echo
-  } > "$file"
+  rm -f "$file"  # an older file would keep its mode
+  (
+    umask 077
+    {
+      echo "#!/usr/bin/env bash"
+      echo "# resolved by $(basename "$0") on $(hostname) at $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+      local name
+      for name in $(compgen -e | grep -E '^(CUDA_|NCCL_|TORCH_NCCL_|TORCH_FR_|PYTORCH_|PYTHON[A-Z]|RAY_|OMP_|TOKENIZERS_)' | sort); do
+        if is_secret_name "$name"; then
+          echo "# export $name=<redacted> (may be a secret: set it in the environment to rerun)"
+        else
+          printf 'export %s=%q\n' "$name" "${!name}"
+        fi
+      done
+      printf '%q ' "$@"
+      echo
+    } > "$file"
+  )
 }
 
 # Runs the command in the background and forwards SIGUSR1/SIGTERM to its child processes, the training

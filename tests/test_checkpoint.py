@@ -117,14 +117,14 @@ def save_runtime(rt, extra=None):
     return lambda path: rt.save_checkpoint(path, extra or {})
 
 
-def test_keep_last_n_and_latest_pointer(tmp_path):
+def test_keep_last_n_along_the_lineage(tmp_path):
     rt = Runtime(make_job())
     manager = CheckpointManager(tmp_path, keep_last=2)
     for step in (2, 4, 6):
         manager.save(step, save_runtime(rt, {"step": step}))
     assert manager.steps() == [6, 4]
-    assert sorted(p.name for p in manager.root.iterdir()) == ["latest", "step_00000004", "step_00000006"]
-    assert (manager.root / "latest").read_text().strip() == "step_00000006"
+    assert sorted(p.name for p in manager.root.iterdir()) == ["lineage", "step_00000004", "step_00000006"]
+    assert (manager.root / "lineage").read_text().split() == ["step_00000004", "step_00000006"]
     assert resolve_checkpoint(tmp_path) == manager.path_for(6)
     assert resolve_checkpoint(manager.root) == manager.path_for(6)
 
@@ -143,18 +143,19 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, m
         manager.save(4, save_runtime(rt, {"step": 4}))
     monkeypatch.undo()
 
-    assert (manager.root / "step_00000004.partial").is_dir()  # the half-written save is set aside
+    assert not (manager.root / "step_00000004.partial").exists()  # the half-written save is removed
     assert manager.steps() == [2] and manager.latest_good() == manager.path_for(2)
     assert Runtime(make_job()).load_checkpoint(manager.latest_good()) == {"step": 2}
-    manager.save(4, save_runtime(rt, {"step": 4}))  # the next save cleans the leftovers and rotates
-    assert sorted(p.name for p in manager.root.iterdir()) == ["latest", "step_00000004"]
+    manager.save(4, save_runtime(rt, {"step": 4}))  # the next save rotates
+    assert sorted(p.name for p in manager.root.iterdir()) == ["lineage", "step_00000004"]
 
 
-def test_a_checkpoint_renamed_but_not_yet_pointed_to_is_still_found(tmp_path):
+def test_a_save_named_on_the_lineage_that_died_before_its_rename_is_passed_over(tmp_path):
     rt = Runtime(make_job())
     manager = CheckpointManager(tmp_path, keep_last=3)
     manager.save(2, save_runtime(rt, {"step": 2}))
-    rt.save_checkpoint(manager.path_for(4), {"step": 4})  # as if the process died before updating `latest`
+    manager.save(4, save_runtime(rt, {"step": 4}))
+    (manager.root / "lineage").write_text("step_00000002\nstep_00000004\nstep_00000006\n")  # 6 never renamed
     assert manager.latest_good() == manager.path_for(4)
 
 

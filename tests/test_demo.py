@@ -40,7 +40,7 @@ def demo(tmp_path_factory):
 def test_demo_learns_and_writes_everything(demo):
     out, log = demo
     for part in ("data/train.parquet", "data/val.jsonl", "tokenizer/tokenizer.json", "model/config.json",
-                 "sft/metrics.jsonl", "sft/loss.png", "sft/checkpoints/latest",
+                 "sft/metrics.jsonl", "sft/loss.png", "sft/checkpoints/lineage",
                  "sft/checkpoints/step_00000060"):
         assert (out / part).exists(), part
     assert list((out / "sft" / "tensorboard").glob("events.out.tfevents.*"))
@@ -68,7 +68,7 @@ def test_demo_learns_and_writes_everything(demo):
     grpo = read_metrics(out / "grpo" / "metrics.jsonl")
     assert [r["step"] for r in grpo] == [0, 1, 2]
     assert "eval/reward_mean" in grpo[0] and "eval/reward_mean" in grpo[-1]
-    assert (out / "sft_hf" / "config.json").is_file() and (out / "grpo" / "checkpoints" / "latest").is_file()
+    assert (out / "sft_hf" / "config.json").is_file() and (out / "grpo" / "checkpoints" / "lineage").is_file()
     assert (out / "grpo" / "grpo.png").stat().st_size > 1000
     before, after = grpo[0]["eval/reward_mean"], grpo[-1]["eval/reward_mean"]
     line = f"held-out reward (8 per prompt at temperature 0.7) {before:.3f} before -> {after:.3f} after"
@@ -110,7 +110,7 @@ def test_no_grpo_stops_after_sft(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     log = done.stderr.replace(str(tmp_path), "OUT")  # the folder's name holds "grpo"
     assert "3/3 sft: 2 steps" in log and "grpo" not in log and "held-out reward" not in log
-    assert (tmp_path / "sft" / "checkpoints" / "latest").is_file() and not (tmp_path / "grpo").exists()
+    assert (tmp_path / "sft" / "checkpoints" / "lineage").is_file() and not (tmp_path / "grpo").exists()
 
 
 def test_prepare_only_prints_a_runnable_sft_command(tmp_path):

@@ -7,7 +7,10 @@ The end-to-end jobs on the real local Slurm cluster are in tests/test_slurm_clus
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -531,3 +534,141 @@ def test_submit_without_sbatch_says_how_to_get_a_cluster(tmp_path):
     assert (
         done.returncode == 2 and "sbatch is not on PATH" in done.stderr and "cluster.sh start" in done.stderr
     )
+
+
+# ----------------------------------------------------------------------------- secrets, trust, private files
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_secrets_never_reach_the_dry_run_output_or_the_command_file(tmp_path):
+    """Variables named *TOKEN*, *KEY*, *SECRET*, *PASSWORD* (any case) print as NAME=<redacted>; the command
+    file is the user's alone, even where an older one was readable by all."""
+    secrets = {name: f"value-{name}-{os.urandom(8).hex()}" for name in
+               ("RAY_AUTH_TOKEN", "RAY_my_secret", "NCCL_DB_PASSWORD", "CUDA_API_KEY")}
+    logs = tmp_path / "r" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "command.node0.sh").write_text("# an older run's\n")
+    (logs / "command.node0.sh").chmod(0o644)
+    env = {"DRY_RUN": "1", "VALIDATE": "0", "CONFIG": "demo_sft", "OUTPUT_ROOT": str(tmp_path),
+           "RUN_NAME": "r", **secrets}
+    done = run(["launchers/sft.sh"], env)
+    assert done.returncode == 0, done.stderr
+    written = (logs / "command.node0.sh").read_text()
+    for name, value in secrets.items():
+        assert value not in done.stdout + done.stderr and value not in written, name
+        assert f"{name}=<redacted>" in done.stdout and f"{name}=<redacted>" in written, name
+    assert "export NCCL_NVLS_ENABLE=0" in written and "export TOKENIZERS_PARALLELISM=false" in written
+    assert "-m mlite sft demo_sft" in written
+    assert mode(logs / "command.node0.sh") == 0o600
+
+
+def test_ray_job_authenticates_with_a_private_per_job_token(tmp_path, monkeypatch):
+    """RAY=1: a new token per job in a folder of the run only its user can open, passed to every node by path;
+    its value is in no output, log or other file, the submitter's own RAY_AUTH_TOKEN is dropped, and the head
+    listens on the job's address with its dashboard on localhost."""
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # launchers/env.sh's default: token
+    mine = f"submitters-token-{os.urandom(8).hex()}"
+    env = {**CPU_PROFILE, "CONFIG": "demo_sft", "EXTRA_OVERRIDES": GRPO_DEMO_OVERRIDES, "RAY": "1",
+           "LAUNCHER": "ray", "OUTPUT_ROOT": str(tmp_path), "RAY_AUTH_TOKEN": mine}
+    done = mlite_sbatch("grpo", "--dry-run", env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr
+    (folder,) = tmp_path.glob("*/ray-auth-0-0")  # run folder, job id 0, restart 0
+    token_file = folder / "token"
+    assert mode(folder) == 0o700 and mode(token_file) == 0o600
+    token = token_file.read_text()
+    assert re.fullmatch(r"[0-9a-f]{64}", token), token
+    out = done.stdout + done.stderr
+    assert token not in out and mine not in out
+    assert f"this job's token is {token_file} (mode 0600" in out  # the path, never the value
+    for path in tmp_path.rglob("*"):
+        if path.is_file() and path != token_file:
+            assert token not in path.read_text() and mine not in path.read_text(), path
+    (logs,) = tmp_path.glob("*/logs/job-0-restart-0")
+    command = (logs / "command.node0.sh").read_text()
+    assert "export RAY_AUTH_MODE=token" in command and "RAY_AUTH_TOKEN_PATH=<redacted>" in command
+    assert "RAY_AUTH_TOKEN=" not in command  # the job's token file is what every node reads
+    assert mode(logs / "command.node0.sh") == mode(logs / "launch.txt") == 0o600
+    head = next(line for line in done.stdout.splitlines() if "ray.scripts.scripts start --head" in line)
+    assert "--node-ip-address=node1 " in head and "--dashboard-host=127.0.0.1 " in head
+
+
+def plant(root: Path) -> Path:
+    """A folder that looks like an mlite checkout whose slurm/lib/job.sh leaves a mark when it runs."""
+    for folder in ("slurm/lib", "launchers", "mlite"):
+        (root / folder).mkdir(parents=True)
+    (root / "pyproject.toml").write_text('[project]\nname = "mlite"\n')
+    (root / "mlite" / "__init__.py").write_text("")
+    (root / "launchers" / "env.sh").write_text("")
+    (root / "slurm" / "lib" / "job.sh").write_text(f"touch {root / 'ran'}\nrun_job() {{ :; }}\n")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("no_pyproject", "not an mlite checkout (no pyproject.toml of mlite)"),
+        ("group_writable_job_sh", "slurm/lib/job.sh is writable by others (mode 664; chmod go-w it)"),
+        ("world_writable_lib", "slurm/lib is writable by others (mode 777; chmod go-w it)"),
+        ("job_sh_of_another_user", "slurm/lib/job.sh belongs to another user (uid 65534)"),
+        ("submit_dir_of_a_spool_copy", "not an mlite checkout (no pyproject.toml of mlite)"),
+    ],
+)
+def test_template_sources_nothing_from_an_untrusted_mlite_root(case, message, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLITE_ROOT", raising=False)
+    root = plant(tmp_path / "shared")
+    script, env = ROOT / "slurm" / "sft.sbatch", {"MLITE_ROOT": str(root)}
+    if case in ("no_pyproject", "submit_dir_of_a_spool_copy"):
+        (root / "pyproject.toml").unlink()
+    if case == "group_writable_job_sh":
+        (root / "slurm" / "lib" / "job.sh").chmod(0o664)
+    if case == "world_writable_lib":
+        (root / "slurm" / "lib").chmod(0o777)
+    if case == "job_sh_of_another_user":
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(root / "slurm" / "lib" / "job.sh", 65534, 65534)
+    if case == "submit_dir_of_a_spool_copy":  # what sbatch runs: a copy of the script, in its spool folder
+        script = tmp_path / "spool" / "slurm_script"
+        script.parent.mkdir()
+        shutil.copy(ROOT / "slurm" / "sft.sbatch", script)
+        env = {"SLURM_SUBMIT_DIR": str(root)}
+    done = run(["bash", str(script)], {"DRY_RUN": "1", "CONFIG": "demo_sft", **env})
+    assert not (root / "ran").exists(), "the planted job.sh ran"
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1 and f"MLITE_ROOT={root}: " in done.stderr
+    assert message in done.stderr and "set MLITE_ROOT to your mlite checkout" in done.stderr
+
+
+def test_template_run_in_place_uses_its_own_checkout_not_the_submit_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLITE_ROOT", raising=False)
+    root = plant(tmp_path / "shared")
+    env = {**CPU_PROFILE, "DRY_RUN": "1", "CONFIG": "demo_sft", "OUTPUT_ROOT": str(tmp_path / "out"),
+           "SLURM_SUBMIT_DIR": str(root), "PYTHON_HERE": sys.executable}
+    done = run(["bash", "slurm/sft.sbatch"], env)
+    assert not (root / "ran").exists(), "the planted job.sh ran"
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr
+    assert f"{ROOT}/slurm/lib/node.sh sft" in done.stdout
+
+
+def test_munge_key_is_never_readable_by_others(tmp_path):
+    """slurm/local/cluster.sh makes the key under umask 077, whatever the caller's umask and whatever file
+    (an empty one readable by all) was there: dd, seen through a probe that passes through to the real one,
+    creates it 0600, before the chown and chmod 400 that follow."""
+    probe_dir = tmp_path / "bin"
+    probe_dir.mkdir()
+    modes = tmp_path / "modes"
+    (probe_dir / "dd").write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        {shutil.which("dd")} "$@"
+        for arg in "$@"; do [[ $arg != of=* ]] || stat -c %a "${{arg#of=}}" >> {modes}; done
+    """))
+    (probe_dir / "dd").chmod(0o755)
+    key = tmp_path / "munge.key"
+    key.touch()
+    key.chmod(0o644)
+    script = f'source slurm/local/cluster.sh && umask 022 && new_munge_key "{key}"'
+    done = run(["bash", "-c", script], {"PATH": f"{probe_dir}:{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert modes.read_text().split() == ["600"]  # as dd created it
+    assert mode(key) == 0o600 and key.stat().st_size == 1024

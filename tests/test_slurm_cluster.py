@@ -17,6 +17,7 @@ import json
 import math
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -266,8 +267,14 @@ def test_ray_cluster_over_two_nodes_runs_mlite_grpo(slurm_cluster, demo, tmp_pat
     log = batch_log(tmp_path, job)
     assert state["JobState"] == "COMPLETED", log[-4000:]
     assert "Ray ready: 2/2 nodes" in log  # `ray status` listed both nodes before the driver started
+    # every node and the driver authenticated with the job's own token (RAY_AUTH_MODE=token), gone at the end
+    assert "Ray: token authentication; this job's token is" in log
     run_dir = tmp_path / f"t-ray-{job}"
+    assert not list(run_dir.glob("ray-auth-*")), "the token outlived the job's Ray daemons"
     logs = run_dir / "logs" / f"job-{job}-restart-0"
+    command = logs / "command.node0.sh"
+    assert "export RAY_AUTH_MODE=token" in command.read_text()
+    assert stat.S_IMODE(command.stat().st_mode) == 0o600
     node_logs = sorted(p.name for p in logs.glob("ray-node*.log"))
     assert (
         len(node_logs) == 2

@@ -38,9 +38,9 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in bench.CASES]
     if unknown:
         raise MliteError(f"unknown bench case(s) {', '.join(unknown)}; known: {', '.join(bench.CASES)}")
-    import os
-
     import torch
+
+    from mlite.cli.training import launcher_env
 
     multi = [n for n in names if bench.CASES[n].gpus > 1]
     fixed = [o for o in args.overrides if o.split("=", 1)[0].strip() in bench.LAYOUT_KEYS]
@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     if multi and len(multi) != len(names):
         raise MliteError("multi-GPU and one-GPU bench cases run in separate launches; "
                          "name one kind at a time")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launch = launcher_env()
+    world = launch["WORLD_SIZE"]
     if multi and world == 1:
         gpus = bench.CASES[multi[0]].gpus
         raise MliteError(f"case(s) {', '.join(multi)} run on several ranks: "
@@ -59,9 +60,9 @@ def run(args: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise MliteError("--device cuda but no CUDA GPU is visible; use --device cpu for the tiny case")
     if multi and device == "cuda":
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        device = f"cuda:{launch['LOCAL_RANK']}"
         torch.cuda.set_device(device)
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    rank0 = launch["RANK"] == 0
     if not rank0:
         console.quiet = True
     gpu, peak = bench.detect_gpu(device)

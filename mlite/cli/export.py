@@ -22,8 +22,12 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     import torch
 
+    from mlite.cli.training import launcher_env
+    from mlite.runtime.ckpt.hf import check_export_dir
     from mlite.runtime.engine import export_checkpoint
 
+    launcher_env()  # the rebuilt model's device comes from LOCAL_RANK
+    check_export_dir(args.out)  # before the model is built and loaded: a wrong --out is refused at once
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     out = export_checkpoint(args.checkpoint, args.out, dtype)
     print(f"mlite export: wrote {out}")

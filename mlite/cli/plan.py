@@ -22,10 +22,22 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set parallel.tp=4 (repeatable)")
     parser.add_argument("--recommend", action="store_true", help="enumerate and rank layouts that fit")
-    parser.add_argument("--top", type=int, default=5, help="layouts shown by --recommend (default 5)")
+    parser.add_argument("--top", type=_at_least_one, default=5,
+                        help="layouts shown by --recommend (default 5)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     parser.add_argument("--list-models", action="store_true", help="list the model catalog and exit")
     parser.set_defaults(run=run)
+
+
+def _at_least_one(text: str) -> int:
+    """--top 0 would show no layout and then report that none fits."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value})")
+    return value
 
 
 def run(args) -> int:

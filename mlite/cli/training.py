@@ -17,6 +17,28 @@ def add_training_parser(subparsers, kind: str, help: str, doc: str, example: str
     parser.set_defaults(run=lambda args: run_training(kind, args))
 
 
+# What torchrun sets, with the least each may be: int() of a stray value was a traceback deep in the
+# start-up (the planner, the device choice, the watchdog)
+LAUNCHER_VARS = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0}
+
+
+def launcher_env() -> dict[str, int]:
+    """WORLD_SIZE, RANK and LOCAL_RANK as numbers (1, 0, 0 when unset); a value that is not one is refused."""
+    from mlite.errors import MliteError
+
+    values = {}
+    for name, least in LAUNCHER_VARS.items():
+        raw = os.environ.get(name, str(least))
+        try:
+            values[name] = int(raw)
+        except ValueError:
+            values[name] = least - 1
+        if values[name] < least:
+            raise MliteError(f"environment variable {name}={raw!r} is not a whole number >= {least}; "
+                             "unset it or launch with torchrun, which sets it")
+    return values
+
+
 def plan_for_this_world(job):
     """The planner's verdict on the job as this process group will run it: the world size torchrun or
     srun gave (WORLD_SIZE; one process without it), not only the one the job's cluster section names.
@@ -26,7 +48,7 @@ def plan_for_this_world(job):
     from mlite.plan import plan_job
     from mlite.plan.memory import HEADROOM
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launcher_env()["WORLD_SIZE"]
     cluster = job.cluster
     if world != cluster.world_size:
         nodes = world // cluster.gpus_per_node if world % cluster.gpus_per_node == 0 else 1
@@ -51,6 +73,7 @@ def run_training(kind: str, args) -> int:
     from mlite.errors import MliteError
     from mlite.trainers.metrics import stream_console
 
+    launcher_env()  # before the job: a bad launch is the first thing to fix
     job = load_job(args.config, args.overrides)
     if job.job != kind:
         raise MliteError(f"{args.config} is a '{job.job}' job; run it with `mlite {job.job}` "

@@ -6,6 +6,7 @@ Light by design: importing this module must not import torch (the planner and `m
 from __future__ import annotations
 
 import re
+import reprlib
 from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
@@ -34,14 +35,58 @@ def preset_path(name: str) -> Path:
     return path
 
 
+# A job file has a few hundred values. Aliases (*name) share one node, so a few hundred bytes can expand to
+# billions of values ("billion laughs") that validation and error messages would then walk. Counting aliases
+# is not enough (nine aliases of nine levels make 9^9), so the expanded size is what is capped.
+MAX_YAML_VALUES = 10_000
+
+
+class YamlTooLarge(yaml.YAMLError):
+    """A document whose aliases expand it past MAX_YAML_VALUES, or make it contain itself."""
+
+
 class _YamlLoader(yaml.SafeLoader):
     """YAML 1.1's float rule wants a dot (1.0e-4); users write 1e-4 and get a string. Numbers in exponent
-    form without a dot are floats here, as in YAML 1.2 and Python."""
+    form without a dot are floats here, as in YAML 1.2 and Python. Documents are capped in expanded size."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        if _expanded_size(node, {}) > MAX_YAML_VALUES:
+            raise YamlTooLarge(f"its aliases (*name) expand it to over {MAX_YAML_VALUES} values (an alias "
+                               "bomb?); write the values out instead of aliasing aliases")
+        return node
 
 
 _YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
 )
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """Values in `node` with every alias written out; linear in the composed nodes (aliases are memoised)."""
+    key = id(node)
+    if key in sizes:
+        if sizes[key] < 0:
+            raise YamlTooLarge("an alias (*name) refers to a collection that contains it; remove the alias")
+        return sizes[key]
+    sizes[key] = -1  # in progress: meeting it again below is a cycle
+    children = node.value if isinstance(node, yaml.SequenceNode) else (
+        [part for pair in node.value for part in pair] if isinstance(node, yaml.MappingNode) else [])
+    sizes[key] = 1 + sum(_expanded_size(child, sizes) for child in children)
+    return sizes[key]
+
+
+def _read_text(path: Path) -> str:
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise MliteError(f"{path}: cannot read it ({err.strerror}); check its permissions") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise MliteError(f"{path}: line {line} is not UTF-8 text (byte 0x{raw[err.start]:02x}); "
+                         "save the file as UTF-8") from None
 
 
 def _load_yaml(text: str) -> Any:
@@ -59,7 +104,9 @@ def load_job(source: str | Path | None = None, overrides: Iterable[str] = ()) ->
             raise MliteError(f"config file not found: {source}; pass an existing YAML file or a preset name "
                              f"({', '.join(list_presets())})")
         try:
-            data = _load_yaml(path.read_text()) or {}
+            data = _load_yaml(_read_text(path)) or {}
+        except YamlTooLarge as err:
+            raise MliteError(f"{path}: {err}") from None
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
@@ -83,8 +130,14 @@ def job_from_dict(data: dict[str, Any]) -> JobConfig:
         raise MliteError(describe_validation_error(err, JobConfig)) from None
 
 
+# An override value starting like a YAML list, mapping or quoted string is meant as one; when it does not
+# parse, taking it as a plain string would only fail later, further from the typo.
+_YAML_OPENERS = ("[", "{", '"', "'")
+
+
 def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
-    """`parallel.tp=4` -> ("parallel.tp", 4). Values are parsed as YAML scalars/lists."""
+    """`parallel.tp=4` -> ("parallel.tp", 4). Values are parsed as YAML scalars/lists; a value that is not
+    valid YAML is a plain string (`model.path=/a/b: c`), unless it starts like a list, mapping or quote."""
     parsed = []
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -92,7 +145,11 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
             raise MliteError(f"override '{item}' is not key.sub=value (e.g. parallel.tp=4)")
         try:
             value = _load_yaml(raw) if raw != "" else ""
-        except yaml.YAMLError:
+        except yaml.YAMLError as err:
+            if raw.lstrip().startswith(_YAML_OPENERS):
+                problem = getattr(err, "problem", None) or err
+                raise MliteError(f"override '{item}': the value is not valid YAML ({problem}); close its "
+                                 "brackets or quotes (a string starting with one: quote it whole)") from None
             value = raw
         parsed.append((key, value))
     return parsed
@@ -140,5 +197,15 @@ def describe_validation_error(err: ValidationError, model: type[BaseModel]) -> s
         msg = msg.removeprefix("Value error, ")
         return f"config: {msg}" if not loc else f"config: {where}: {msg}"
     got = first.get("input")
-    got_txt = "" if isinstance(got, dict) else f" (got {got!r})"
+    got_txt = "" if isinstance(got, dict) else f" (got {_excerpt(got)})"
     return f"config: {where}: {msg}{got_txt}"
+
+
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxlist, _SHORT_REPR.maxtuple, _SHORT_REPR.maxstring = 2, 6, 6, 80
+
+
+def _excerpt(value: Any, limit: int = 200) -> str:
+    """A short repr: reprlib stops early in a huge value instead of rendering it all, then cut to `limit`."""
+    text = _SHORT_REPR.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -18,7 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+    # allow_inf_nan=False: YAML's .inf and .nan pass `gt=0`-style bounds (or have none to pass) and would
+    # train on, or wait, forever
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -168,6 +170,13 @@ class OptimizerConfig(Section):
     def _yaml_list(cls, value):  # YAML has lists, not tuples; strict mode would refuse [0.9, 0.95]
         return tuple(value) if isinstance(value, list) else value
 
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_unit_interval(cls, value):  # else the step divides by (1 - beta^t) <= 0
+        if not all(0 <= beta < 1 for beta in value):
+            raise ValueError(f"each beta must be in [0, 1) (got {list(value)}); e.g. [0.9, 0.95]")
+        return value
+
     @model_validator(mode="after")
     def _lrs(self):
         if self.min_lr > self.lr:
@@ -277,7 +286,10 @@ class TrainerConfig(Section):
     seed: int = 1234
     output_dir: str = "runs/job"
     save_every: int = Field(0, ge=0)  # steps between checkpoints; 0: only at the end and on a signal
-    keep_last: int = Field(2, ge=1)
+    keep_last: int = Field(2, ge=1)  # checkpoints kept along the run's lineage (ckpt.checkpoint)
+    # a step whose gradients are not finite (a NaN or inf loss) is skipped and counted (skipped_steps); this
+    # many in a row end the run in one line, as the weights or the data have gone bad
+    max_skipped_steps: int = Field(5, ge=1)
     resume: str = "auto"  # auto | never | <checkpoint dir>
     log_every: int = Field(1, ge=1)
     eval_every: int = Field(0, ge=0)
@@ -293,6 +305,13 @@ class TrainerConfig(Section):
     # each phase of the start-up (process group, model, weights, data) and the first step (it compiles)
     hang_timeout_s: float | None = Field(1800.0, gt=0)
     startup_timeout_s: float | None = Field(3600.0, gt=0)
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir_named(cls, value):  # '' is the working directory: checkpoints among the user's files
+        if not value.strip():
+            raise ValueError(f"empty (got {value!r}); name the run's folder, e.g. runs/my_job")
+        return value
 
 
 # --------------------------------------------------------------------------------------- rollout (RL)

@@ -22,11 +22,12 @@ is fp32. `precision.grad_reduce` is the dtype of the cross-rank gradient reducti
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from mlite.config.arch import ModelArch, arch_from_hf_config
 from mlite.config.schema import JobConfig
@@ -44,15 +45,24 @@ __all__ = ["Runtime", "export_checkpoint"]
 
 
 class Runtime:
-    def __init__(self, job: JobConfig, total_steps: int | None = None, hf_config: dict | None = None):
+    def __init__(self, job: JobConfig, total_steps: int | None = None, hf_config: dict | None = None,
+                 on_placed: Callable[[], None] | None = None):
         """Check the job against the rule book, then build this rank's share of the model, laid out (random
         init from trainer.seed, the same under every layout, or HF weights when model.load_weights), and
         build the optimizer and the schedule. `hf_config` overrides the model's config.json (export uses the
-        copy in a checkpoint); `total_steps` is the schedule's length (default trainer.steps)."""
+        copy in a checkpoint); `total_steps` is the schedule's length (default trainer.steps). `on_placed`
+        runs on every rank once the process group is up, before the model is built (the trainers lock their
+        output folder there, so a refused job stops before its longest start-up phase)."""
         self.job = job
         self.hf_config = hf_config if hf_config is not None else hf_config_of(job)
         self.arch: ModelArch = arch_from_hf_config(self.hf_config, name=job.model.name or "")
         self.placement = place(job, self.arch)
+        if on_placed is not None:
+            try:
+                on_placed()
+            except BaseException:
+                self.placement.close(clean=False)
+                raise
         self.device, self.dims, self.mesh = self.placement.device, self.placement.dims, self.placement.mesh
         compute = job.precision.compute if self.device.type == "cuda" else "fp32"
         if compute != job.precision.compute:
@@ -168,6 +178,17 @@ class Runtime:
         result = self.optim.step()
         self.collection.step()
         return result
+
+    def weights_finite(self) -> bool:
+        """Whether every weight of every rank is finite (a collective: each rank checks its own shards and
+        pipeline stages). The loop asks before each save, so a checkpoint never holds NaN or inf."""
+        finite = torch.ones((), dtype=torch.float32, device=self.device)
+        for param in self.model.parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            finite = finite * torch.isfinite(local.detach()).all()
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        return bool(finite.item())
 
     def set_total_steps(self, total_steps: int) -> None:
         """The schedule's length, when the trainer knows it only after reading the data (trainer.epochs)."""

@@ -66,7 +66,8 @@ class StopRequest:
 
 
 def checkpoint_to_resume(resume: str, manager: CheckpointManager) -> Path | None:
-    """trainer.resume: `auto` (newest good checkpoint in the output dir, if any), `never`, or a path."""
+    """trainer.resume: `auto` (the newest good checkpoint of the run's lineage, if it has any), `never`, or
+    a path. The lineage is cut at the checkpoint chosen (`CheckpointManager.resume_from`)."""
     if resume == "never":
         if manager.steps():
             raise MliteError(
@@ -76,9 +77,12 @@ def checkpoint_to_resume(resume: str, manager: CheckpointManager) -> Path | None
             )
         return None
     if resume == "auto":
-        return manager.latest_good()
-    path = resolve_checkpoint(resume)
-    verify_checkpoint(path)
+        path = manager.latest_good()
+    else:
+        path = resolve_checkpoint(resume)
+        verify_checkpoint(path)
+    if path is not None:
+        manager.resume_from(path)
     return path
 
 

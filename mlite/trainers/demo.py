@@ -18,7 +18,6 @@ then a short summary. Stages after SFT are `STAGES_AFTER_SFT`.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from mlite.config import load_job
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
 from mlite.trainers.grpo import demo as grpo_demo
+from mlite.trainers.run_folder import RUN_ENTRIES, claim_for_demo
 from mlite.trainers.sft import SFTResult, train_sft
 
 # Big enough to learn the answer format and the easy sums within the demo's budget, small enough for
@@ -44,6 +44,9 @@ DEMO_TRAIN_ROWS, DEMO_VAL_ROWS, DEMO_VOCAB = 4000, 200, 384
 # right). Without it the SFT model states every answer and GRPO can only learn arithmetic facts, slowly: a
 # held-out gain of 0.04 to 0.13 that depended on the seed and the CPU (docs/GRPO.md, "The demo stage").
 DEMO_UNSTATED = 0.5
+# what the demo writes into its folder: data, tokenizer, model config and the stages' files (a stage's run
+# folder is cleared of its run's files alone: claim_for_demo with RUN_ENTRIES)
+DEMO_ENTRIES = ("data", "tokenizer", "model", *grpo_demo.DEMO_ENTRIES)
 
 
 @dataclass
@@ -125,12 +128,13 @@ def run_demo(output_dir: str | Path = "runs/demo", device: str = "auto", overrid
     for stage in after_sft:
         stage.check(stage_overrides.get(stage.name, ()))
     total = 3 + len(after_sft)
+    # the demo starts over each time: it clears what its previous run wrote, and refuses folders not its own
+    claim_for_demo(out, DEMO_ENTRIES)
     say(f"[bold]mlite demo[/bold] -> {out}")
     say(f"1/{total} data: generating arithmetic and word problems, training a tokenizer")
     paths = prepare_demo(out, train_rows=train_rows)
     job = demo_job(out, paths, device, overrides)
-    if Path(job.trainer.output_dir).exists():  # the demo always trains from scratch: drop the previous run
-        shutil.rmtree(job.trainer.output_dir)
+    claim_for_demo(job.trainer.output_dir, RUN_ENTRIES)
     say(f"2/{total} model: Qwen3-shaped, hidden {DEMO_MODEL['hidden_size']}, "
         f"{DEMO_MODEL['num_hidden_layers']} layers ({paths['model'] / 'config.json'})")
     say(f"3/{total} sft: {job.trainer.steps} steps of {job.data.global_batch_size} sequences")

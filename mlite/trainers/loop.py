@@ -32,11 +32,18 @@ from typing import Any, Protocol
 import torch
 
 from mlite.config.schema import JobConfig
+from mlite.errors import MliteError
 from mlite.runtime.ckpt.checkpoint import CheckpointManager
 from mlite.runtime.engine import Runtime
 from mlite.runtime.parallel.step import host_number
 from mlite.trainers.common import StopRequest, checkpoint_to_resume, first_rank
-from mlite.trainers.metrics import MetricsWriter, ProgressDisplay, plot_metrics, read_metrics
+from mlite.trainers.metrics import (
+    MetricsWriter,
+    ProgressDisplay,
+    format_value,
+    plot_metrics,
+    read_metrics,
+)
 from mlite.trainers.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -157,6 +164,7 @@ def _run(job, runtime, trainer, console, show_progress, watch: Watchdog) -> RunR
     total = total_steps(job, trainer.steps_per_epoch())
     runtime.set_total_steps(total)
     manager = CheckpointManager(out, cfg.keep_last)
+    manager.clean_partials()  # this run holds the folder's lock: leftovers of a failed save are its own
 
     start = 0
     resume_from = checkpoint_to_resume(cfg.resume, manager)
@@ -172,6 +180,7 @@ def _run(job, runtime, trainer, console, show_progress, watch: Watchdog) -> RunR
     progress = ProgressDisplay(total, start, trainer.name, enabled=show_progress and output, console=console)
     last_saved: Path | None = resume_from  # a finished run rerun with resume=auto writes nothing new
     step, stopped_by, evals = start, None, []
+    skipped_in_a_row: list[int] = []  # the steps since the last update that was not skipped
 
     def evaluate(at: int) -> dict[str, float]:
         watch.beat(f"the evaluation at step {at}")
@@ -192,10 +201,17 @@ def _run(job, runtime, trainer, console, show_progress, watch: Watchdog) -> RunR
         skipped = bool(host_number(result.skipped))
         elapsed = clock.seconds(span)
         record = {**metrics, "tokens_per_s": result.tokens / elapsed, "step_time_s": elapsed, **evaluated}
-        if at % cfg.log_every == 0 or at == total or evaluated:
+        if at % cfg.log_every == 0 or at == total or evaluated or skipped:
             writer.log(at, record)
             note = " ".join(filter(None, [result.note, "(skipped: non-finite grads)" if skipped else ""]))
             progress.update(at, value, result.tokens / elapsed, note, label=label)
+        skipped_in_a_row[:] = [*skipped_in_a_row, at] if skipped else []
+        if len(skipped_in_a_row) >= cfg.max_skipped_steps:
+            raise MliteError(
+                f"{len(skipped_in_a_row)} steps in a row ({skipped_in_a_row[0]}-{at}) had non-finite "
+                f"gradients (loss {format_value(value)}) and were skipped, so training stopped "
+                f"(trainer.max_skipped_steps={cfg.max_skipped_steps}); the last checkpoint is {last_saved}; "
+                "lower optimizer.lr or check the data, then rerun to resume from it")
 
     runtime.train()
     pending = None  # (step, result, span) of a step whose numbers are not read yet
@@ -220,6 +236,11 @@ def _run(job, runtime, trainer, console, show_progress, watch: Watchdog) -> RunR
                 pending = (step, result, span)
             if save:
                 watch.beat(f"saving the checkpoint of step {step}")
+                if not runtime.weights_finite():
+                    raise MliteError(
+                        f"the weights hold NaN or inf after step {step}, so no checkpoint was written (the "
+                        f"last one is {last_saved}); lower optimizer.lr or check the data, then rerun to "
+                        "resume from it")
                 extra = {"step": step, **trainer.state_dict()}
                 last_saved = manager.save(step,
                                           lambda path, extra=extra: runtime.save_checkpoint(path, extra))

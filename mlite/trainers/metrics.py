@@ -14,22 +14,60 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from mlite.errors import MliteError
+
 METRICS_FILE = "metrics.jsonl"
+# records a resumed run moved out of METRICS_FILE (logged after its checkpoint by the run it continues,
+# or the torn last line of a run that died mid-write): kept, never deleted
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "loss.png"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    path = Path(path)
+    """The records of a metrics file, without their null figures (a non-finite number was logged as null).
+    A last line that is not whole JSON (the process died mid-write) is left out; a torn line anywhere else
+    is refused in one line."""
+    records, _ = _read_records(Path(path))
+    return [{k: v for k, v in record.items() if v is not None} for record in records]
+
+
+def _read_records(path: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """(whole records, the torn last line or None)."""
     if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [], None
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines()
+                 if line.strip()]
+    except OSError as err:
+        raise MliteError(f"cannot read {path} ({err.strerror}); check the file") from None
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        elif number == len(lines):
+            return records, line
+        else:
+            raise MliteError(f"{path} line {number} is not a metrics record; move the file aside to "
+                             "start a new one, or repair that line")
+    return records, None
+
+
+def json_record(record: dict[str, Any]) -> str:
+    """One JSON line; a non-finite number (a NaN loss) is null, as JSON has no NaN."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False)
 
 
 class MetricsWriter:
     """Appends one JSON record per logged step to `{output_dir}/metrics.jsonl` and the same scalars to
-    TensorBoard. A run resumed from step k first drops the records after k (written by the interrupted
-    run past its last checkpoint), so the file reads as if the run had never stopped."""
+    TensorBoard. A run resumed from step k (0: started afresh) first moves the records after k (written by
+    the interrupted run past its last checkpoint) to `metrics.superseded.jsonl`, so the file reads as if
+    the run had never stopped and nothing logged is lost."""
 
     def __init__(self, output_dir: str | Path, tensorboard: bool = True, resume_step: int = 0,
                  enabled: bool = True):
@@ -39,10 +77,17 @@ class MetricsWriter:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step] if resume_step else []
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.path)
+        records, torn = _read_records(self.path)
+        kept = [r for r in records if r["step"] <= resume_step]
+        moved = [json_record(r) for r in records if r["step"] > resume_step] + ([torn] if torn else [])
+        if moved:  # first the superseded copy, then the cut file: a crash in between loses nothing
+            with open(self.path.with_name(SUPERSEDED_FILE), "a") as f:
+                f.write("".join(line + "\n" for line in moved))
+                f.flush()
+                os.fsync(f.fileno())
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json_record(r) + "\n" for r in kept))
+            os.replace(tmp, self.path)
         self.file = open(self.path, "a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -54,8 +99,7 @@ class MetricsWriter:
     def log(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **values}
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json_record({"step": step, **values}) + "\n")
         self.file.flush()
         if self.tb is not None:
             for key, value in values.items():

@@ -20,6 +20,7 @@ from mlite.runtime.loss import sft_loss
 from mlite.trainers import loop
 from mlite.trainers.common import first_rank
 from mlite.trainers.metrics import PLOT_FILE, read_metrics
+from mlite.trainers.run_folder import RunLock, check_output_dir
 from mlite.trainers.watchdog import Watchdog
 
 
@@ -94,9 +95,10 @@ def train_sft(job: JobConfig, console=None, show_progress: bool = True) -> SFTRe
     """Train (or continue training) the job; returns where everything went."""
     if job.job != "sft":
         raise MliteError(f"this job is '{job.job}'; run it with `mlite {job.job}`")
-    with Watchdog.for_job(job) as watch:
+    check_output_dir(job.trainer.output_dir)
+    with Watchdog.for_job(job) as watch, RunLock(job.trainer.output_dir) as lock:
         watch.beat("start-up: the runtime (process group, model, weights)")
-        runtime = Runtime(job)
+        runtime = Runtime(job, on_placed=lock.acquire)
         try:
             watch.beat("start-up: the data")
             trainer = SFTTrainer(job, runtime)

@@ -2,7 +2,8 @@
 # The work behind every sbatch template: logs, container mode, planner check, the launch on every node
 # (torchrun, or a Ray cluster for GRPO), fail-fast when a node dies, checkpoint-and-requeue on preemption.
 #
-# A template sets its knobs, then:   source "$MLITE_ROOT/slurm/lib/job.sh"; run_job sft|grpo
+# A template sets its knobs, checks that MLITE_ROOT is a checkout only its user or root can change (nothing
+# from a planted folder may run), then:   source "$MLITE_ROOT/slurm/lib/job.sh"; run_job sft|grpo
 #
 # Knobs read here (each with a default):
 CONTAINER=${CONTAINER:-none}              # none (bare venv) | pyxis (enroot) | apptainer
@@ -30,6 +31,8 @@ source "$MLITE_ROOT/launchers/env.sh"
 
 log() { echo "[mlite $(date -u +%H:%M:%S)] $*"; }
 fail() { echo "[mlite $(date -u +%H:%M:%S)] error: $*" >&2; exit 1; }
+# An empty file only this user can read or write, made anew (an older one would keep its mode).
+private_file() { rm -f "$1"; (umask 077 && : > "$1"); }
 
 # ------------------------------------------------------------------------------------------ the job's place
 job_init() {
@@ -132,6 +135,7 @@ srun_command() {
 validate_launch() {
   local role=$1 rc=0
   log "checking the layout with the planner (launchers/$role.sh, DRY_RUN=1)"
+  private_file "$LOG_DIR/launch.txt"  # the resolved command and its environment (secrets redacted)
   if [[ $DRY_RUN == 1 ]]; then  # outside an allocation: here, with this machine's mlite
     NODE_RANK=0 VALIDATE=1 PYTHON=${PYTHON_HERE:-python} "$MLITE_ROOT/launchers/$role.sh" > "$LOG_DIR/launch.txt" 2>&1 || rc=$?
   else
@@ -304,6 +308,26 @@ run_on_all_nodes() {
 # ------------------------------------------------------------------------------------------ Ray jobs
 declare -A GUARD_NAMES=()
 
+# Ray's token authentication (https://docs.ray.io/en/latest/ray-security/token-auth.html): a new random token per
+# job and restart, in a folder of the shared run folder that only this user can open, so every node reads the
+# same one. Only its path travels (RAY_AUTH_TOKEN_PATH): the value is in no environment, command line or log.
+ray_auth_setup() {
+  if [[ $RAY_AUTH_MODE != token ]]; then
+    log "warning: RAY_AUTH_MODE=$RAY_AUTH_MODE: anyone who reaches this job's Ray ports can run code as $(id -un)"
+    return 0
+  fi
+  RAY_AUTH_DIR=$OUTPUT_ROOT/$RUN_NAME/ray-auth-$SLURM_JOB_ID-$RESTART
+  (umask 077 && mkdir -p "$RAY_AUTH_DIR")
+  [[ -O $RAY_AUTH_DIR ]] || fail "$RAY_AUTH_DIR belongs to another user; remove it or set RUN_NAME"
+  chmod 700 "$RAY_AUTH_DIR"
+  private_file "$RAY_AUTH_DIR/token"
+  head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$RAY_AUTH_DIR/token"  # 256 bits, as Ray's own
+  unset RAY_AUTH_TOKEN  # Ray would take a token from the environment before the file
+  export RAY_AUTH_TOKEN_PATH=$RAY_AUTH_DIR/token
+  [[ $DRY_RUN == 1 ]] || trap 'rm -rf "$RAY_AUTH_DIR"' EXIT  # a refused launch leaves none; stop_ray takes over
+  log "Ray: token authentication; this job's token is $RAY_AUTH_TOKEN_PATH (mode 0600, only $(id -un) reads it)"
+}
+
 # CPUs Slurm gave this job on each node; Ray's own count would see the whole machine or a cgroup.
 ray_cpus() { echo "${SLURM_CPUS_ON_NODE:-$(nproc)}"; }
 
@@ -328,17 +352,18 @@ start_ray() {
   cpus=$(ray_cpus)
   [[ ${DEVICE:-} != cpu ]] || gpus=0
   local ray_common=(--block --num-cpus="$cpus" --num-gpus="$gpus" --disable-usage-stats)
+  # the head listens on the job's address (its client server too), its dashboard on this node only
+  local ray_head=(--head --node-ip-address="$MASTER_ADDR" --port="$RAY_PORT" --dashboard-host=127.0.0.1)
   log "Ray: head on $HEAD_NODE ($MASTER_ADDR:$RAY_PORT), then $workers workers in one srun; $cpus CPUs and $gpus GPUs per node"
   if [[ $DRY_RUN == 1 ]]; then
-    step_srun --nodes=1 --ntasks=1 --overlap -w "$HEAD_NODE" -- "$PYTHON" -m ray.scripts.scripts start --head \
-      --node-ip-address="$MASTER_ADDR" --port="$RAY_PORT" "${ray_common[@]}"
+    step_srun --nodes=1 --ntasks=1 --overlap -w "$HEAD_NODE" -- "$PYTHON" -m ray.scripts.scripts start \
+      "${ray_head[@]}" "${ray_common[@]}"
     ((workers == 0)) || step_srun --nodes="$workers" --ntasks="$workers" --ntasks-per-node=1 --overlap \
       --exclude="$HEAD_NODE" -- "$PYTHON" -m ray.scripts.scripts start --address="$MASTER_ADDR:$RAY_PORT" "${ray_common[@]}"
     return 0
   fi
   step_srun_bg --nodes=1 --ntasks=1 --overlap -w "$HEAD_NODE" --output="$LOG_DIR/ray-head-$HEAD_NODE.log" -- \
-    "$PYTHON" -m ray.scripts.scripts start --head --node-ip-address="$MASTER_ADDR" --port="$RAY_PORT" \
-    "${ray_common[@]}"
+    "$PYTHON" -m ray.scripts.scripts start "${ray_head[@]}" "${ray_common[@]}"
   RAY_HEAD_PID=$BG_PID
   GUARD_NAMES[$RAY_HEAD_PID]="Ray head on $HEAD_NODE, log $LOG_DIR/ray-head-$HEAD_NODE.log"
   RAY_PIDS=("$RAY_HEAD_PID")
@@ -377,6 +402,7 @@ stop_ray() {
   local pid
   for pid in "${RAY_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   for pid in "${RAY_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  rm -rf "${RAY_AUTH_DIR:-}"  # the token opens nothing once the daemons are gone
 }
 
 run_on_ray() {
@@ -413,6 +439,7 @@ run_job() {
   [[ $role == sft || $role == grpo ]] || fail "run_job sft|grpo (got '$role')"
   job_init
   container_setup
+  if [[ $RAY == 1 ]]; then ray_auth_setup; fi  # before the planner check: its command file shows the mode
   trap on_preempt USR1
   validate_launch "$role"
   export VALIDATE=0  # checked once above; the nodes start straight away

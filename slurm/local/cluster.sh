@@ -104,11 +104,18 @@ EOF
 
 pid_alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
+# A new munge key at $1, created under umask 077: no one but its owner can read it, not even for an instant
+# (an older file, say an empty one, would keep its mode: it goes first).
+new_munge_key() {
+  rm -f "$1"
+  (umask 077 && dd if=/dev/urandom of="$1" bs=1 count=1024 status=none)
+}
+
 start_munge() {
   local key=/etc/munge/munge.key pidfile=/run/munge/munged.pid
   if [[ ! -s $key ]]; then
     mkdir -p /etc/munge
-    dd if=/dev/urandom of="$key" bs=1 count=1024 status=none
+    new_munge_key "$key"
   fi
   chown munge:munge "$key" && chmod 400 "$key"
   mkdir -p /run/munge /var/log/munge /var/lib/munge
@@ -188,6 +195,8 @@ cmd_status() {
   sinfo -N -o '%N %T %c %P' 2>/dev/null || echo "sinfo: controller not reachable"
 }
 
+# sourced (tests), it only defines the functions above
+[[ ${BASH_SOURCE[0]} == "$0" ]] || return 0
 case ${1:-} in
   install) install_packages ;;
   start) need_root; cmd_start ;;

@@ -10,13 +10,20 @@ One checkpoint is a directory:
       manifest.json     size and sha256 of every other file, written last
 
 Atomic: everything is written into `step_00000042.partial/`, fsynced, and renamed into place only when
-complete, so a crash mid-save never replaces a good checkpoint; the `latest` file is then replaced
-atomically. A checkpoint whose files do not match its manifest is refused (and skipped by auto-resume).
+complete, so a crash mid-save never replaces a good checkpoint. A run's checkpoints form its lineage
+(`CheckpointManager`): what auto-resume follows and rotation prunes. A checkpoint whose files do not
+match its manifest is refused (and skipped by auto-resume).
+
+Verified once per job: rank 0 hashes the files and every rank gets its verdict, and a checkpoint this process
+has verified is not read again while its files are unchanged. The manifest catches damage, not tampering
+(whoever writes the files writes it too): loading builds only the format's own objects from the files' pickles
+(`mlite.runtime.ckpt.safe_load`), so a crafted checkpoint is refused rather than run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -34,13 +41,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mlite.errors import MliteError
+from mlite.runtime.ckpt.safe_load import TrustedLoadPlanner, TrustedReader
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 META = "meta.json"
 TENSORS = "tensors"
-LATEST = "latest"
+LINEAGE = "lineage"
 PARTIAL = ".partial"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -126,49 +134,116 @@ def save_checkpoint(path: str | Path, tensors: dict[str, Any], rank_state: dict[
     return path
 
 
+# the checkpoints this process has hashed and found whole, with the stat of their files then: resolving a
+# resume verifies a checkpoint and loading it verifies it again, and at scale each hash reads terabytes
+_verified: dict[Path, tuple] = {}
+
+
 def verify_checkpoint(path: str | Path) -> None:
-    """Raise MliteError (one line) unless every file listed in the manifest is there, whole and unchanged."""
+    """Raise MliteError (one line) unless every file listed in the manifest is there, whole and unchanged.
+
+    Collective once torch.distributed is initialised (every rank calls it, as every rank loads): rank 0 reads
+    the files and the others get its verdict, so a start reads the checkpoint once, not once per rank. A
+    checkpoint this process verified before is not read again while its files keep their size and
+    modification time."""
     path = Path(path)
+    verdict = None
+    if _rank() == 0:
+        try:
+            _check_files(path)
+        except MliteError as err:
+            verdict = str(err)
+        except OSError as err:
+            verdict = f"checkpoint {path} cannot be read ({err}); check that it is readable and rerun"
+        except Exception:  # a bug: still answer the ranks waiting for the verdict
+            _share_verdict(f"checkpoint {path} could not be verified: rank 0 failed (see its log)")
+            raise
+    verdict = _share_verdict(verdict)
+    if verdict is not None:
+        raise MliteError(verdict)
+
+
+def _share_verdict(verdict: str | None) -> str | None:
+    """Rank 0's verdict on every rank (the default group: the ranks DCP loads over)."""
+    if not dist.is_initialized():
+        return verdict
+    shared = [verdict]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def _check_files(path: Path) -> None:
     if not (path / MANIFEST).is_file():
         raise MliteError(f"checkpoint {path} is incomplete (no {MANIFEST}): it was never finished; "
                          "delete it or resume from an earlier checkpoint")
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-    except json.JSONDecodeError:
+        expected = [(name, int(entry["bytes"]), str(entry["sha256"])) for name, entry in manifest.items()]
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError, TypeError, ValueError):
         raise MliteError(f"checkpoint {path} has a corrupt {MANIFEST}; "
                          "delete it or resume from an earlier one") from None
-    for name, expected in manifest.items():
+    # every size before any hash: a missing or truncated file costs a stat, not a read of the rest
+    stamps = []
+    for name, size, _ in expected:
         file = path / name
         if not file.is_file():
             raise MliteError(f"checkpoint {path} is missing {name}; "
                              "delete it or resume from an earlier checkpoint")
-        size = file.stat().st_size
-        if size != expected["bytes"]:
-            raise MliteError(f"checkpoint {path} is corrupt: {name} has {size} bytes, the manifest says "
-                             f"{expected['bytes']} (truncated copy?); "
-                             "delete it or resume from an earlier one")
-        if _sha256(file) != expected["sha256"]:
+        stat = file.stat()
+        if stat.st_size != size:
+            raise MliteError(f"checkpoint {path} is corrupt: {name} has {stat.st_size} bytes, the manifest "
+                             f"says {size} (truncated copy?); delete it or resume from an earlier one")
+        stamps.append((name, stat.st_size, stat.st_mtime_ns))
+    own = (path / MANIFEST).stat()  # a checkpoint saved again at the same path has a new manifest
+    stamp = (own.st_ino, own.st_size, own.st_mtime_ns, tuple(stamps))
+    key = path.resolve()
+    if _verified.get(key) == stamp:
+        return
+    for name, _, digest in expected:
+        if _sha256(path / name) != digest:
             raise MliteError(f"checkpoint {path} is corrupt: {name} does not match its sha256 in the "
                              "manifest; delete it or resume from an earlier checkpoint")
+    _verified[key] = stamp  # the stat from before the reads: a file changed meanwhile is read again
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
-    return json.loads((Path(path) / META).read_text())
+    """The checkpoint's meta.json: JSON, so reading it runs nothing from the file."""
+    try:
+        meta = json.loads((Path(path) / META).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise MliteError(f"checkpoint {path} has an unreadable {META} ({type(err).__name__}); "
+                         "delete it or resume from an earlier checkpoint") from None
+    if not isinstance(meta, dict):
+        raise MliteError(f"checkpoint {path} has a corrupt {META} (not an object); "
+                         "delete it or resume from an earlier checkpoint")
+    return meta
 
 
 def load_checkpoint(path: str | Path,
                     tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Verify, then load the tensors in place into `tensors` (same structure as saved, any layout).
 
-    Returns (meta, this rank's state), the latter None when the checkpoint was written by fewer ranks."""
+    Returns (meta, this rank's state), the latter None when the checkpoint was written by fewer ranks.
+    Nothing in the files runs code (`safe_load`): a crafted checkpoint is refused in one line."""
     path = Path(path)
-    verify_checkpoint(path)
+    verify_checkpoint(path)  # a checkpoint the resume's resolution verified is not read again
+    reader = TrustedReader(path / TENSORS, path)
+    try:
+        reader.read_metadata()  # here a refusal is one line; inside DCP it would be logged with a traceback
+    except OSError as err:
+        raise MliteError(f"checkpoint {path} cannot be read ({err}); delete it or resume from an earlier "
+                         "checkpoint") from None
     try:
         with _dcp_quiet():
-            dcp.load(tensors, checkpoint_id=str(path / TENSORS), no_dist=not dist.is_initialized())
+            dcp.load(tensors, storage_reader=reader, planner=TrustedLoadPlanner(path),
+                     no_dist=not dist.is_initialized())
     except (RuntimeError, ValueError, CheckpointException) as err:  # DCP names the first tensor it misses
         if isinstance(err, CheckpointException) and err.failures:  # the lowest rank's own error, not DCP's
-            cause = err.failures[min(err.failures)][0]
+            causes = [err.failures[rank][0] for rank in sorted(err.failures)]
+            refused = next((cause for cause in causes if isinstance(cause, MliteError)), None)
+            if refused is not None:  # an item the trusted planner refused
+                raise MliteError(str(refused)) from None
+            cause = causes[0]
             err = RuntimeError(f"{type(cause).__name__}: {cause}")
         text = str(err).strip()
         first = (text.splitlines()[0] if text else type(err).__name__)[:300]
@@ -180,13 +255,43 @@ def load_checkpoint(path: str | Path,
     return read_meta(path), rank_state
 
 
+def _disk_full(err: BaseException, folder: Path) -> bool:
+    """Whether a failed write ran out of space: ENOSPC somewhere in the error's chain (DCP wraps it), or a
+    device left with (almost) nothing free (torch.save's writer reports only that a write failed)."""
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e):
+            return True
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):
+            todo += [exc for exc, _ in e.failures.values()]
+    try:
+        return shutil.disk_usage(folder).free < (1 << 20)
+    except OSError:
+        return False
+
+
 # ------------------------------------------------------------------------------ a run's checkpoints
 class CheckpointManager:
-    """The checkpoints of one run: `{output_dir}/checkpoints/step_N`, a `latest` pointer, keep-last-N."""
+    """The checkpoints of one run: `{output_dir}/checkpoints/step_N`, rotated keep-last-N along the run's
+    lineage.
+
+    The lineage (`checkpoints/lineage`, one checkpoint name a line, oldest first) is the chain of checkpoints
+    the run's history goes through: each save appends its name (before the checkpoint is renamed into place,
+    so a save that died in between is still found), and a resume cuts it at the checkpoint it resumed from.
+    Auto-resume takes the newest entry that verifies; a checkpoint outside the lineage (the steps abandoned
+    by a rollback to an earlier checkpoint, a corrupt one skipped on resume) is never resumed from nor
+    rotated away: it stays for inspection. Rotation deletes only lineage entries beyond the newest
+    `keep_last`, and never the checkpoint this process resumed from nor the newest good one."""
 
     def __init__(self, output_dir: str | Path, keep_last: int = 2):
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = keep_last
+        self.resumed_from: Path | None = None  # kept by rotation while this process runs
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
@@ -199,26 +304,102 @@ class CheckpointManager:
                  if p.is_dir() and (m := _STEP_DIR.match(p.name))]
         return sorted(found, reverse=True)
 
+    def lineage(self) -> list[str]:
+        """The run's checkpoint names, oldest first. A folder from before lineages were kept: its
+        checkpoints by step."""
+        file = self.root / LINEAGE
+        if not file.is_file():
+            return [self.path_for(step).name for step in reversed(self.steps())]
+        return [name for name in file.read_text().split() if _STEP_DIR.match(name)]
+
+    def _write_lineage(self, names: list[str]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        _write_text(self.root / LINEAGE, "".join(f"{name}\n" for name in names))
+
+    def clean_partials(self) -> list[Path]:
+        """Remove the `.partial` folders of saves that died (a crash or a full disk): they are this run's
+        own and hold nothing a resume can use. Call at start, before any save. Returns what went."""
+        if _rank() != 0 or not self.root.is_dir():
+            return []
+        stale = [p for p in self.root.iterdir()
+                 if p.is_dir() and p.name.endswith(PARTIAL) and _STEP_DIR.match(p.name[: -len(PARTIAL)])]
+        for path in stale:
+            shutil.rmtree(path)
+            log.info("removed %s, the leftover of a save that did not finish", path)
+        return stale
+
+    def resume_from(self, path: Path) -> None:
+        """The run continues from `path`: the lineage is cut there (a checkpoint of another folder starts a
+        new one), and rotation keeps `path` while this process runs."""
+        path = self.resumed_from = Path(path)
+        names = self.lineage()
+        if not self._own(path):
+            kept = []
+        else:  # an entry of the lineage, or a checkpoint of this folder a rollback had left behind
+            kept = names[: names.index(path.name) + 1] if path.name in names else [path.name]
+        if _rank() == 0 and self.root.is_dir() and (kept != names or not (self.root / LINEAGE).is_file()):
+            self._write_lineage(kept)
+        _barrier()
+
+    def _own(self, path: Path) -> bool:
+        return self.root.is_dir() and path.parent.resolve() == self.root.resolve()
+
     def save(self, step: int, write: Callable[[Path], Path]) -> Path:
-        """`write(path)` writes the checkpoint atomically (e.g. Runtime.save_checkpoint); then `latest`
-        moves to it and checkpoints beyond the newest keep_last are deleted."""
-        path = write(self.path_for(step))
+        """`write(path)` writes the checkpoint atomically (e.g. Runtime.save_checkpoint), with its name on
+        the lineage first; then the lineage's entries beyond the newest keep_last are deleted."""
+        path = self.path_for(step)
         if _rank() == 0:
-            _write_text(self.root / LATEST, path.name + "\n")
-            for old in self.steps()[self.keep_last :]:
-                shutil.rmtree(self.path_for(old), ignore_errors=True)
+            names = [name for name in self.lineage() if name != path.name]
+            self._write_lineage([*names, path.name])
+        _barrier()
+        try:
+            write(path)
+        except (Exception, CheckpointException) as err:
+            # what a failed save left is of no use to a resume; on a full disk it holds the space the next
+            # save needs, so it goes now (and a start cleans any a killed process left: clean_partials)
+            if _rank() == 0:
+                shutil.rmtree(path.with_name(path.name + PARTIAL), ignore_errors=True)
+            if _disk_full(err, self.root):
+                raise MliteError(f"no space left on the device writing checkpoint {path}; free space under "
+                                 f"{self.root} (or lower trainer.keep_last) and rerun: the run resumes from "
+                                 f"{self.resumed_from or 'the start'} or the last checkpoint it saved"
+                                 ) from None
+            raise
+        if _rank() == 0:
+            self._rotate(path)
         _barrier()
         return path
 
+    def _rotate(self, newest: Path) -> None:
+        names = self.lineage()
+        keep = set(names[-self.keep_last :]) | {newest.name}
+        if self.resumed_from is not None and self._own(self.resumed_from):
+            keep.add(self.resumed_from.name)
+        for name in names:
+            if name not in keep:
+                shutil.rmtree(self.root / name, ignore_errors=True)
+        self._write_lineage([name for name in names if name in keep])
+
     def latest_good(self) -> Path | None:
-        """The newest checkpoint that verifies; broken ones are skipped with a warning."""
-        for step in self.steps():
-            path = self.path_for(step)
+        """The newest checkpoint of the lineage that verifies; broken ones are skipped with a warning. None
+        when the run has no checkpoint; MliteError (one line) when it has some and none verifies."""
+        names = self.lineage()
+        problems = []
+        for name in reversed(names):
+            path = self.root / name
+            if not path.is_dir():  # a save that died before its rename: its name was written first
+                continue
             try:
                 verify_checkpoint(path)
                 return path
             except MliteError as err:
                 log.warning("skipping a bad checkpoint: %s", err)
+                problems.append(str(err))
+        if problems:
+            raise MliteError(
+                f"every checkpoint of the run in {self.root} failed verification ({len(problems)}; "
+                f"the newest: {problems[0]}); resume from a checkpoint you trust with "
+                "trainer.resume=PATH, or start fresh in a new trainer.output_dir")
         return None
 
 
@@ -229,10 +410,7 @@ def resolve_checkpoint(where: str | Path) -> Path:
         return where
     for root in (where, where.parent):
         manager = CheckpointManager(root)
-        if manager.steps():
-            found = manager.latest_good()
-            if found is None:
-                raise MliteError(f"no good checkpoint under {where}: every one failed verification")
+        if manager.steps() and (found := manager.latest_good()) is not None:
             return found
     if (where / "checkpoints").is_dir() or where.name == "checkpoints":
         raise MliteError(f"no checkpoint under {where} yet; train first (mlite sft)")

@@ -438,11 +438,8 @@ def save_hf_checkpoint(
     Holds one shard in memory at a time. Written to a temporary sibling directory and renamed into place,
     so a failed export never leaves a half-written checkpoint at `out_dir`."""
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise MliteError(f"{out} exists and is not empty; choose a new export directory or remove it")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _export_tmp_dir(out)
     stream = iter_hf_weights(source, dtype) if isinstance(source, nn.Module) else source
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         stored_dtype = _write_shards(stream, tmp, max_shard_bytes, dtype)
         write_hf_config(tmp / "config.json", arch, config, stored_dtype)
@@ -453,6 +450,47 @@ def save_hf_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def check_export_dir(out_dir: str | Path) -> None:
+    """Refuse an export directory `save_hf_checkpoint` could not write, before any model is built; makes
+    nothing (a probe directory in the nearest existing folder, removed at once)."""
+    out = Path(out_dir)
+    above = _export_base(out)
+    with _unwritable(out):
+        os.rmdir(tempfile.mkdtemp(prefix=".mlite-export-probe.", dir=above))
+
+
+def _export_tmp_dir(out: Path) -> Path:
+    """A new temporary sibling of `out` to write the export into."""
+    _export_base(out)
+    with _unwritable(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+
+
+def _export_base(out: Path) -> Path:
+    """The nearest existing folder at or above `out`; refuses an `out` that is a file or a non-empty
+    directory (nothing of it is touched) or that lies under a file."""
+    with _unwritable(out):
+        if out.exists() and not out.is_dir():
+            raise MliteError(f"{out} exists and is not a directory; choose a new export directory")
+        above = next((p for p in (out, *out.parents) if p.exists()), Path("."))
+        if not above.is_dir():
+            raise MliteError(f"{above} is a file, not a directory: {out} cannot be made there; "
+                             "choose another export directory")
+        if above == out and any(out.iterdir()):
+            raise MliteError(f"{out} exists and is not empty; choose a new export directory or remove it")
+    return above
+
+
+@contextlib.contextmanager
+def _unwritable(out: Path):
+    try:
+        yield
+    except OSError as err:
+        raise MliteError(f"cannot write the export directory {out} ({err.strerror}); "
+                         "choose a writable place") from None
 
 
 def _write_shards(stream: WeightStream, tmp: Path, max_shard_bytes: int, dtype) -> torch.dtype:

@@ -121,7 +121,7 @@ class GlobalBatchSampler:
 
     def __init__(self, num_samples: int, batch_size: int, seed: int, shuffle: bool = True):
         if num_samples == 0:
-            raise MliteError("no training samples left after filtering; see the data report above")
+            raise MliteError("no training samples to batch; give data.train_files with usable rows")
         self.num_samples, self.batch_size, self.seed, self.shuffle = num_samples, batch_size, seed, shuffle
         self.consumed = 0  # samples taken so far, over all epochs
         self._order: tuple[int, list[int]] = (-1, [])

@@ -58,6 +58,17 @@ class DataReport:
             text += f"; {len(self.empty_files)} empty files: {', '.join(self.empty_files)}"
         return text + "."
 
+    def why_none_used(self, seq_len: int) -> str:
+        """What left every row out, with counts per reason and the fix: the error when none is usable."""
+        reasons = [
+            f"{self.malformed} malformed (first: {self.first_malformed})" if self.malformed else "",
+            f"{self.no_assistant} without an assistant turn to train on" if self.no_assistant else "",
+            f"{self.too_long} longer than data.seq_len={seq_len}; raise it" if self.too_long else "",
+            f"empty: {', '.join(self.empty_files)}" if self.empty_files else "",
+        ]
+        files = f"{self.files} file" + ("s" if self.files != 1 else "")
+        return f"{self.used} of {self.rows} rows usable in {files}: " + "; ".join(r for r in reasons if r)
+
 
 # ---------------------------------------------------------------------------------------------- reading
 def read_messages(path: Path, messages_key: str, report: DataReport) -> Iterator[tuple[str, Any]]:
@@ -258,11 +269,11 @@ def build_sft_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> SFTDat
     tokenizer = load_tokenizer(tokenizer_path)
     check_assistant_mask(tokenizer, tokenizer_path)
     train, train_report = load_samples(data.train_files, tokenizer, data.seq_len, data.messages_key)
-    val, val_report = (
-        load_samples(data.val_files, tokenizer, data.seq_len, data.messages_key)
-        if data.val_files
-        else ([], None)
-    )
+    _refuse_unusable("data.train_files", train, train_report, data.seq_len)
+    val, val_report = [], None
+    if data.val_files:  # asked for: none usable is an error too, not a run without evaluation
+        val, val_report = load_samples(data.val_files, tokenizer, data.seq_len, data.messages_key)
+        _refuse_unusable("data.val_files", val, val_report, data.seq_len)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     return SFTData(
         train,
@@ -275,3 +286,8 @@ def build_sft_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> SFTDat
         train_report=train_report,
         val_report=val_report,
     )
+
+
+def _refuse_unusable(key: str, samples: Sequence[Sample], report: DataReport, seq_len: int) -> None:
+    if not samples:
+        raise MliteError(f"no usable rows in {key}: {report.why_none_used(seq_len)}")

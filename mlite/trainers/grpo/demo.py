@@ -8,12 +8,12 @@ the last: the summary prints before -> after.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from mlite.config import load_job
 from mlite.config.schema import JobConfig
 from mlite.trainers.grpo.trainer import GRPOResult, train_grpo
+from mlite.trainers.run_folder import RUN_ENTRIES, claim_for_demo
 
 PRESET = "demo_grpo"
 # One-digit word problems: after the demo's SFT the model works about half of them out right when sampling,
@@ -26,6 +26,7 @@ KIND, LEVEL = "word", 1
 HELD_OUT = 128  # held-out prompts, answered rollout.val_n times each before, during and after
 TRAIN_PROMPTS = 1024  # more than a run's prompts (80 steps x 8): no prompt is trained on twice
 PROMPT_SEED = 2  # the SFT data is drawn with seed 0; these questions exclude its questions anyway
+DEMO_ENTRIES = ("sft_hf", "grpo_data")  # what this stage writes into the demo's folder, besides its run
 
 
 def write_prompt_files(out: Path) -> dict[str, Path]:
@@ -96,12 +97,11 @@ def grpo_stage(
     from mlite.plan import plan_job
     from mlite.runtime.engine import export_checkpoint
 
-    shutil.rmtree(out / "sft_hf", ignore_errors=True)  # the previous demo's export (export never overwrites)
+    # the demo's folder was cleared of its last run's files (claim_for_demo): export never overwrites
     model_dir = export_checkpoint(sft.checkpoint, out / "sft_hf")
     job = demo_grpo_job(out, Path(model_dir), device, overrides)
     plan_job(job)
-    if Path(job.trainer.output_dir).exists():  # like the SFT stage, the demo starts over each time
-        shutil.rmtree(job.trainer.output_dir)
+    claim_for_demo(job.trainer.output_dir, RUN_ENTRIES)  # like the SFT stage, the demo starts over each time
     if console is not None:
         r = job.rollout
         console.print(

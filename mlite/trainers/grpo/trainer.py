@@ -45,6 +45,7 @@ from mlite.trainers.grpo.rewards import RewardFailure, load_reward, score_respon
 from mlite.trainers.grpo.rollout import BuiltinRollout, Completion, RolloutEngine, SamplingParams
 from mlite.trainers.grpo.vllm_rollout import VLLMRollout, require_vllm
 from mlite.trainers.metrics import read_metrics
+from mlite.trainers.run_folder import RunLock, check_output_dir
 from mlite.trainers.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -490,14 +491,15 @@ def train_grpo(job: JobConfig, console=None, show_progress: bool = True, tokeniz
     source = job.data.tokenizer or job.model.path
     if tokenizer is None and source is None:
         raise MliteError("GRPO needs a tokenizer: set data.tokenizer (a tokenizer dir) or use model.path")
-    with Watchdog.for_job(job) as watch:
+    check_output_dir(job.trainer.output_dir)
+    with Watchdog.for_job(job) as watch, RunLock(job.trainer.output_dir) as lock:
         watch.beat("start-up: the tokenizer and the prompts")
         tokenizer = tokenizer or load_tokenizer(source)
         train_prompts = load_prompts(job.data.train_files, tokenizer, job, "train")
         val_prompts = (load_prompts(job.data.val_files, tokenizer, job, "held-out") if job.data.val_files
                        else [])
         watch.beat("start-up: the runtime (process group, model, weights)")
-        runtime = Runtime(job)
+        runtime = Runtime(job, on_placed=lock.acquire)
         engine = None
         try:  # the reference snapshot is taken here, before the loop loads any checkpoint
             watch.beat("start-up: the rollout engine, the reward and the reference policy")
