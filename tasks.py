@@ -129,7 +129,7 @@ def export(c, checkpoint, out, dtype=""):
 
 
 # ------------------------------------------------------------------------------------ container images
-# Logic and command construction live in mlite/images.py (tested there); these only pass arguments.
+# Logic and command construction live in mlite/images/build.py (tested there); these only pass arguments.
 _IMAGE_HELP = {
     "arch": "GPU architecture: sm90 (Hopper) or sm100 (Blackwell)",
     "stack": "stack version from docker/stacks/ (default: the newest)",
@@ -140,7 +140,7 @@ _IMAGE_HELP = {
 
 
 def _images(action: str, **kwargs) -> None:
-    from mlite import images
+    from mlite.images import build as images
 
     sys.exit(images.main(action, **kwargs))
 

@@ -1,4 +1,6 @@
-"""A/B of job keys on one bench case, in one launch: the variants take turns, round after round, so the
+"""Compare job keys on one bench case in one launch, the variants taking turns (a paired A/B).
+
+An A/B of job keys on one bench case, in one launch: the variants take turns, round after round, so the
 launch-to-launch spread of these machines (the same 2-GPU case has measured 162-246 ms) does not decide
 the comparison. Each variant is the bench's Runtime step (`bench.case_step`) with its `--set` keys; rank 0
 prints every round's median step and each variant's best.

@@ -1,4 +1,4 @@
-"""How far the optimizer step is from its memory-bandwidth floor (issue 15), on one GPU.
+"""How far the optimizer step is from its memory-bandwidth floor, on one GPU.
 
 For the parameters of a bench case (bf16 parameters, gradients and AdamW states, as the bench runs), the
 update reads parameter, gradient and both moments and writes parameter and both moments back: 14 bytes per

@@ -1,4 +1,6 @@
-"""Load an mlite export of a DeepSeek-V4 fixture case in transformers (>= 5.23) and compare its logits with
+"""Check that transformers loads an mlite export of a DeepSeek-V4 fixture case with the reference logits.
+
+Load an mlite export of a DeepSeek-V4 fixture case in transformers (>= 5.23) and compare its logits with
 the fixture's reference. RUNS ONLY IN THE SIDE ENVIRONMENT (see scripts/dsv4_reference.py); it must not
 import mlite. Usage: python scripts/dsv4_load_check.py EXPORT_DIR REFERENCE.safetensors"""
 

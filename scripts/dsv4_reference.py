@@ -1,4 +1,4 @@
-"""DeepSeek-V4 reference fixture, made by transformers' own `models/deepseek_v4`.
+"""Write the DeepSeek-V4 reference fixture (tests/fixtures/dsv4) with transformers' own `models/deepseek_v4`.
 
 RUNS ONLY IN A SIDE ENVIRONMENT with transformers==5.23.0, torch==2.13.0 (CPU) and safetensors: the main
 venv's transformers (5.10) has an older DeepSeek-V4 (its RMSNorm casts to the input dtype before the fp32

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Set up a bare GPU machine to run mlite from this checkout (source it).
 # Prepare a bare GPU machine (torch preinstalled, no network) to run mlite from this checkout:
 # install the wheels carried in .whl/ (pydantic, invoke, megatron-core, ...) that the machine lacks into
 # /tmp/site (what it has already, numpy or transformers say, stays: a carried copy would shadow it) and put

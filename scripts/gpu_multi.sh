@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 17's runs on one 4-GPU machine, in two parts that each fit one device call (logs and JSON to $OUT, or
-# runs/gpu_multi without it). The tiny-model tests share GPUs (they are small; their numbers do not depend on
+# Run the multi-GPU tests and benchmarks on one 4-GPU machine, part by part.
+# Each part fits one device call (logs and JSON to $OUT, or runs/gpu_multi without it). The tiny-model tests share GPUs (they are small; their numbers do not depend on
 # a neighbour); the benchmark runs alone.
 #   scripts/gpu_multi.sh tests   at once: the 4-GPU layouts of tests/test_parallel_gpu.py; the dist_opt GPU
 #                                tests and the 2-GPU SFT runs on GPUs 2,3; the template twins on 4 GPUs

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Unpack the verl bundle on a bare GPU machine and set verl's environment (source it).
 # On the GPU machine, after `. scripts/gpu_env.sh; . scripts/gpu_vllm_env.sh`: unpack the verl bundle that
 # scripts/verl_bundle.sh wrote (.verl1/: ray, verl and their dependencies) into /tmp/verl_site with
 # gpu_vllm_env.sh's _bundle_unpack (an unpacked bundle with the same sha256 is reused), put it on PYTHONPATH

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Unpack the vLLM bundle on a bare GPU machine and set vLLM's environment (source it).
 # On the GPU machine, after `. scripts/gpu_env.sh`: unpack the vLLM bundle that scripts/vllm_bundle.sh
 # wrote (.vllm1/, and .vllm2/ if the bundle needed two chunks) into /tmp/vllm_site, put it on PYTHONPATH
 # and set the environment for vLLM's offline, in-process path:

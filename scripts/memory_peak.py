@@ -1,4 +1,6 @@
-"""Where a bench case's peak GPU memory goes: run a few steps of the case (as `mlite bench` does), record
+"""Show what is live at a bench case's GPU memory peak, by the mlite source line that allocated it.
+
+Where a bench case's peak GPU memory goes: run a few steps of the case (as `mlite bench` does), record
 the allocator's history over one more, replay it to find the moment of the peak, and list what was live
 then, grouped by the innermost mlite source line that allocated it.
 

@@ -1,4 +1,6 @@
-"""Profile one mlite training step of a bench case on a GPU (the trainers' Runtime step, as `mlite bench`
+"""Profile a bench case's training step on GPUs: top kernels, host gap, graph breaks and host syncs.
+
+Profile one mlite training step of a bench case on a GPU (the trainers' Runtime step, as `mlite bench`
 times it, with model.compile) and say where the step's wall time goes:
 
 - the top CUDA kernels by self time, and the top host-side ops by self CPU time;

@@ -1,4 +1,6 @@
-"""Rollout throughput: the built-in sampler against vLLM (`rollout.engine: vllm`), on the same model, prompts
+"""Measure rollout throughput: the built-in sampler against vLLM, on the same model and prompts.
+
+Rollout throughput: the built-in sampler against vLLM (`rollout.engine: vllm`), on the same model, prompts
 and sampling, through the engines the GRPO trainer uses. Random weights (a catalog preset), random prompt
 tokens, no stop token (every response runs to --new tokens), temperature 1.
 

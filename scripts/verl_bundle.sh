@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Build the verl + Ray bundle that travels to a bare, offline GPU machine.
 # Build the verl bundle for the bare, offline GPU machine (H100/H200, torch 2.11+cu130, Python 3.12): what
 # `python3 -m verl.trainer.main_ppo model_engine=mlite actor_rollout_ref.rollout.name=vllm ...` (verl's PPO trainer on
 # Ray, vLLM's OpenAI server as the rollout, verl's agent loop) needs beyond the machine's own packages, the
@@ -29,7 +30,7 @@ SITE_ONLY=""
 if [ "${1:-}" = --site ]; then SITE_ONLY=${2:?--site needs a directory}; fi
 # the image's pins (docker/stacks, the one source of truth)
 read -r RAY_VERSION VERL_VERSION < <(cd "$REPO" && python3 -c \
-  'from mlite.stack import load_stack; w = load_stack().wheels; print(w["ray"], w["verl"])')
+  'from mlite.images.stacks import load_stack; w = load_stack().wheels; print(w["ray"], w["verl"])')
 PY_TAG=cp${PYVER/./}
 WHEEL_DIR=${VERL_WHEEL_DIR:-/tmp/vl}
 RAY_WHEEL=$WHEEL_DIR/ray-$RAY_VERSION-$PY_TAG-$PY_TAG-manylinux2014_x86_64.whl

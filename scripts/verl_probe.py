@@ -1,4 +1,6 @@
-"""Probe the verl + vLLM stack on the bare GPU machine: after
+"""Check the verl + vLLM bundle on a bare GPU machine: every module imports and a Ray cluster starts.
+
+Probe the verl + vLLM stack on the bare GPU machine: after
 `. scripts/gpu_env.sh; . scripts/gpu_vllm_env.sh; . scripts/gpu_verl_env.sh`,
 
     python3 scripts/verl_probe.py

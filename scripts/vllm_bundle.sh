@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Build the stripped vLLM bundle that travels to a bare, offline GPU machine.
 # Build a stripped vLLM bundle (the image's pin, 0.25.1) for the bare, offline GPU machine (H100/H200, torch 2.11+cu130,
 # Python 3.12), small enough to travel with a device command: .vllm1/ (and .vllm2/ only if one chunk of
 # 55 MiB cannot hold it). On the GPU machine, `. scripts/gpu_env.sh; . scripts/gpu_vllm_env.sh` unpacks it.
@@ -19,7 +20,7 @@ set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # the image's pin (docker/stacks, the one source of truth); the patches below are checked against 0.25.1
-VLLM_VERSION=$(cd "$REPO" && python3 -c 'from mlite.stack import load_stack; print(load_stack().wheels["vllm"])')
+VLLM_VERSION=$(cd "$REPO" && python3 -c 'from mlite.images.stacks import load_stack; print(load_stack().wheels["vllm"])')
 WHEEL_DIR=${VLLM_WHEEL_DIR:-/tmp/vl}
 WHEEL=$WHEEL_DIR/vllm-$VLLM_VERSION-cp38-abi3-manylinux_2_28_x86_64.whl
 CHUNK_MAX=$((55 * 1024 * 1024))

@@ -19,6 +19,7 @@ from mlite.config import job_from_dict
 from mlite.config.arch import ModelArch, arch_from_hf_config
 from mlite.config.catalog import PRESETS
 from mlite.config.schema import OptimizerConfig
+from mlite.plan.policy import expert_exchange
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.models import build_model
 from mlite.runtime.optim import LocalAdamW
@@ -247,13 +248,17 @@ def parallelize(model, mesh, job_sections=None):
     """The runtime's entry point, driven by a job file's sections (recompute, offload); precision from the
     suite (fp32 on CPU, bf16 on GPUs)."""
     sections = dict(job_sections or {})
-    sections["precision"] = {"compute": "bf16" if compute_dtype() == torch.bfloat16 else "fp32"}
-    # the harness's layouts: FSDP2 units of one layer, resharded after their forward (torchtitan's), unless a
-    # test's sections say otherwise
+    # what a plan resolves, given as the plan would (mlite.plan.plan_job): fp32 masters reduce in fp32;
+    # FSDP2 units of one layer, resharded after their forward (torchtitan's), unless a test's sections say
+    # otherwise; the expert exchange policy picks for the mesh's ep and the model's top-k
+    sections["precision"] = {"compute": "bf16" if compute_dtype() == torch.bfloat16 else "fp32",
+                             "grad_reduce": "fp32"}
     sections.setdefault("parallel", {}).setdefault("fsdp_unit_layers", 1)
     sections["parallel"].setdefault("fsdp_reshard_after_forward", True)
     job = job_from_dict({"model": {"name": "tiny-qwen3-moe"}, **sections})
-    return parallelize_model(model, mesh, job, device().type)
+    moe = model.arch.moe
+    exchange = expert_exchange(mesh.dims.ep, moe.top_k) if moe is not None and mesh.dims.ep > 1 else None
+    return parallelize_model(model, mesh, job, device().type, exchange)
 
 
 def build_layout(moe: bool, mesh, job_sections=None) -> dict:

@@ -6,12 +6,14 @@ from dataclasses import replace
 
 import pytest
 
-from mlite.bench import effective_seq_len, flops_per_token, mfu, mixed_lengths
+from mlite.bench import hf_side
+from mlite.bench.cases import mixed_lengths
+from mlite.bench.flops import effective_seq_len, flops_per_token, mfu
 from mlite.config.catalog import preset_arch
 
 
 def test_mfu_formula_reproduces_the_reference_baselines():
-    # ../shared/REFERENCE.md section 4: HF transformers on one H100, sequence 4096
+    # the reference baselines: HF transformers on one H100, sequence 4096 (docs/PERFORMANCE.md)
     dense = preset_arch("qwen3-1.7b")
     assert mfu(dense, [4096], tokens_per_s=21_816, peak_tflops=989) == pytest.approx(0.259, abs=0.001)
     moe = replace(preset_arch("qwen3-30b-a3b"), num_layers=6)
@@ -50,7 +52,9 @@ def test_tiny_case_runs_the_runtime_and_hf_and_reports_sane_figures(tmp_path):
     import math
     import statistics
 
-    from mlite.bench import CASES, case_arch, render_table, run_case, write_results
+    from mlite.bench.cases import CASES, case_arch
+    from mlite.bench.report import render_table, write_results
+    from mlite.bench.run import run_case
 
     case = CASES["tiny-cpu"]
     results = run_case(case, "cpu", steps=2, warmup=1, peak_tflops=0.5)
@@ -76,7 +80,8 @@ def test_tiny_case_runs_the_runtime_and_hf_and_reports_sane_figures(tmp_path):
 def test_bench_drives_the_runtime_as_the_sft_trainer_does(monkeypatch):
     """No step of its own: each timed step is zero_grad, forward_backward over the case's micro-batches,
     optimizer_step, lr_scheduler_step on mlite.runtime.engine.Runtime, in the SFT trainer's order."""
-    from mlite.bench import CASES, run_case
+    from mlite.bench.cases import CASES
+    from mlite.bench.run import run_case
     from mlite.runtime.engine import Runtime
 
     calls = []
@@ -205,7 +210,7 @@ def test_ab_step_refuses_to_interleave_the_process_wide_gc_key():
 
 
 def test_replicas_draw_their_own_sequences_and_the_ranks_of_one_replica_the_same():
-    from mlite.bench import CASES, replica_seed
+    from mlite.bench.cases import CASES, replica_seed
 
     assert [replica_seed(CASES["dense-1.7b-4k-dp4"], "cpu", r, 4) for r in range(4)] == [0, 1, 2, 3]
     assert [replica_seed(CASES["dense-1.7b-16k-cp4"], "cpu", r, 4) for r in range(4)] == [0, 0, 0, 0]
@@ -216,7 +221,7 @@ def test_dist_opt_cases_run_megatrons_optimizer_against_one_gpu_with_the_same_ma
     optimizer keeps no bf16 ones); the one-GPU reference keeps them too, so scaling is the backend's cost,
     except where the planner says fp32 masters do not fit one H100 (8 MoE layers): then it keeps bf16 ones.
     The planner sizes what runs: fp32 masters and Adam state, sharded over dp, cost more than bf16 ones."""
-    from mlite.bench import CASES, case_arch, case_job, planner_estimate_gb
+    from mlite.bench.cases import CASES, case_arch, case_job, planner_estimate_gb
     from mlite.plan import plan_job
 
     for name in ("dense-1.7b-4k-dp2", "dense-1.7b-4k-dp4", "moe-30b-a3b-8l-4k-ep4"):
@@ -278,10 +283,10 @@ def test_multi_rank_case_without_torchrun_says_how_to_launch_it():
 
 # ----------------------------------------------------------------------------------------- DeepSeek-V4
 def test_v4_flops_at_flash_widths_match_the_reference_and_the_planners_active_count():
-    """../shared/REFERENCE.md: forward FLOPs per token at V4-Flash widths, one 16k sequence, about 29.5
-    GFLOP; the matmul weights counted are the planner's active parameters less the input embedding and
+    """Forward FLOPs per token at V4-Flash widths, one 16k sequence: about 29.5 GFLOP (the HF anchor's
+    count); the matmul weights counted are the planner's active parameters less the input embedding and
     the parameters that multiply no activation (norms, sinks, biases, mHC bases and scales)."""
-    from mlite.bench import v4_flops_per_token, v4_matmul_params_per_token
+    from mlite.bench.flops import v4_flops_per_token, v4_matmul_params_per_token
     from mlite.config.catalog import count_params
 
     arch = preset_arch("deepseek-v4-flash")
@@ -294,8 +299,8 @@ def test_v4_flops_at_flash_widths_match_the_reference_and_the_planners_active_co
 
 
 def test_v4_mfu_reproduces_the_reference_anchor():
-    # ../shared/REFERENCE.md section 4: transformers 5.23 on one H100, the dsv4-flash-4l cases' shapes
-    from mlite.bench import CASES, case_arch
+    # the HF anchor: transformers 5.23 on one H100, the dsv4-flash-4l cases' shapes (docs/PERFORMANCE.md)
+    from mlite.bench.cases import CASES, case_arch
 
     for name, tokens_per_s, expected in (("dsv4-flash-4l-4k", 7_790, 0.085),
                                          ("dsv4-flash-4l-2k", 8_945, 0.097)):
@@ -315,7 +320,7 @@ def test_v4_flops_count_the_models_own_matmuls_and_key_sets():
     it, plus min(top_k, visible) CSA entries)."""
     from torch import nn
 
-    from mlite.bench import v4_flops_per_token, v4_matmul_params_per_token
+    from mlite.bench.flops import v4_flops_per_token, v4_matmul_params_per_token
     from mlite.runtime.data.packed import PackedBatch
     from mlite.runtime.models import build_model
     from mlite.runtime.models.deepseek_v4 import HyperConnection, HyperHead, batch_geometry
@@ -357,18 +362,21 @@ def test_tiny_dsv4_case_runs_the_runtime_and_notes_a_missing_hf_model(monkeypatc
     import json
     import math
 
-    import mlite.bench as bench
+    from mlite.bench.cases import CASES, case_arch
+    from mlite.bench.flops import v4_flops_per_token
+    from mlite.bench.report import render_table, write_results
+    from mlite.bench.run import run_case
 
-    monkeypatch.setattr(bench, "_transformers_has", lambda name: False)
-    case = bench.CASES["tiny-dsv4"]
-    results = bench.run_case(case, "cpu", steps=2, warmup=1, peak_tflops=0.5)
+    monkeypatch.setattr(hf_side, "_transformers_has", lambda name: False)
+    case = CASES["tiny-dsv4"]
+    results = run_case(case, "cpu", steps=2, warmup=1, peak_tflops=0.5)
     assert [r.side for r in results] == ["mlite", "hf"]
     mlite_side, hf = results
-    arch = bench.case_arch(case)
+    arch = case_arch(case)
     seq_lens = mlite_side.extra["seq_lens"]
     assert sum(seq_lens) == mlite_side.tokens_per_step == 128 and len(seq_lens) > 1
     assert mlite_side.tokens_per_s > 0 and not mlite_side.skipped
-    assert mlite_side.flops_per_token == pytest.approx(3 * bench.v4_flops_per_token(arch, seq_lens))
+    assert mlite_side.flops_per_token == pytest.approx(3 * v4_flops_per_token(arch, seq_lens))
     assert mlite_side.mfu == pytest.approx(mlite_side.flops_per_token * mlite_side.tokens_per_s / 0.5e12)
     assert mlite_side.mfu > 0
     assert abs(mlite_side.extra["loss"] - math.log(arch.vocab)) < 0.5
@@ -377,19 +385,20 @@ def test_tiny_dsv4_case_runs_the_runtime_and_notes_a_missing_hf_model(monkeypatc
     assert hf.skipped.startswith(f"transformers {transformers.__version__} has no deepseek_v4; anchor: ")
     assert "7,790 tokens/s, 8.5% MFU, 68.2 GB at 4096; 8,945 tokens/s, 9.7% at 2048" in hf.skipped
     assert hf.tokens_per_s == hf.mfu == 0 and hf.flops_per_token == mlite_side.flops_per_token
-    table = bench.render_table(results)
+    table = render_table(results)
     assert table.row_count == 2 and "has no deepseek_v4" in str(table.caption)
-    bench.write_results(results, tmp_path / "r.json", {"device": "cpu"})
+    write_results(results, tmp_path / "r.json", {"device": "cpu"})
     rows = json.loads((tmp_path / "r.json").read_text())["results"]
     assert rows[1]["skipped"] == hf.skipped and rows[0]["skipped"] == ""
 
 
-@pytest.mark.skipif(not __import__("mlite.bench").bench._transformers_has("DeepseekV4ForCausalLM"),
+@pytest.mark.skipif(not hf_side._transformers_has("DeepseekV4ForCausalLM"),
                     reason="this transformers has no DeepSeek-V4")
 def test_tiny_dsv4_hf_side_runs_where_transformers_has_deepseek_v4():
     """Eager attention, grouped_mm experts, and a balanced hash table (transformers' init routes every
     token of a hash layer to expert 0)."""
-    from mlite.bench import CASES, case_arch, case_seq_lens, hf_skip_reason, hf_step_fn, random_sequences
+    from mlite.bench.cases import CASES, case_arch, case_seq_lens, random_sequences
+    from mlite.bench.hf_side import hf_skip_reason, hf_step_fn
 
     case = CASES["tiny-dsv4"]
     arch = case_arch(case)
@@ -408,7 +417,8 @@ def test_set_overrides_reach_the_runtimes_job_and_are_recorded(tmp_path):
     """`mlite bench --set KEY=VALUE`: an A/B of one job key on the same case. The keys reach the job the
     Runtime builds and the Runtime itself, they are recorded with the result, and a bad key is the
     config's own one-line error."""
-    from mlite.bench import CASES, case_job, run_case
+    from mlite.bench.cases import CASES, case_job
+    from mlite.bench.run import run_case
     from mlite.errors import MliteError
 
     case = CASES["tiny-cpu"]
@@ -417,7 +427,8 @@ def test_set_overrides_reach_the_runtimes_job_and_are_recorded(tmp_path):
     assert (job.optimizer.clip_grad, job.optimizer.lr) == (0.0, 0.002)
     result, = run_case(case, "cpu", steps=1, warmup=0, sides=("mlite",), overrides=["optimizer.lr=0.002"])
     assert result.extra["overrides"] == ["optimizer.lr=0.002"]
-    from mlite.bench import case_seq_lens, random_sequences, runtime_step_fn
+    from mlite.bench.cases import case_seq_lens, random_sequences
+    from mlite.bench.mlite_side import runtime_step_fn
 
     sequences = random_sequences(case_seq_lens(case), 256, seed=0)
     _step, runtime, _last = runtime_step_fn(case, sequences, "cpu", overrides=["optimizer.lr=0.002"])
@@ -430,7 +441,7 @@ def test_the_planners_estimate_takes_the_set_keys_too():
     """The bench's `plan GB` column sizes the job the Runtime ran: with --set keys that move memory
     (fp8 optimizer state, recompute), the estimate moves with them. (The planner counts DeepSeek-V4's
     attention activations whole: selective recompute does not move its estimate for that model yet.)"""
-    from mlite.bench import CASES, case_arch, planner_estimate_gb
+    from mlite.bench.cases import CASES, case_arch, planner_estimate_gb
 
     case = CASES["dsv4-flash-4l-4k"]
     arch = case_arch(case)
@@ -468,7 +479,7 @@ def test_the_planner_sizes_the_v4_bench_case_within_10_percent_of_the_h100_runs(
     import json
     from pathlib import Path
 
-    from mlite.bench import CASES, case_arch, planner_estimate_gb
+    from mlite.bench.cases import CASES, case_arch, planner_estimate_gb
 
     measured = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench" / result).read_text())
     row = measured["results"][0] if "results" in measured else measured
@@ -491,14 +502,14 @@ def test_the_planner_sizes_the_v4_bench_case_within_10_percent_of_the_h100_runs(
     "h200x4-2026-11-28e-dense-1.7b-4k-dp2.json",
 ])
 def test_the_planner_sizes_the_multi_gpu_bench_cases_within_15_percent(result):
-    """Issue 17's calibration on the 2 and 4 x H100 and 4 x H200 runs (footprint per GPU, the fullest
+    """The planner's calibration on the 2 and 4 x H100 and 4 x H200 runs (footprint per GPU, the fullest
     rank): fsdp2 over dp on the dense case, ep on the MoE case (the expert exchange's allocator slack,
     EP_EXCHANGE_SLACK), and both under dist_opt (fp32 master and Adam shards, Megatron's param and grad
     buffers)."""
     import json
     from pathlib import Path
 
-    from mlite.bench import CASES, case_arch, planner_estimate_gb
+    from mlite.bench.cases import CASES, case_arch, planner_estimate_gb
 
     measured = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench" / result).read_text())
     row = measured["results"][0]

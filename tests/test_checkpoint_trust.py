@@ -206,7 +206,7 @@ def count_hashes(monkeypatch) -> Counter:
 
 
 def test_a_resume_and_an_export_hash_each_file_once(tmp_path, monkeypatch):
-    from mlite.runtime.state import export_checkpoint
+    from mlite.runtime.engine import export_checkpoint
     from mlite.trainers.common import checkpoint_to_resume
 
     rt = Runtime(make_job())

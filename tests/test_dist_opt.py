@@ -62,15 +62,15 @@ from parallel_harness import (
 
 from mlite.config import job_from_dict
 from mlite.errors import MliteError
-from mlite.runtime.ckpt.checkpoint import CheckpointManager
-from mlite.runtime.optim import LRSchedule, clip_coef
-from mlite.runtime.parallel.dist_opt import (
+from mlite.runtime.backends.dist_opt import (
     arm_fused_step,
     build_dist_opt,
     check_dist_opt_job,
     fuse_torch_adam,
     megatron_transformer_config,
 )
+from mlite.runtime.ckpt.checkpoint import CheckpointManager
+from mlite.runtime.optim import LRSchedule, clip_coef
 from mlite.runtime.parallel.megatron import NEEDS_MEGATRON, destroy_parallel_state
 from mlite.runtime.parallel.mesh import ParallelDims
 
@@ -234,8 +234,8 @@ def test_the_next_forward_waits_for_each_gather_just_before_the_first_layer_that
     nothing in flight, and finish_param_gather (what checkpoints and export call) waits for the rest."""
     from types import SimpleNamespace
 
+    from mlite.runtime.backends.dist_opt import DistOptBackend, Twin
     from mlite.runtime.models import build_model
-    from mlite.runtime.parallel.dist_opt import DistOptBackend, Twin
 
     model = build_model(tiny_arch(moe=False))
     events: list = []
@@ -512,6 +512,61 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path
             assert not same(run["skip"][key], run["third"][key]), f"rank {rank}: step 2 left {key} as is"
         assert run["first"]["adam steps"] == run["skip"]["adam steps"] == [1.0], run["skip"]["adam steps"]
         assert run["third"]["adam steps"] == [2.0], run["third"]["adam steps"]
+
+
+
+def _offload_worker(rank, world, out, offload):
+    """A step, then (with `offload`) everything to the host and back, then the remaining steps."""
+    torch.use_deterministic_algorithms(True)
+    dims = ParallelDims(world, dp=world)
+    job = dist_opt_job()
+    model = make_model(False)
+    backend = build_dist_opt(model, dims, job)
+    schedule = LRSchedule(backend.optimizer, job.optimizer, total_steps=10)
+    history = train_dist_opt(model, backend, schedule, rank, world, range(1))
+    facts = {}
+    if offload:
+        weights = [p.detach().clone() for p in model.parameters()]
+        on_gpu = torch.cuda.memory_allocated()
+        backend.offload_to_host()
+        facts["freed"] = on_gpu - torch.cuda.memory_allocated()
+        facts["buffers"] = sum(b.param_data.numel() * b.param_data.element_size()
+                               + b.grad_data.numel() * b.grad_data.element_size()
+                               for ddp in backend.ddps for b in ddp.buffers + ddp.expert_parallel_buffers)
+        facts["masters on the host"] = all(s.device.type == "cpu" for s in backend.main_shards)
+        try:
+            backend.weights_current()
+        except MliteError as err:
+            facts["refused while offloaded"] = str(err)
+        backend.reload_to_device()
+        facts["weights back"] = all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    history += train_dist_opt(model, backend, schedule, rank, world, range(1, STEPS))
+    torch.save({"history": history, "facts": facts,
+                "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
+                "shards": [s.detach().cpu() for s in backend.main_shards]}, f"{out}.{rank}")
+    destroy_parallel_state()
+
+
+@pytest.mark.gpu
+def test_dist_opt_offloads_to_the_host_and_back_and_trains_on_bitwise(tmp_path, monkeypatch):
+    """offload_to_host frees Megatron's param and grad buffers on the GPU (every view of them kept) and
+    moves the fp32 master shards and Adam's moments to the host; nothing reads the weights meanwhile
+    (weights_current refuses); reload_to_device brings them back and the run goes on bitwise as one that
+    never moved them (deterministic mode, one GPU)."""
+    need_gpus(1)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts in the spawned rank
+    runs = {}
+    for offload in (False, True):
+        launch(1, _offload_worker, str(tmp_path / f"offload-{offload}"), offload, backend="nccl")
+        runs[offload] = torch.load(tmp_path / f"offload-{offload}.0")
+    straight, moved = runs[False], runs[True]
+    facts = moved["facts"]
+    assert facts["freed"] >= facts["buffers"] > 0, facts
+    assert facts["masters on the host"] and facts["weights back"], facts
+    assert "reload_to_device() first" in facts["refused while offloaded"], facts
+    assert moved["history"] == straight["history"], (moved["history"], straight["history"])
+    assert all(torch.equal(moved["params"][n], p) for n, p in straight["params"].items())
+    assert all(torch.equal(a, b) for a, b in zip(moved["shards"], straight["shards"], strict=True))
 
 
 # ----------------------------------------------------------------------------- the trainers (mlite sft)

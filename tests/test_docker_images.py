@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from mlite import __version__
-from mlite.images import REPO, build_args, build_command, image_tag, labels, shell_command
-from mlite.stack import load_stack
+from mlite.images.build import REPO, build_args, build_command, image_tag, labels, shell_command
+from mlite.images.stacks import load_stack
 
 INVOKE = [sys.executable, "-m", "invoke"]
 

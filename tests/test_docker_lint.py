@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mlite.images import REPO
+from mlite.images.build import REPO
 
 BIN = Path(sys.executable).parent
 DOCKERFILES = sorted(p for p in REPO.glob("docker/**/Dockerfile*") if p.suffix != ".dockerignore")

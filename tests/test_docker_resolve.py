@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from mlite.images import resolve_command
-from mlite.stack import list_stacks, load_stack
+from mlite.images.build import resolve_command
+from mlite.images.stacks import list_stacks, load_stack
 
 # What a resolver run must land on exactly (the rest of the layer follows from these).
 MUST_MATCH = (

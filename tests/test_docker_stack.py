@@ -1,6 +1,6 @@
 """Container stacks: the pins files load, every Dockerfile value comes from them, bad pin sets are refused.
 
-Each refusal below is a trap users have hit (REFERENCE.md section 1): the test writes a real pins file with
+Each refusal below is a trap users have hit: the test writes a real pins file with
 the mistake and checks that loading it fails with one line naming the key and the fix.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from mlite.errors import MliteError
-from mlite.images import DOCKERFILE, REPO, arg_name, build_args
-from mlite.stack import (
+from mlite.images.build import DOCKERFILE, REPO, arg_name, build_args
+from mlite.images.stacks import (
     ARCHES,
     RESOLVED_WHEELS,
     WHEEL_EXTRAS,

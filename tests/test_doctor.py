@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from mlite import doctor
-from mlite.images import REPO
-from mlite.stack import load_stack
+from mlite.images import doctor
+from mlite.images.build import REPO
+from mlite.images.stacks import load_stack
 
 STACK = load_stack("2026.11")
 

@@ -462,7 +462,7 @@ def test_fsdp_unit_layers_gathers_consecutive_layers_as_one_unit_with_the_same_n
     tiny layers, so every layer of the model in one unit."""
     from torch.distributed.fsdp import FSDPModule
 
-    from mlite.plan.memory import AUTO_UNIT_MAX_LAYERS, fsdp_units
+    from mlite.plan.memory import AUTO_UNIT_MAX_LAYERS
     from mlite.runtime.parallel.parallelize import blocks
 
     def run(unit_layers: int | str):
@@ -473,7 +473,7 @@ def test_fsdp_unit_layers_gathers_consecutive_layers_as_one_unit_with_the_same_n
         })
         rt = Runtime(job)
         if unit_layers == "auto":
-            units, _ = fsdp_units(job, rt.arch, rt.placement.layout)
+            units = rt.job.parallel.fsdp_unit_layers  # the plan's choice, in the one job the runtime holds
             assert units == min(rt.arch.num_layers, AUTO_UNIT_MAX_LAYERS)
         try:
             layers = blocks(rt.model)
@@ -502,7 +502,6 @@ def test_fsdp_reshard_after_forward_false_keeps_units_gathered_to_the_backward_w
     runs after the model's forward, which FSDP2 leaves open after a pass without backward: it is freed too."""
     from torch.distributed.tensor import DTensor
 
-    from mlite.plan.memory import fsdp_units
     from mlite.runtime.parallel.parallelize import blocks
 
     def run(reshard: bool | str):
@@ -520,7 +519,7 @@ def test_fsdp_reshard_after_forward_false_keeps_units_gathered_to_the_backward_w
                     all(isinstance(p, DTensor) for p in module.parameters())))
             numbers = three_sft_steps(rt, forward_only_between=True)
             released = all(isinstance(p, DTensor) for p in rt.model.parameters())
-            planned = fsdp_units(job, rt.arch, rt.placement.layout)[1]
+            planned = rt.job.parallel.fsdp_reshard_after_forward  # the plan's choice
             return planned, set(sharded_after_forward), released, numbers
         finally:
             rt.close()

@@ -371,12 +371,12 @@ def test_the_runtime_on_a_gpu_computes_with_the_gpu_attention_backend():
     """The Runtime builds its model on the meta device and materialises it on the GPU: `auto` must resolve
     for the GPU (packed: cuDNN / varlen), not for the meta build's CPU fallback (per-sequence SDPA, a host
     sync and a graph break per layer: the dense bench lost 4 MFU points to that)."""
-    from mlite import bench
+    from mlite.bench.cases import CASES, case_hf_config, case_job
     from mlite.runtime.engine import Runtime
     from mlite.runtime.parallel.parallelize import blocks
 
-    case = bench.CASES["tiny-cpu"]
-    runtime = Runtime(bench.case_job(case, "cuda"), hf_config=bench.case_hf_config(case))
+    case = CASES["tiny-cpu"]
+    runtime = Runtime(case_job(case, "cuda"), hf_config=case_hf_config(case))
     backends = {layer.attn.core.keywords["backend"] for layer in blocks(runtime.model)}
     assert backends == {resolve_attention_backend("auto", "cuda")} == {"packed"}
 
@@ -390,11 +390,12 @@ def test_the_runtimes_gpu_step_never_waits_for_the_gpu(name, overrides):
     non-finite check, clipping and the update) runs under CUDA's sync debug mode set to raise: the host
     queues it all and could queue the next step before it ends (the loop reads a step's numbers after the
     next one is queued). Its numbers, read afterwards, are finite."""
-    from mlite import bench
+    from mlite.bench.cases import CASES, case_arch, case_seq_lens, random_sequences
+    from mlite.bench.mlite_side import runtime_step_fn
 
-    case = bench.CASES[name]
-    sequences = bench.random_sequences(bench.case_seq_lens(case), bench.case_arch(case).vocab, seed=0)
-    step, runtime, last = bench.runtime_step_fn(case, sequences, "cuda", one_gpu=True, overrides=overrides)
+    case = CASES[name]
+    sequences = random_sequences(case_seq_lens(case), case_arch(case).vocab, seed=0)
+    step, runtime, last = runtime_step_fn(case, sequences, "cuda", one_gpu=True, overrides=overrides)
     for _ in range(2):  # compile, build the optimizer's state and tables
         step()
     torch.cuda.synchronize()

@@ -161,7 +161,7 @@ def _equal_lengths_worker(rank, world, out):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_equal_lengths_pads_each_micro_batch_to_the_longest_of_its_index_on_any_rank(tmp_path, world):
-    """What the all-gather expert exchange needs of a step (mlite.plan.rules.equal_micro_batch_lengths): the
+    """What the all-gather expert exchange needs of a step (mlite.plan.policy.equal_micro_batch_lengths): the
     m-th micro-batch of every rank padded to the longest m-th micro-batch of any rank, by one ignored,
     marked sequence, the tokens of its own unchanged; unequal micro-batch counts refused on every rank.
     Every rank's share (`local_share`) carries the mark, zeros where it has no padding, so every rank's

@@ -198,7 +198,7 @@ def test_fsdp_reshard_after_forward_auto_keeps_units_gathered_only_with_memory_t
 def test_fsdp2_accumulates_whole_gradients_only_where_they_fit():
     """Without gradient sync FSDP2 keeps each unit's gradient whole (reduce dtype) until the step's last
     backward. DeepSeek-V4's SFT template (16 micro-batches, experts over edp 4) would need 87 GB that way, so
-    `auto` reduce-scatters after every micro-batch there, and the runtime asks the same estimate; Qwen3-30B's
+    `auto` reduce-scatters after every micro-batch there, and the runtime reads the same plan; Qwen3-30B's
     (experts whole on each rank, edp 1) fits either way and keeps one reduce-scatter a step."""
     dsv4 = sized("deepseek_v4_flash_sft")
     whole = sized("deepseek_v4_flash_sft", ["parallel.fsdp_grad_accumulation=unsharded"])
@@ -231,7 +231,7 @@ def test_fsdp2_accumulates_whole_gradients_only_where_they_fit():
 ])
 def test_gradients_are_reduced_in_the_masters_dtype_unless_asked(overrides, reduced):
     """precision.grad_reduce auto is the master weights' dtype: the plan says which."""
-    from mlite.plan.rules import grad_reduce_dtype
+    from mlite.plan.policy import grad_reduce_dtype
 
     gpus = ["cluster.gpu=h100", "trainer.device=cuda", "precision.compute=bf16"]
     job = load_job("demo_sft", [*gpus, "cluster.gpus_per_node=8", *overrides])

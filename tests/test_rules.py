@@ -23,7 +23,7 @@ from mlite.cli import main
 from mlite.config import list_presets, load_job
 from mlite.config.catalog import resolve_arch
 from mlite.errors import MliteError
-from mlite.plan import rules
+from mlite.plan import policy, rules
 from mlite.plan.rules import SUPPORT, check_dist_opt_adapter, check_layout, planned_device_type, split_chunks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -293,18 +293,19 @@ def test_the_trainers_run_fsdp2_and_dist_opt_where_its_adapter_has_run_on_gpus()
 
 # ---------------------------------------------------------------------------------------- torch-free
 def test_every_rule_runs_without_torch():
-    """Every function of the rule book, run on every preset and every bad job, in a process where torch,
-    megatron and transformers never get imported."""
+    """Every function of the rule book, of the runtime policy and of the world probe, run on every preset
+    and every bad job, in a process where torch, megatron and transformers never get imported."""
     code = f"""
 import inspect, sys
 from mlite.config import list_presets, load_job
 from mlite.config.catalog import resolve_arch
 from mlite.errors import MliteError
-from mlite.plan import rules
+from mlite.plan import policy, rules, world
+modules = (rules, policy, world)
 called = set()
 def watch(frame, event, arg):
-    if event == "call" and frame.f_globals.get("__name__") == "mlite.plan.rules":
-        called.add(frame.f_code.co_name)
+    if event == "call" and frame.f_globals.get("__name__") in {{m.__name__ for m in modules}}:
+        called.add((frame.f_globals["__name__"], frame.f_code.co_name))
 sys.setprofile(watch)
 jobs = [(name, []) for name in list_presets()] + {[(row[1], row[2]) for row in BAD_JOBS]!r}
 jobs += [("qwen3_30b_a3b_sft", ["optimizer.backend=dist_opt", "parallel.ep=1", "parallel.pp=2"])]
@@ -312,25 +313,27 @@ for preset, overrides in jobs:
     job = load_job(preset, overrides)
     arch = resolve_arch(job.model)
     try:
-        device, megatron = rules.planned_device_type(job), rules.megatron_installed()
-        rules.check_job(job, arch, job.cluster.world_size, device, megatron)
+        planned = world.planned_world(job)
+        rules.check_job(job, arch, planned.size, planned.device_type, planned.megatron)
     except MliteError:
         pass
-    rules.grad_reduce_dtype(job)
+    policy.grad_reduce_dtype(job), policy.compute_dtype(job, "cpu")
+    policy.process_group(job, 2), policy.fsdp_units(job, 2)
     try:
         rules.check_dist_opt_adapter(job, job.parallel)
     except MliteError:
         pass
 rules.check_degrees(8, 2, 2, 1, 2, 2)
-rules.expert_exchange(8, 6)
-rules.equal_micro_batch_lengths(4, 8, embedding_rows=True)
+policy.expert_exchange(8, 6)
+policy.equal_micro_batch_lengths(4, 8, embedding_rows=True)
 rules.split_chunks(61, 12, 1, 6, 5)
 try:
     rules.split_chunks(61, 12, 1, None, None)  # the hint: balanced first/last stage sizes
 except MliteError:
     pass
 sys.setprofile(None)
-functions = {{n for n, f in vars(rules).items() if inspect.isfunction(f) and f.__module__ == rules.__name__}}
+functions = {{(m.__name__, n) for m in modules for n, f in vars(m).items()
+             if inspect.isfunction(f) and f.__module__ == m.__name__}}
 assert functions <= called, sorted(functions - called)
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "megatron", "transformers"))
 assert not heavy, heavy
@@ -378,6 +381,6 @@ def test_the_expert_exchange_sends_the_fewer_rows_a_token(ep, top_k, exchange):
     """All-gather: ep - 1 rows a token leave the rank; per-pair all-to-all: top_k x (ep - 1) / ep. The
     gather wins ties (fixed sizes, the host read overlapped): Qwen3 top-8 at ep4 and ep8, DeepSeek-V4 top-6
     at ep4; V4 at ep8 sends pair by pair."""
-    assert rules.expert_exchange(ep, top_k) == exchange
+    assert policy.expert_exchange(ep, top_k) == exchange
     gathered, paired = ep - 1, top_k * (ep - 1) / ep
     assert (gathered <= paired) == (exchange == "all_gather")

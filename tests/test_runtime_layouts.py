@@ -262,7 +262,7 @@ def test_sft_on_two_gpus_in_bf16_matches_one_gpu(assets, tmp_path, model, overri
 
 @pytest.mark.gpu
 def test_bf16_masters_reduce_in_bf16_on_two_gpus(assets, tmp_path):
-    """precision.grad_reduce auto with bf16 masters reduces in bf16 (mlite.plan.rules.grad_reduce_dtype):
+    """precision.grad_reduce auto with bf16 masters reduces in bf16 (mlite.plan.policy.grad_reduce_dtype):
     - one micro-batch a step: each reduced element is one sum over the two ranks, rounded once to the
       bf16 gradient either way, so every step's loss and grad norm have the fp32 reduction's bits;
     - several: the micro-batches accumulate in bf16 (the fp32 reduction accumulates them in fp32), the

@@ -47,10 +47,9 @@ def test_dsv4_flash_ranks_hold_the_planners_share_on_the_meta_device(rank):
     assert (lay.world, lay.pp, lay.ep, lay.cp, lay.dp, lay.edp) == (128, 4, 8, 4, 8, 4)
     dist.init_process_group("fake", rank=rank, world_size=lay.world, store=FakeStore())
     try:
-        dims = ParallelDims.from_job(job, lay.world)
-        mesh = dims.build("cpu")
+        mesh = ParallelDims.from_layout(lay).build("cpu")
         stage = mesh.rank_in("pp")
-        chunks = rank_chunks(job, arch, dims, mesh, torch.float32)
+        chunks = rank_chunks(plan, mesh, torch.float32)
         params = {name: p for chunk in chunks.values() for name, p in chunk.named_parameters()}
     finally:
         dist.destroy_process_group()
@@ -268,8 +267,8 @@ def test_host_offloaded_shards_are_allocated_on_the_host(monkeypatch):
     arch = preset_arch(job.model.name)
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
-        dims = ParallelDims.from_job(job, 2)
-        (chunk,) = rank_chunks(job, arch, dims, dims.build("cpu")).values()
+        plan = plan_job(job, arch)
+        (chunk,) = rank_chunks(plan, ParallelDims.from_layout(plan.layout).build("cpu")).values()
         to_empty_tied(chunk, torch.device("meta"))
     finally:
         dist.destroy_process_group()

@@ -136,7 +136,7 @@ def test_sft_train_step_equals_the_runtime(model_dir):
     assert float((ours - direct_update).norm() / direct_update.norm()) < 1e-4
 
 
-# ------------------------------------------------------------------------------ issue 12, defect 5
+# -------------------------------------------------------------- LoRA keys: refused in one line
 @pytest.mark.parametrize(
     "model_kwargs, key, instead",
     [
@@ -340,7 +340,7 @@ def test_engine_jobs_pass_the_rule_book_on_any_data_parallel_degree(model_dir, w
     assert layout.dp == world // tp
 
 
-# ------------------------------------------------------------------ issue 16: sharded sync, checkpoints
+# ------------------------------------------------------------ sharded weight sync, checkpoints
 def _dense(name, local, spec) -> torch.Tensor:
     """An entry of get_per_tensor_param_shard placed into its HF tensor (positions translated by verl)."""
     from verl.workers.engine.spec import translate_flat_indices

@@ -111,12 +111,11 @@ def _held_bytes(models) -> int:
 
 def _worker(rank, world, root):
     from mlite.runtime.engine import Runtime
-    from mlite.runtime.state import held_models
 
     root, result = Path(root), {}
     for label, (model, layout) in LAYOUTS.items():
         rt = Runtime(job_from_dict(job(root, model, layout)))
-        models = held_models(rt)
+        models = rt.held_models()
         sync.sync_plan(models)  # the one collective: who sends what
         with _no_communication():
             shards = [(s.name, s.tensor.clone(), s.offsets, s.shape) for s in rt.weight_shards(DTYPE)]

@@ -25,25 +25,27 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from mlite import bench
+    from mlite.bench.cases import CASES, LAYOUT_KEYS
+    from mlite.bench.report import detect_gpu, environment, render_table, write_results
+    from mlite.bench.run import run_case, run_parallel_cases
     from mlite.errors import MliteError
 
     console = Console()
     if args.list:
-        for case in bench.CASES.values():
+        for case in CASES.values():
             console.print(f"{case.name:28s} {case.model:16s} seq {case.seq_len:6d} {case.packing:5s} "
                           f"gpus {case.gpus}")
         return 0
-    names = args.cases or [c.name for c in bench.CASES.values() if c.gpus == 1 and c.name != "tiny-cpu"]
-    unknown = [n for n in names if n not in bench.CASES]
+    names = args.cases or [c.name for c in CASES.values() if c.gpus == 1 and c.name != "tiny-cpu"]
+    unknown = [n for n in names if n not in CASES]
     if unknown:
-        raise MliteError(f"unknown bench case(s) {', '.join(unknown)}; known: {', '.join(bench.CASES)}")
+        raise MliteError(f"unknown bench case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
     import torch
 
     from mlite.cli.training import launcher_env
 
-    multi = [n for n in names if bench.CASES[n].gpus > 1]
-    fixed = [o for o in args.overrides if o.split("=", 1)[0].strip() in bench.LAYOUT_KEYS]
+    multi = [n for n in names if CASES[n].gpus > 1]
+    fixed = [o for o in args.overrides if o.split("=", 1)[0].strip() in LAYOUT_KEYS]
     if multi and fixed:
         raise MliteError(f"--set {fixed[0]}: a multi-GPU case's name fixes its layout; pick the case of that "
                          "layout (mlite bench --list), --set takes other keys")
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     launch = launcher_env()
     world = launch["WORLD_SIZE"]
     if multi and world == 1:
-        gpus = bench.CASES[multi[0]].gpus
+        gpus = CASES[multi[0]].gpus
         raise MliteError(f"case(s) {', '.join(multi)} run on several ranks: "
                          f"torchrun --nproc-per-node {gpus} -m mlite bench {' '.join(multi)}")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -65,22 +67,21 @@ def run(args: argparse.Namespace) -> int:
     rank0 = launch["RANK"] == 0
     if not rank0:
         console.quiet = True
-    gpu, peak = bench.detect_gpu(device)
+    gpu, peak = detect_gpu(device)
     if multi:  # one launch: the N x one-GPU references first, then every case in its layout
         console.print(f"[bold]{', '.join(multi)}[/bold] on {world} x {gpu} ...")
-        results = bench.run_parallel_cases([bench.CASES[n] for n in multi], device, steps=args.steps,
-                                           warmup=args.warmup, gpu=gpu, peak_tflops=peak,
-                                           overrides=args.overrides)
+        results = run_parallel_cases([CASES[n] for n in multi], device, steps=args.steps,
+                                     warmup=args.warmup, gpu=gpu, peak_tflops=peak, overrides=args.overrides)
     else:
         results = []
         for name in names:
             console.print(f"[bold]{name}[/bold] on {gpu} ...")
-            results += bench.run_case(bench.CASES[name], device, steps=args.steps, warmup=args.warmup,
-                                      sides=("mlite",) if args.no_baseline else ("mlite", "hf"), gpu=gpu,
-                                      peak_tflops=peak, overrides=args.overrides)
+            results += run_case(CASES[name], device, steps=args.steps, warmup=args.warmup,
+                                sides=("mlite",) if args.no_baseline else ("mlite", "hf"), gpu=gpu,
+                                peak_tflops=peak, overrides=args.overrides)
     if not rank0:
         return 0
-    console.print(bench.render_table(results))
+    console.print(render_table(results))
     for r in results:
         if "scaling" in r.extra:
             console.print(f"{r.case}: {r.extra['scaling']:.1%} of {r.extra['world']} x one GPU; collectives "
@@ -88,6 +89,6 @@ def run(args: argparse.Namespace) -> int:
                           f"{r.extra['reduce_scatter_bus_gbs']:.0f} GB/s reduce-scatter (bus)")
     from pathlib import Path
 
-    bench.write_results(results, Path(args.out), bench.environment(device))
+    write_results(results, Path(args.out), environment(device))
     console.print(f"results: {args.out}")
     return 0

@@ -1,4 +1,4 @@
-"""`mlite doctor`: check this environment against a container stack's pins (see mlite/doctor.py)."""
+"""`mlite doctor`: check this environment against a container stack's pins (see mlite/images/doctor.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,6 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from mlite import doctor
+    from mlite.images import doctor
 
     return doctor.run(args.stack, args.arch, args.strict, args.require_gpu)

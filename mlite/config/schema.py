@@ -105,12 +105,12 @@ class ParallelConfig(Section):
     # consecutive decoder layers FSDP2 gathers and reduces as one unit: FSDP2's host work per step grows
     # with its units (scripts/fsdp_host_probe.py), so small layers on fast GPUs gain from 2-4 a unit, at
     # the memory of that many layers held gathered (the planner counts it); 1 is torchtitan's layout.
-    # `auto`: the planner's choice (mlite.plan.memory.fsdp_units): units of about AUTO_UNIT_BYTES of
+    # `auto`: the planner's choice (mlite.plan.memory.estimate_memory): units of about AUTO_UNIT_BYTES of
     # gathered weights, at most 4 layers, fewer where the estimate would not fit
     fsdp_unit_layers: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
     # whether FSDP2 frees each unit's gathered weights after its forward (true: ZeRO-3, gathered again
     # for the backward) or keeps them until the backward (false: one all-gather a step less, at the memory
-    # of the whole local model gathered). `auto`: the planner's choice (mlite.plan.memory.fsdp_units):
+    # of the whole local model gathered). `auto`: the planner's choice (mlite.plan.memory.estimate_memory):
     # false where that estimate fits with KEEP_GATHERED_MARGIN to spare and nothing is offloaded, else true
     fsdp_reshard_after_forward: Literal["auto"] | bool = "auto"
     # each FSDP2 layer unit's forward queues the next unit's all-gather (FSDP2's explicit forward prefetch)
@@ -192,7 +192,7 @@ class PrecisionConfig(Section):
     # training does)
     master: Literal["fp32", "bf16"] = "fp32"
     # dtype of the cross-rank gradient reduction; auto: the master weights' (bf16 gradients of bf16 masters
-    # are reduced in bf16, as Megatron's default; fp32 masters in fp32). mlite.plan.rules.grad_reduce_dtype
+    # are reduced in bf16, as Megatron's default; fp32 masters in fp32). mlite.plan.policy.grad_reduce_dtype
     grad_reduce: Literal["auto", "fp32", "bf16"] = "auto"
     # Adam's two moments: master: in precision.master's dtype; fp8: float8 e4m3 with one power-of-two
     # scale per 128 elements, stochastically rounded (2 bytes per parameter instead of 4 or 8)

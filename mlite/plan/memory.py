@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field
 from mlite.config.arch import V4_CSA, V4_DENSE_ENTRIES_PER_PICK, V4_KEY_SET_LOGITS, ModelArch
 from mlite.config.catalog import count_params, embedding_params, final_params, layer_params
 from mlite.config.schema import JobConfig
-from mlite.plan.rules import Layout, expert_exchange, grad_reduce_dtype
+from mlite.plan.policy import expert_exchange, fsdp_units, grad_reduce_dtype
+from mlite.plan.rules import Layout
 
 GIB = 2**30
 HEADROOM = 0.90  # an estimate above this share of device (or host) memory does not fit
@@ -26,7 +27,7 @@ MOE_IMBALANCE = 1.0  # routed tokens a rank receives, relative to a perfectly ba
 # Under ep > 1 the all-to-all's buffers change size with every layer and step (a rank receives what the router
 # sends it), and the caching allocator keeps blocks of each size it has seen: about as much again as the
 # routed token copies themselves. Fitted on the MoE bench case at ep2 and ep4 on H100s (docs/PERFORMANCE.md,
-# "Several GPUs: 2 x H100"), where the footprint held 3.3-3.4 GB more above its allocated peak than the dense
+# "Planner calibration"), where the footprint held 3.3-3.4 GB more above its allocated peak than the dense
 # case's and the allocated peak 1-3 GB more than the routed copies alone.
 EP_EXCHANGE_SLACK = 1.0
 LOGIT_CHUNK_TOKENS = 4096  # mlite.runtime.kernels.lm_head works on this many tokens' logits at a time
@@ -234,134 +235,175 @@ def in_flight_micro_batches(layout: Layout, stage: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- stages
+@dataclass
+class _Ledger:
+    """A stage's items per GPU in the order they are put, and the bytes moved to the host beside them."""
+
+    items: list[MemoryItem] = field(default_factory=list)
+    host: float = 0.0
+
+    def put(self, name: str, nbytes: float, note: str, to_host: float = 0.0) -> None:
+        self.host += nbytes * to_host
+        self.items.append(MemoryItem(name, nbytes * (1 - to_host) / GIB, note))
+
+
 def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
                  unsharded_grads: bool = False) -> tuple[list[MemoryItem], float, list[MemoryItem]]:
-    """(training items per GPU, bytes offloaded to the host per GPU, resident state items for rollout).
-    `unsharded_grads`: FSDP2 accumulates the step's micro-batches into whole gradients."""
-    w = DTYPE_BYTES[job.precision.compute]
-    act = w
-    reduce = grad_reduce_dtype(job)  # the dtype gradients are reduced in across ranks
-    g = DTYPE_BYTES[reduce]
-    fp32_compute = job.precision.compute == "fp32"
+    """(training items per GPU, bytes offloaded to the host per GPU, resident state items for rollout):
+    the model state, then the step's activations, then the framework. `unsharded_grads`: FSDP2 accumulates
+    the step's micro-batches into whole gradients."""
+    sp = stage_params(arch, layout, stage, job.parallel.fsdp_unit_layers)
+    ledger = _Ledger()
+    if job.optimizer.backend == "dist_opt":
+        _dist_opt_state(ledger, job, layout, sp)
+    else:
+        _fsdp2_state(ledger, job, arch, layout, stage, sp, unsharded_grads)
+    resident = list(ledger.items)
+    _activation_items(ledger, job, arch, layout, stage)
+    if job.optimizer.backend == "fsdp2" and layout.micro_batches == 1 and not job.offload.grads:
+        _gradients_replace_activations(ledger.items, _shares(job, layout, sp)[2])
+    cpu = job.cluster.gpu == "cpu"
+    ledger.put("framework overhead", (CPU_OVERHEAD_GB if cpu else GPU_OVERHEAD_GB) * GIB,
+               "torch runtime" if cpu else "CUDA context, NCCL buffers, workspaces, allocator slack")
+    return ledger.items, ledger.host, resident
+
+
+def _shares(job: JobConfig, layout: Layout, sp: StageParams) -> tuple[float, float, str]:
+    """(parameters this GPU owns a shard of, parameters it computes with, the gradients' note where ranks
+    reduce them)."""
+    sharded = sp.dense / (layout.dp * layout.cp) + sp.experts / layout.edp
+    full = sp.dense + sp.experts
+    return sharded, full, f", reduced in {grad_reduce_dtype(job)}" if sharded < full else ""
+
+
+def _dist_opt_state(ledger: _Ledger, job: JobConfig, layout: Layout, sp: StageParams) -> None:
+    """Megatron-Core's DDP and distributed optimizer: whole weights and grad buffer, sharded masters and
+    Adam state."""
+    w, reduce = DTYPE_BYTES[job.precision.compute], grad_reduce_dtype(job)
     off = job.offload
     frac = off.optimizer_fraction if off.optimizer else 0.0
-    sp = stage_params(arch, layout, stage, job.parallel.fsdp_unit_layers)
-    dense_shards, expert_shards = layout.dp * layout.cp, layout.edp
-    sharded = sp.dense / dense_shards + sp.experts / expert_shards  # parameters this GPU owns a shard of
-    full = sp.dense + sp.experts  # parameters this GPU computes with
-    reduced = f", reduced in {reduce}" if sharded < full else ""  # the note where ranks reduce
-    items: list[MemoryItem] = []
-    host = 0.0
-
-    def put(name: str, nbytes: float, note: str, to_host: float = 0.0) -> None:
-        nonlocal host
-        host += nbytes * to_host
-        items.append(MemoryItem(name, nbytes * (1 - to_host) / GIB, note))
-
+    sharded, full, _ = _shares(job, layout, sp)
     master = job.precision.master  # fp32: separate fp32 master copy; bf16: the parameters are the master
     mb = DTYPE_BYTES[master]
-    if job.optimizer.backend == "dist_opt":
-        put("weights", full * w, f"{job.precision.compute}, full copy of this stage after tp/ep split")
-        put("gradients", full * (g if master == "fp32" else mb),
-            f"{reduce if master == 'fp32' else master} grad buffer, "
-            "not sharded (Megatron DDP)")
-        if not fp32_compute and master == "fp32":
-            put("master weights", sharded * 4,
-                f"fp32, sharded over dp x cp={dense_shards} / edp={expert_shards}", frac)
-        put("optimizer state", sharded * 2 * mb, f"Adam m, v {master}, sharded; {frac:.0%} offloaded", frac)
-    else:
-        put("master weights", sharded * mb,
-            f"{master} FSDP2 shards over dp x cp={dense_shards} / edp={expert_shards}",
-            1.0 if off.params else 0.0)
-        units, held = job.parallel.fsdp_unit_layers, FSDP_PREFETCH_LAYERS * sp.largest_unit
-        # parallel.fsdp_embedding rows: the first stage's embedding is never gathered (its exchange moves
-        # token rows, a few MB)
-        rows = job.parallel.fsdp_embedding == "rows" and stage == 0
-        never_gathered = arch.vocab * arch.hidden if rows else 0
-        if job.parallel.fsdp_reshard_after_forward:
-            gathered, how = held, f"{FSDP_PREFETCH_LAYERS} units of {units} layer(s) unsharded at a time"
-        else:
-            gathered = max(full - never_gathered, held)
-            how = (f"every unit of {units} layer(s) kept unsharded from its forward to its backward "
-                   "(parallel.fsdp_reshard_after_forward: false)")
-        put("gathered weights", gathered * w if sharded < full or master != job.precision.compute
-            else 0.0,  # one unsharded bf16 copy needs none
-            f"{job.precision.compute}, {how}")
-        # FSDP2 without gradient sync keeps each unit's gradient whole, in the reduce dtype, until the step's
-        # last backward reduce-scatters it unit by unit into the shards (which exist only from then on)
-        whole = (full * (g if master == "fp32" else mb)
-                 if unsharded_grads and sharded < full and layout.micro_batches > 1 else 0.0)
-        accumulated = (f"whole until the step's last backward ({layout.micro_batches} micro-batches, "
-                       "parallel.fsdp_grad_accumulation: unsharded)")
-        if whole and not off.grads:
-            put("gradients", max(whole, sharded * mb) + sp.largest_unit * w,
-                f"{accumulated}, then {master} shards{reduced}")
-        else:
-            put("gradients", sharded * mb + sp.largest_unit * w,
-                f"{master} shards + one unsharded unit being reduced{reduced}",
-                (sharded * mb / (sharded * mb + sp.largest_unit * w)) if off.grads else 0.0)
-            if whole:  # the shards on the host, the whole gradients on the GPU
-                put("gradients: accumulated whole", whole, accumulated)
-        if job.precision.optimizer_state == "fp8":  # e4m3 moments and an fp32 scale per 128 of each
-            put("optimizer state", sharded * 2 * (1 + 4 / 128), "Adam m, v e4m3 with block scales", frac)
-        else:
-            put("optimizer state", sharded * 2 * mb, f"Adam m, v {master}, sharded; {frac:.0%} offloaded",
-                frac)
-    resident = list(items)
+    ledger.put("weights", full * w, f"{job.precision.compute}, full copy of this stage after tp/ep split")
+    ledger.put("gradients", full * (DTYPE_BYTES[reduce] if master == "fp32" else mb),
+               f"{reduce if master == 'fp32' else master} grad buffer, not sharded (Megatron DDP)")
+    if job.precision.compute != "fp32" and master == "fp32":
+        ledger.put("master weights", sharded * 4,
+                   f"fp32, sharded over dp x cp={layout.dp * layout.cp} / edp={layout.edp}", frac)
+    ledger.put("optimizer state", sharded * 2 * mb, f"Adam m, v {master}, sharded; {frac:.0%} offloaded",
+               frac)
 
+
+def _fsdp2_state(ledger: _Ledger, job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
+                 sp: StageParams, unsharded_grads: bool) -> None:
+    """FSDP2: sharded masters, the units gathered at a time, gradients (whole until the step's last backward
+    where they accumulate unsharded) and sharded Adam state."""
+    w, g = DTYPE_BYTES[job.precision.compute], DTYPE_BYTES[grad_reduce_dtype(job)]
+    off = job.offload
+    frac = off.optimizer_fraction if off.optimizer else 0.0
+    sharded, full, reduced = _shares(job, layout, sp)
+    master = job.precision.master  # fp32: separate fp32 master copy; bf16: the parameters are the master
+    mb = DTYPE_BYTES[master]
+    ledger.put("master weights", sharded * mb,
+               f"{master} FSDP2 shards over dp x cp={layout.dp * layout.cp} / edp={layout.edp}",
+               1.0 if off.params else 0.0)
+    units, held = job.parallel.fsdp_unit_layers, FSDP_PREFETCH_LAYERS * sp.largest_unit
+    # parallel.fsdp_embedding rows: the first stage's embedding is never gathered (its exchange moves
+    # token rows, a few MB)
+    rows = job.parallel.fsdp_embedding == "rows" and stage == 0
+    never_gathered = arch.vocab * arch.hidden if rows else 0
+    if job.parallel.fsdp_reshard_after_forward:
+        gathered, how = held, f"{FSDP_PREFETCH_LAYERS} units of {units} layer(s) unsharded at a time"
+    else:
+        gathered = max(full - never_gathered, held)
+        how = (f"every unit of {units} layer(s) kept unsharded from its forward to its backward "
+               "(parallel.fsdp_reshard_after_forward: false)")
+    ledger.put("gathered weights", gathered * w if sharded < full or master != job.precision.compute
+               else 0.0,  # one unsharded bf16 copy needs none
+               f"{job.precision.compute}, {how}")
+    # FSDP2 without gradient sync keeps each unit's gradient whole, in the reduce dtype, until the step's
+    # last backward reduce-scatters it unit by unit into the shards (which exist only from then on)
+    whole = (full * (g if master == "fp32" else mb)
+             if unsharded_grads and sharded < full and layout.micro_batches > 1 else 0.0)
+    accumulated = (f"whole until the step's last backward ({layout.micro_batches} micro-batches, "
+                   "parallel.fsdp_grad_accumulation: unsharded)")
+    if whole and not off.grads:
+        ledger.put("gradients", max(whole, sharded * mb) + sp.largest_unit * w,
+                   f"{accumulated}, then {master} shards{reduced}")
+    else:
+        ledger.put("gradients", sharded * mb + sp.largest_unit * w,
+                   f"{master} shards + one unsharded unit being reduced{reduced}",
+                   (sharded * mb / (sharded * mb + sp.largest_unit * w)) if off.grads else 0.0)
+        if whole:  # the shards on the host, the whole gradients on the GPU
+            ledger.put("gradients: accumulated whole", whole, accumulated)
+    if job.precision.optimizer_state == "fp8":  # e4m3 moments and an fp32 scale per 128 of each
+        ledger.put("optimizer state", sharded * 2 * (1 + 4 / 128), "Adam m, v e4m3 with block scales", frac)
+    else:
+        ledger.put("optimizer state", sharded * 2 * mb, f"Adam m, v {master}, sharded; {frac:.0%} offloaded",
+                   frac)
+
+
+def _activation_items(ledger: _Ledger, job: JobConfig, arch: ModelArch, layout: Layout, stage: int) -> None:
+    """What the step's forward keeps for its backward on this stage (by recompute and the micro-batches in
+    flight), the routed experts' copies, the recompute working set, DeepSeek-V4's key-set gather and the
+    logits of the last stage."""
+    act = DTYPE_BYTES[job.precision.compute]
     tokens = layout.tokens_per_micro_batch / layout.cp / layout.tp  # SP splits every token-wise activation
     layers = layout.stage_layers[stage]
-    per_layer = [layer_activation_bytes(arch, i, act, job.recompute.granularity, job.data.seq_len)
-                 for i in layers]
     r = job.recompute
-    working = 0.0
-    if r.granularity == "full" and layers:
-        n = min(r.num_layers, len(layers))
-        keep = layer_input_bytes(arch, act)
-        if r.method == "uniform":  # groups of n layers, each keeping only its input
-            groups = [per_layer[k : k + n] for k in range(0, len(per_layer), n)]
-            base, routed = keep * len(groups), 0.0
-            working = max(sum(a + b for a, b in grp) for grp in groups)
-        else:  # block: the first n layers of the stage recompute, the others keep everything
-            base = keep * n + sum(a for a, _ in per_layer[n:])
-            routed = sum(b for _, b in per_layer[n:])
-            working = max(a + b for a, b in per_layer[:n])
-    else:
-        base, routed = sum(a for a, _ in per_layer), sum(b for _, b in per_layer)
+    per_layer = [layer_activation_bytes(arch, i, act, r.granularity, job.data.seq_len) for i in layers]
+    base, routed, working = _kept_activations(arch, job, per_layer, act)
     flight = in_flight_micro_batches(layout, stage)
     note = f"{tokens:.0f} tokens/GPU/micro-batch x {flight:g} in flight, recompute {r.granularity}"
-    put("activations", base * tokens * flight, note)
+    ledger.put("activations", base * tokens * flight, note)
     if arch.moe is not None:
-        put("activations: routed experts", routed * tokens * flight, f"top-{arch.moe.top_k} token copies")
+        ledger.put("activations: routed experts", routed * tokens * flight,
+                   f"top-{arch.moe.top_k} token copies")
         if layout.ep > 1:
             exchange = expert_exchange(layout.ep, arch.moe.top_k).replace("_", "-")
-            put("expert exchange buffers", EP_EXCHANGE_SLACK * routed * tokens * flight,
-                f"ep={layout.ep} {exchange}: buffers of a new size every layer, kept by the allocator")
+            ledger.put("expert exchange buffers", EP_EXCHANGE_SLACK * routed * tokens * flight,
+                       f"ep={layout.ep} {exchange}: buffers of a new size every layer, kept by the allocator")
     if working:
-        put("recompute working set", working * tokens, f"one group of {r.num_layers} layer(s) rebuilt")
+        ledger.put("recompute working set", working * tokens, f"one group of {r.num_layers} layer(s) rebuilt")
     gather = v4_gather_bytes(arch, layers, job.data.seq_len, tokens, layout.tp, act)
     if gather:
-        put("key-set gather", gather, "one chunk of CSA queries' picked entries and their gradient")
+        ledger.put("key-set gather", gather, "one chunk of CSA queries' picked entries and their gradient")
     if stage == layout.pp - 1:
         # one chunk at a time
         logit_tokens = min(layout.tokens_per_micro_batch / layout.cp, LOGIT_CHUNK_TOKENS)
         entropy = job.job == "grpo" and job.grpo is not None and job.grpo.entropy_coef > 0
-        per_logit = w + LOGIT_GRAD_BYTES + (LOGIT_ENTROPY_EXTRA_BYTES if entropy else 0)
-        put("logits", logit_tokens * arch.vocab / layout.tp * per_logit,
-            f"one chunk of {logit_tokens:.0f} tokens x vocab/tp: logits + their gradient"
-            + (", + fp32 log-softmax for the entropy bonus" if entropy else ""))
-    if job.optimizer.backend == "fsdp2" and layout.micro_batches == 1 and not off.grads:
-        # one micro-batch per step: gradients do not exist during the forward (freed after each optimizer
-        # step) and appear during the backward as the activations they replace are freed
-        grads = next(i for i in items if i.name == "gradients")
-        acts = sum(i.gb for i in items if i.name.startswith("activations") or i.name == "logits")
-        items[items.index(grads)] = MemoryItem("gradients", max(0.0, grads.gb - acts),
-                                               "freed between steps; replace activations during the backward"
-                                               + reduced)
-    cpu = job.cluster.gpu == "cpu"
-    put("framework overhead", (CPU_OVERHEAD_GB if cpu else GPU_OVERHEAD_GB) * GIB,
-        "torch runtime" if cpu else "CUDA context, NCCL buffers, workspaces, allocator slack")
-    return items, host, resident
+        per_logit = act + LOGIT_GRAD_BYTES + (LOGIT_ENTROPY_EXTRA_BYTES if entropy else 0)
+        ledger.put("logits", logit_tokens * arch.vocab / layout.tp * per_logit,
+                   f"one chunk of {logit_tokens:.0f} tokens x vocab/tp: logits + their gradient"
+                   + (", + fp32 log-softmax for the entropy bonus" if entropy else ""))
+
+
+def _kept_activations(arch: ModelArch, job: JobConfig, per_layer: list[tuple[float, float]],
+                      act: int) -> tuple[float, float, float]:
+    """Bytes per token the stage keeps under recompute: (kept, kept of the routed experts, the largest group
+    rebuilt at once). `per_layer`: each layer's (attention + dense, routed) bytes per token."""
+    r = job.recompute
+    if r.granularity != "full" or not per_layer:
+        return sum(a for a, _ in per_layer), sum(b for _, b in per_layer), 0.0
+    n = min(r.num_layers, len(per_layer))
+    keep = layer_input_bytes(arch, act)
+    if r.method == "uniform":  # groups of n layers, each keeping only its input
+        groups = [per_layer[k : k + n] for k in range(0, len(per_layer), n)]
+        return keep * len(groups), 0.0, max(sum(a + b for a, b in grp) for grp in groups)
+    # block: the first n layers of the stage recompute, the others keep everything
+    return (keep * n + sum(a for a, _ in per_layer[n:]), sum(b for _, b in per_layer[n:]),
+            max(a + b for a, b in per_layer[:n]))
+
+
+def _gradients_replace_activations(items: list[MemoryItem], reduced: str) -> None:
+    """One micro-batch per step under FSDP2: gradients do not exist during the forward (freed after each
+    optimizer step) and appear during the backward as the activations they replace are freed."""
+    grads = next(i for i in items if i.name == "gradients")
+    acts = sum(i.gb for i in items if i.name.startswith("activations") or i.name == "logits")
+    items[items.index(grads)] = MemoryItem("gradients", max(0.0, grads.gb - acts),
+                                           "freed between steps; replace activations during the backward"
+                                           + reduced)
 
 
 def _rollout_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int, resident: list[MemoryItem],
@@ -423,53 +465,30 @@ def _kv_bytes_per_sequence(arch: ModelArch, layer: int, length: int, act: int) -
 # ------------------------------------------------------------------------------------------------ entry
 def estimate_memory(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstimate:
     """Itemised memory of the fullest pipeline rank, and host memory per node. `auto` keys are resolved here,
-    in this order, and the runtime asks the same estimate (`fsdp_units`, `fsdp_grad_accumulation`):
-    parallel.fsdp_unit_layers (`_auto_units`), parallel.fsdp_reshard_after_forward (kept gathered where that
-    fits with KEEP_GATHERED_MARGIN to spare and nothing is offloaded), then how a step of several
-    micro-batches under FSDP2 accumulates its gradients (`parallel.fsdp_grad_accumulation`: `unsharded`
-    where that estimate fits, else `sharded`)."""
+    in this order (`_resolving`): parallel.fsdp_unit_layers (`_auto_units`), then
+    parallel.fsdp_reshard_after_forward (`_auto_reshard`: kept gathered where that fits with
+    KEEP_GATHERED_MARGIN to spare and nothing is offloaded), then how a step of several micro-batches under
+    FSDP2 accumulates its gradients (parallel.fsdp_grad_accumulation: `unsharded` where that estimate fits,
+    else `sharded`). The estimate says what it chose (`fsdp_unit_layers`, `fsdp_reshard_after_forward`,
+    `fsdp_grad_accumulation`); the plan (mlite.plan.plan_job) writes that into the job the runtime is built
+    from, so this runs once per plan."""
+    return _resolving(job, arch, layout)
+
+
+def _resolving(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstimate:
+    """`estimate_memory`, resolving one `auto` at a time: each choice sizes the job with that key set."""
     if job.parallel.fsdp_unit_layers == "auto":
         return _auto_units(job, arch, layout)
-    fsdp = _fsdp_units(job, layout)
     if job.parallel.fsdp_reshard_after_forward == "auto":
-        # kept gathered where that fits with the estimate's error to spare: it saves the backward's
-        # all-gather and FSDP2's host work for it, and costs the whole stage's weights gathered (never
-        # under offload, which is there to save GPU memory)
-        off = job.offload
-        if fsdp and not (off.params or off.grads or off.optimizer):
-            kept = estimate_memory(_with_parallel(job, fsdp_reshard_after_forward=False), arch, layout)
-            if kept.fits and kept.total_gb * KEEP_GATHERED_MARGIN <= kept.usable_gb:
-                return kept
-        return estimate_memory(_with_parallel(job, fsdp_reshard_after_forward=True), arch, layout)
+        return _auto_reshard(job, arch, layout)
     mode = job.parallel.fsdp_grad_accumulation
-    if not fsdp or (mode == "auto" and layout.micro_batches == 1):  # nothing accumulates
+    if not fsdp_units(job, layout.world) or layout.micro_batches == 1:  # nothing accumulates
         return _estimate(job, arch, layout, None)
     if mode != "sharded":
         whole = _estimate(job, arch, layout, "unsharded")
         if mode == "unsharded" or whole.fits:
             return whole
     return _estimate(job, arch, layout, "sharded")
-
-
-def fsdp_grad_accumulation(job: JobConfig, arch: ModelArch, layout: Layout) -> str | None:
-    """How FSDP2 accumulates this job's micro-batches: "unsharded" (one reduce-scatter a step, at the last
-    backward), "sharded" (a reduce-scatter after every micro-batch) or None (the plan has one micro-batch a
-    step: nothing to choose; the runtime reduces every micro-batch a caller brings beyond it). The one rule:
-    the planner reports it, the runtime does it."""
-    return estimate_memory(job, arch, layout).fsdp_grad_accumulation
-
-
-def fsdp_units(job: JobConfig, arch: ModelArch, layout: Layout) -> tuple[int, bool]:
-    """(consecutive layers each FSDP2 unit gathers and reduces, whether a unit reshards after its forward):
-    parallel.fsdp_unit_layers and fsdp_reshard_after_forward with `auto` resolved. The planner reports them,
-    the runtime lays the units out by them."""
-    estimate = estimate_memory(job, arch, layout)
-    return estimate.fsdp_unit_layers, estimate.fsdp_reshard_after_forward
-
-
-def _fsdp_units(job: JobConfig, layout: Layout) -> bool:
-    """Whether this job's parameters live in FSDP2 units (several ranks, or one under fsdp_one_rank)."""
-    return job.optimizer.backend == "fsdp2" and (layout.world > 1 or job.parallel.fsdp_one_rank)
 
 
 def _with_parallel(job: JobConfig, **keys) -> JobConfig:
@@ -481,16 +500,28 @@ def _auto_units(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstima
     layers, up to AUTO_UNIT_MAX_LAYERS, whose gathered weights stay within AUTO_UNIT_BYTES, halved until
     the estimate fits."""
     units = 1
-    if _fsdp_units(job, layout):
+    if fsdp_units(job, layout.world):
         layer = max(sum(_layer_params_per_gpu(arch, layout, i)) for i in range(arch.num_layers))
         fitting = AUTO_UNIT_BYTES // (layer * DTYPE_BYTES[job.precision.compute])
         most = max(len(layers) for layers in layout.stage_layers)  # no unit beyond a stage's layers
         units = int(min(AUTO_UNIT_MAX_LAYERS, most, max(1, fitting)))
     while True:
-        estimate = estimate_memory(_with_parallel(job, fsdp_unit_layers=units), arch, layout)
+        estimate = _resolving(_with_parallel(job, fsdp_unit_layers=units), arch, layout)
         if estimate.fits or units == 1:
             return estimate
         units //= 2
+
+
+def _auto_reshard(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstimate:
+    """parallel.fsdp_reshard_after_forward `auto`: kept gathered where that fits with the estimate's error to
+    spare: it saves the backward's all-gather and FSDP2's host work for it, and costs the whole stage's
+    weights gathered (never under offload, which is there to save GPU memory)."""
+    off = job.offload
+    if fsdp_units(job, layout.world) and not (off.params or off.grads or off.optimizer):
+        kept = _resolving(_with_parallel(job, fsdp_reshard_after_forward=False), arch, layout)
+        if kept.fits and kept.total_gb * KEEP_GATHERED_MARGIN <= kept.usable_gb:
+            return kept
+    return _resolving(_with_parallel(job, fsdp_reshard_after_forward=True), arch, layout)
 
 
 def _estimate(job: JobConfig, arch: ModelArch, layout: Layout, accumulation: str | None) -> MemoryEstimate:

@@ -21,16 +21,9 @@ from mlite.config.catalog import count_params, resolve_arch
 from mlite.config.schema import GPU_BF16_TFLOPS, JobConfig
 from mlite.errors import MliteError
 from mlite.plan.memory import DTYPE_BYTES, MemoryEstimate, estimate_memory, stage_params
-from mlite.plan.rules import (
-    Layout,
-    balanced_first_last,
-    check_layout,
-    check_model_layout,
-    check_runtime_keys,
-    grad_reduce_dtype,
-    megatron_installed,
-    planned_device_type,
-)
+from mlite.plan.policy import grad_reduce_dtype
+from mlite.plan.rules import Layout, balanced_first_last, check_layout, check_model_layout, check_runtime_keys
+from mlite.plan.world import planned_world
 
 ASSUMED_MFU = 0.40  # share of the bf16 peak a well-tuned step reaches
 NVLINK_GBPS = 300.0  # effective per-GPU collective bandwidth inside a node (GB/s)
@@ -78,7 +71,8 @@ def recommend(job: JobConfig, arch: ModelArch | None = None, top: int = 5) -> li
     arch = arch or resolve_arch(job.model)
     c = job.cluster
     world, node = c.world_size, c.gpus_per_node
-    trainer = (world, planned_device_type(job), megatron_installed())  # where the trainers would run it
+    planned = planned_world(job)
+    trainer = (planned.size, planned.device_type, planned.megatron)  # where the trainers would run it
     check_runtime_keys(job, arch, *trainer)  # refused whatever the layout: say why rather than "nothing fits"
     experts = arch.moe.num_experts if arch.moe else 1
     found: list[Candidate] = []

@@ -22,6 +22,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
                    "stage_layers": [len(s) for s in lay.stage_layers], "micro_batches": lay.micro_batches,
                    "tokens_per_micro_batch": lay.tokens_per_micro_batch, "sequence_split": lay.split},
         "memory": plan.memory.as_dict(),
+        "runs": plan.choices(),  # what the run does where the job leaves it to mlite (`auto` resolved)
         "fits": plan.memory.fits,
         "refused": plan.refused,  # the trainers' one-line refusal (plan_job(size_refused=True)), else None
     }
@@ -39,6 +40,7 @@ def render_plan(console: Console, plan: Plan) -> None:
                   f"stages {[len(s) for s in lay.stage_layers]} layers  "
                   f"{lay.micro_batches} micro-batches/step "
                   f"of {lay.tokens_per_micro_batch} tokens  {plan.job.optimizer.backend}")
+    console.print(f"runs: {runs_line(plan)}", highlight=False)
     table = Table(title=f"memory per GPU (pipeline stage {mem.stage}, the fullest)")
     table.add_column("item")
     table.add_column("GB", justify="right")
@@ -72,6 +74,27 @@ def render_plan(console: Console, plan: Plan) -> None:
     console.print(f"{verdict}: {mem.total_gb:.1f} GB of {mem.usable_gb:.1f} GB usable per GPU "
                   f"({mem.capacity_gb:.1f} GB x headroom); host {mem.host_total_gb:.0f} of "
                   f"{mem.host_capacity_gb:.0f} GB per node")
+
+
+def runs_line(plan: Plan) -> str:
+    """The plan's choices where the job leaves them to mlite, in one line."""
+    c = plan.choices()
+    parts = [f"{c['device']} {c['compute_dtype']}"]
+    if c["grad_reduce"] is not None:
+        parts.append(f"grad reduce {c['grad_reduce']}")
+    if plan.fsdp_units:
+        kept = "resharded" if c["fsdp_reshard_after_forward"] else "kept gathered"
+        parts.append(f"FSDP2 {c['fsdp_unit_layers']}-layer units {kept}, "
+                     f"{c['fsdp_grad_accumulation']} accumulation")
+    if c["expert_exchange"] is not None:
+        equal = ", equal lengths" if c["equal_micro_batch_lengths"] else ""
+        parts.append(f"ep {c['expert_exchange'].replace('_', '-')}{equal}")
+    elif c["equal_micro_batch_lengths"]:
+        parts.append("equal micro-batch lengths")
+    r = c["recompute"]
+    recompute = r["granularity"] if r["granularity"] != "full" else f"full ({r['method']}, {r['num_layers']})"
+    parts.append(f"recompute {recompute}")
+    return "  ".join(parts)
 
 
 def render_candidates(console: Console, candidates: list[Candidate], title: str) -> None:

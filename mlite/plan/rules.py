@@ -10,13 +10,19 @@ verdict.
 Every rule raises `MliteError` with one line: what is wrong and the fix. docs/PLANNER.md ("Validation",
 "What the trainers run", "Backend support matrix") writes them out; `SUPPORT` is the matrix it prints.
 
+Verdicts only: what the runtime does where the job leaves it open (the reduction dtype, the expert
+exchange, padding) is policy (mlite.plan.policy), and whether megatron-core is installed is the caller's
+probe (mlite.plan.world).
+
 Who calls what, with which arguments:
-- the planner (`plan_job`, `mlite plan`, `mlite grpo`): `check_job` with world = cluster.world_size,
-  device_type = `planned_device_type(job)`, has_megatron = `megatron_installed()`;
-- the trainers: `Runtime` calls `check_job(job, arch, world, device_type, has_megatron)` first thing at
-  start-up, before any model is built, with the world and device it runs on;
-- `ParallelDims` (mlite.runtime.parallel.mesh) checks its degrees with `data_parallel_size` and
-  `check_degrees`, the dist_opt adapter with `check_dist_opt_adapter`, the pipeline cuts with `split_chunks`.
+- the planner (`mlite.plan.plan_job`) calls `check_job` once per plan, with the world it is given: for
+  `mlite plan` and `mlite grpo` the job's cluster (`mlite.plan.world.planned_world`: world =
+  cluster.world_size, device_type = `planned_device_type(job)`); for the trainers the world they run on;
+- the trainers: `Runtime` plans the job first thing at start-up (mlite.runtime.layout.place), before any
+  model is built, and builds everything from that plan without asking again;
+- `ParallelDims` (mlite.runtime.parallel.mesh) checks degrees given by hand with `data_parallel_size` and
+  `check_degrees` (the runtime's come from the plan's layout), the dist_opt adapter with
+  `check_dist_opt_adapter`, the pipeline cuts with `split_chunks`.
 
 Rank folding (as in mlite.runtime.parallel.mesh): world = pp x dp x cp x tp, and on the dp x cp x tp ranks of
 each pipeline stage the experts fold as edp x ep x etp.
@@ -24,11 +30,8 @@ each pipeline stage the experts fold as edp x ep x etp.
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import itertools
 import math
-import sys
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,7 +47,7 @@ MATRIX = "docs/PLANNER.md, backend matrix"
 class Support:
     """One row of the matrix. `fsdp2`: FSDP2 carries it and the trainers run it. `dist_opt`: Megatron-Core's
     distributed optimizer carries it by design (what the planner sizes). `adapter`: mlite's dist_opt adapter
-    (mlite/runtime/parallel/dist_opt.py) runs it today. `off`: how a job drops the feature."""
+    (mlite/runtime/backends/dist_opt.py) runs it today. `off`: how a job drops the feature."""
 
     fsdp2: bool
     dist_opt: bool
@@ -101,18 +104,6 @@ class Degrees(Protocol):
 def planned_device_type(job: JobConfig) -> str:
     """The device the planner assumes: the job's, as the trainers would pick it on that cluster."""
     return "cpu" if job.cluster.gpu == "cpu" or job.trainer.device == "cpu" else "cuda"
-
-
-def megatron_installed() -> bool:
-    """Whether megatron-core is importable, without importing it (not even its namespace package, which
-    `importlib.util.find_spec("megatron.core")` would put in sys.modules)."""
-    if "megatron" in sys.modules:
-        return importlib.util.find_spec("megatron.core") is not None
-    top = importlib.machinery.PathFinder.find_spec("megatron")
-    if top is None or not top.submodule_search_locations:
-        return False
-    core = importlib.machinery.PathFinder.find_spec("megatron.core", list(top.submodule_search_locations))
-    return core is not None
 
 
 def features_used(job: JobConfig, dims: Degrees, device_type: str) -> list[str]:
@@ -389,29 +380,6 @@ def context_chunk_multiple(arch: ModelArch) -> int:
     return max(v4.sliding_window, *v4.compress_ratios, 2 * V4_CSA)
 
 
-def expert_exchange(ep: int, top_k: int) -> str:
-    """How routed tokens reach their experts' ranks under expert parallel (ep > 1), by what crosses the
-    links per token: `all_gather` sends every token to every other rank of the ep group (ep - 1 rows) and
-    each rank picks its own experts' pairs; `all_to_all` sends one row per routed (token, expert) pair,
-    top_k x (ep - 1) / ep of them off the rank. The all-gather moves no more whenever ep <= top_k (ep4
-    with Qwen3's top-8: 3 rows against 6), and its blocks are of equal size (the step pads every rank's
-    micro-batch to one length, `equal_micro_batch_lengths`; the local pair count is read on the host after
-    the small routing gather, once a layer; the all-to-all reads its split sizes after an exchange of
-    counts). Otherwise (DeepSeek-V4's top-6 at ep8: 7 rows against 5.25) the per-pair all-to-all moves
-    less."""
-    return "all_gather" if ep <= top_k else "all_to_all"
-
-
-def equal_micro_batch_lengths(ep: int, top_k: int | None, embedding_rows: bool = False) -> bool:
-    """Whether a step pads each micro-batch to the longest of its index on any rank first
-    (mlite.runtime.parallel.step.equal_lengths): where the all-gather exchange runs, whose blocks are of one
-    size on every rank, and where the embedding exchanges rows (parallel.fsdp_embedding rows: one all-gather
-    of every rank's token ids). The padding is one ignored sequence, as for sequence parallel; the lengths
-    are exchanged over the host once per call (`Placement.host_group`), where the exchange read the group's
-    longest in every layer before."""
-    return embedding_rows or (ep > 1 and top_k is not None and expert_exchange(ep, top_k) == "all_gather")
-
-
 def check_batches(job: JobConfig, arch: ModelArch, dp: int) -> tuple[int, int]:
     """Batches over dp ranks and micro-batches; returns (micro-batches per step, tokens per micro-batch)."""
     d, p = job.data, job.parallel
@@ -530,8 +498,9 @@ def check_runtime_keys(
 def check_job(
     job: JobConfig, arch: ModelArch, world_size: int, device_type: str, has_megatron: bool
 ) -> Layout:
-    """THE verdict: the layout, then what the trainers run. The planner and the trainers' start-up both call
-    it; the trainers call it first thing, before any model is built."""
+    """THE verdict: the layout, then what the trainers run. The planner calls it once per plan
+    (`mlite.plan.plan_job`), for `mlite plan` and for the trainers' start-up alike, before any model is
+    built."""
     layout = check_layout(job, arch, world_size)
     check_runtime(job, arch, world_size, device_type, has_megatron)
     return layout
@@ -645,21 +614,6 @@ def check_backend_trained(job: JobConfig, device_type: str, has_megatron: bool) 
             f"{' and '.join(needs)}, and this run lacks them; pip install 'mlite[megatron]' on a GPU "
             f"machine, or use optimizer.backend fsdp2 ({MATRIX})"
         )
-
-
-def grad_reduce_dtype(job: JobConfig) -> str:
-    """The dtype gradients are reduced in across ranks (FSDP2's reduce_dtype, Megatron DDP's
-    grad_reduce_in_fp32), and what the planner sizes their buffers by. `auto` takes the master weights'
-    dtype. fp32 masters keep fp32 gradients, reduced in fp32. bf16 masters keep bf16 gradients, as on one
-    GPU, and the bf16 reduction halves the bytes (Megatron's default, grad_reduce_in_fp32 off):
-    - a step of one micro-batch: each reduced element is rounded once to the bf16 gradient either way, so
-      over two ranks it has the fp32 reduction's bits;
-    - several micro-batches: they accumulate in bf16, as one GPU's bf16 gradients do (an fp32 reduction
-      would accumulate them in fp32);
-    - over more ranks, a ring rounds each partial sum."""
-    if job.precision.grad_reduce != "auto":
-        return job.precision.grad_reduce
-    return "bf16" if job.precision.master == "bf16" else "fp32"
 
 
 def check_precision(job: JobConfig, world_size: int, device_type: str) -> None:

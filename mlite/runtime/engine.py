@@ -11,6 +11,8 @@ precision, the parallel layout, the optimizer and the LR schedule; models only d
 Each concern lives in its own module, and this class only holds them together:
 - mlite.runtime.layout: the rule book's verdict, device, process group, meshes, the parallelized model;
 - mlite.runtime.forward: the step's forward and backward over micro-batches, on any layout;
+- mlite.runtime.backends: the optimizer backend (optimizer.backend: fsdp2 or dist_opt), one object that owns
+  the optimizer, gradient reduction, checkpoint state, rollout weights and host offload;
 - mlite.runtime.state: RNG, checkpoints, weight snapshots (the GRPO reference policy) and export.
 
 Precision: parameters and optimizer state are fp32 (the master weights) unless `precision.master: bf16`
@@ -31,14 +33,14 @@ from torch.distributed.tensor import DTensor
 
 from mlite.config.arch import ModelArch, arch_from_hf_config
 from mlite.config.schema import JobConfig
-from mlite.plan.memory import fsdp_grad_accumulation
 from mlite.runtime import forward, state
+from mlite.runtime.backends import HeldModel, OptimizerBackend, build_backend
+from mlite.runtime.ckpt import checkpoint as ckpt
 from mlite.runtime.collection import StepCollection
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.layout import COMPUTE_DTYPES, build_parallel_model, hf_config_of, place
-from mlite.runtime.optim import LocalAdamW, LRSchedule
-from mlite.runtime.parallel.parallelize import grad_norm, reshard_units, set_gradient_sync
-from mlite.runtime.state import export_checkpoint, seed_everything
+from mlite.runtime.optim import LRSchedule
+from mlite.runtime.state import seed_everything
 
 log = logging.getLogger(__name__)
 __all__ = ["Runtime", "export_checkpoint"]
@@ -47,16 +49,19 @@ __all__ = ["Runtime", "export_checkpoint"]
 class Runtime:
     def __init__(self, job: JobConfig, total_steps: int | None = None, hf_config: dict | None = None,
                  on_placed: Callable[[], None] | None = None):
-        """Check the job against the rule book, then build this rank's share of the model, laid out (random
-        init from trainer.seed, the same under every layout, or HF weights when model.load_weights), and
-        build the optimizer and the schedule. `hf_config` overrides the model's config.json (export uses the
-        copy in a checkpoint); `total_steps` is the schedule's length (default trainer.steps). `on_placed`
-        runs on every rank once the process group is up, before the model is built (the trainers lock their
-        output folder there, so a refused job stops before its longest start-up phase)."""
-        self.job = job
+        """Plan the job for this world (the rule book's verdict, the memory estimate, every `auto` resolved:
+        mlite.runtime.layout.place), then build this rank's share of the model from that plan, laid out
+        (random init from trainer.seed, the same under every layout, or HF weights when model.load_weights),
+        and build the optimizer and the schedule. `self.job` is the plan's job: the one job of the run, its
+        `auto`s resolved. `hf_config` overrides the model's config.json (export uses the copy in a
+        checkpoint); `total_steps` is the schedule's length (default trainer.steps). `on_placed` runs on
+        every rank once the process group is up, before the model is built (the trainers lock their output
+        folder there, so a refused job stops before its longest start-up phase)."""
         self.hf_config = hf_config if hf_config is not None else hf_config_of(job)
         self.arch: ModelArch = arch_from_hf_config(self.hf_config, name=job.model.name or "")
         self.placement = place(job, self.arch)
+        self.plan = self.placement.plan
+        self.job = job = self.plan.job  # the job as planned: what everything below is built from
         if on_placed is not None:
             try:
                 on_placed()
@@ -64,7 +69,7 @@ class Runtime:
                 self.placement.close(clean=False)
                 raise
         self.device, self.dims, self.mesh = self.placement.device, self.placement.dims, self.placement.mesh
-        compute = job.precision.compute if self.device.type == "cuda" else "fp32"
+        compute = self.plan.compute_dtype
         if compute != job.precision.compute:
             log.info("precision.compute %s applies on GPUs; this CPU run computes in fp32",
                      job.precision.compute)
@@ -79,22 +84,12 @@ class Runtime:
         # built on the meta device and laid out there; each rank then materialises only its own shards
         # (mlite.runtime.layout.build_parallel_model), so no rank ever holds the whole model
         weights = job.model.path if job.model.load_weights and hf_config is None else None
-        self.model, self.pipeline, self.chunks = build_parallel_model(job, self.placement, self.arch,
-                                                                      master, weights)
-        self._rollout_replica = None  # a parallelized model's, built for a rollout session, dropped after it
-        # a step of several micro-batches under FSDP2: gradients stay whole until the step's last backward
-        # only where the planner sized that (parallel.fsdp_grad_accumulation: it fits, or asked for); a caller
-        # that brings more micro-batches than the plan's (verl's) gets a reduce-scatter after each
-        accumulation = fsdp_grad_accumulation(job, self.arch, self.placement.layout)
-        self.reduce_every_micro_batch = accumulation != "unsharded"
-        if job.optimizer.backend == "dist_opt":  # Megatron-Core's DDP + DistributedOptimizer (CUDA)
-            from mlite.runtime.parallel.dist_opt import build_dist_opt
-
-            self.optim = build_dist_opt(self.chunks or {0: self.model}, self.dims, job, self.mesh)
-        else:
-            self.optim = LocalAdamW(self.model.parameters(), job.optimizer,
-                                    grad_norm_fn=grad_norm if self.mesh is not None else None,
-                                    state=job.precision.optimizer_state, seed=job.trainer.seed)
+        self.model, self.pipeline, self.chunks = build_parallel_model(self.placement, master, weights)
+        # the optimizer backend (mlite.runtime.backends): the optimizer, gradient reduction, checkpoint state,
+        # rollout weights and host offload, each the way optimizer.backend holds the parameters
+        held = HeldModel(self.model, self.chunks or {0: self.model}, self.mesh, self.pipeline, self.arch,
+                         self.device, job.model.attention_backend)
+        self.optim: OptimizerBackend = build_backend(self.plan, held, self.dims)
         self.schedule = LRSchedule(self.optim.optimizer, job.optimizer, total_steps or job.trainer.steps)
         self.collection = StepCollection(job.trainer.gc_every)  # the collector on the step's schedule
 
@@ -154,17 +149,17 @@ class Runtime:
     def set_gradient_sync(self, chunk: int, last: bool) -> None:
         """Whether the next backward through pipeline chunk `chunk` (0 without a pipeline) is the step's last:
         only then do FSDP2's units and dist_opt's buckets reduce, as that backward produces the gradients."""
-        if self.job.optimizer.backend == "dist_opt":
-            self.optim.set_gradient_sync(chunk, last)
-        elif self.mesh is not None:  # FSDP2 (one plain process reduces nothing)
-            set_gradient_sync(self.chunks[chunk] if self.chunks else self.model,
-                              last or self.reduce_every_micro_batch)
+        self.optim.set_gradient_sync(chunk, last)
+
+    @property
+    def reduce_every_micro_batch(self) -> bool:
+        """Whether the backend reduces the gradients after every micro-batch (FSDP2 where the plan did not
+        size whole gradients), not in the step's last backward only."""
+        return self.optim.reduce_every_micro_batch
 
     def release_gathered(self) -> None:
-        """After a pass without backward: FSDP2 units it left gathered free their weights (reshard_units)."""
-        if self.job.optimizer.backend == "fsdp2" and self.mesh is not None:
-            for chunk in self.chunks.values() if self.chunks else [self.model]:
-                reshard_units(chunk)
+        """After a pass without backward: whole weights the backend left gathered are freed."""
+        self.optim.release_gathered()
 
     def zero_grad(self) -> None:
         self.optim.zero_grad()
@@ -218,8 +213,7 @@ class Runtime:
         """Wait for the weights of the last step to land (dist_opt starts their all-gathers at the step and
         the next training forward waits for them layer by layer): whatever reads the weights otherwise
         calls this first."""
-        if self.job.optimizer.backend == "dist_opt":
-            self.optim.finish_param_gather()
+        self.optim.weights_current()
 
     def snapshot_weights(self) -> dict[str, torch.Tensor]:
         """This rank's shards of the current weights (mlite.runtime.state.snapshot_weights)."""
@@ -236,14 +230,26 @@ class Runtime:
 
     def release_rollout_model(self) -> None:
         """Drop the rollout replica (after each rollout session: training does not hold it)."""
-        self._rollout_replica = None
+        self.optim.release_rollout_model()
 
     def rollout_model(self) -> torch.nn.Module:
         """The model the native sampler decodes with (mlite.trainers.grpo.rollout): the model itself on one
         process, else a plain replica of the current weights and buffers gathered once per rollout, from
-        every pipeline stage too (mlite.runtime.state.rollout_model)."""
-        self.weights_current()
-        return state.rollout_model(self)
+        every pipeline stage too (mlite.runtime.backends.base.BackendBase.rollout_model)."""
+        return self.optim.rollout_model()
+
+    def held_models(self) -> list[torch.nn.Module]:
+        """This rank's models that know their HF names: its pipeline chunks, or the model."""
+        return self.optim.held_models()
+
+    def offload_to_host(self, weights: bool = True, grads: bool = True, optimizer: bool = True,
+                        host: torch.device | str = "cpu") -> None:
+        """Move this rank's weights, gradients and optimizer state to the host (e.g. while a rollout engine
+        needs the GPU); `reload_to_device` brings them back (mlite.runtime.backends.base)."""
+        self.optim.offload_to_host(weights, grads, optimizer, host)
+
+    def reload_to_device(self, weights: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        self.optim.reload_to_device(weights, grads, optimizer)
 
     # ------------------------------------------------------------------------------ state & export
     def save_checkpoint(self, path: str | Path, extra_state: dict | None = None) -> Path:
@@ -259,13 +265,34 @@ class Runtime:
 
     def weight_shards(self, dtype: torch.dtype | None = None) -> Iterator[Any]:
         """This rank's pieces of the HF tensors (HF name, piece, offsets, full shape) in `dtype`, for rollout
-        weight sync: only what it holds, each element sent by one rank of the world (mlite.runtime.state)."""
-        self.weights_current()
-        return state.weight_shards(self, dtype)
+        weight sync: only what it holds, each element sent by one rank of the world (the backend's)."""
+        return self.optim.weight_shards(dtype)
 
     def tp_group_weights(self, dtype: torch.dtype | None, tp_size: int, stats: dict | None = None
                          ) -> Iterator[tuple[str, torch.Tensor]]:
         """For a rollout engine of `tp_size` consecutive ranks (collective, every rank drains it): each HF
         tensor in full shape, holding the slab this rank's engine reads (NaN elsewhere)."""
-        self.weights_current()
-        return state.tp_group_weights(self, dtype, tp_size, stats)
+        return self.optim.tp_group_weights(dtype, tp_size, stats)
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """A training checkpoint (or a run dir: its newest good one) -> an HF checkpoint transformers loads.
+
+    The model is rebuilt on the CPU from the job and config.json stored in the checkpoint, so neither the
+    original weights nor a GPU are needed; tensors stream to the shards one at a time."""
+    from mlite.config import job_from_dict
+    from mlite.plan import for_another_world
+    from mlite.runtime.ckpt.hf import save_hf_checkpoint
+
+    path = ckpt.resolve_checkpoint(checkpoint)
+    ckpt.verify_checkpoint(path)
+    meta = ckpt.read_meta(path)
+    job_dict = meta["job"]
+    job_dict["trainer"]["device"] = "cpu"
+    job_dict["optimizer"]["backend"] = "fsdp2"  # the format is the same for both; dist_opt needs GPUs
+    job_dict = for_another_world(job_dict)  # the run's resolved `auto`s, planned again for this process
+    runtime = Runtime(job_from_dict(job_dict), hf_config=meta["hf_config"])
+    runtime.load_checkpoint(path, weights_only=True)
+    config = None if runtime.job.model.name is not None else meta["hf_config"]  # presets: from the arch
+    return save_hf_checkpoint(runtime.export_weights(dtype), runtime.arch, out_dir, config=config,
+                              dtype=dtype)

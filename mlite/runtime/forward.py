@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
+from mlite.config.arch import ModelArch
 from mlite.plan.rules import context_chunk_multiple
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.loss import token_logprobs
+from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
 from mlite.runtime.parallel.pipeline import forward_only as forward_only_schedule
 from mlite.runtime.parallel.pipeline import one_f_one_b
 from mlite.runtime.parallel.step import (
@@ -36,10 +39,25 @@ from mlite.runtime.parallel.step import (
     vocab_parallel_logprobs,
 )
 
-if TYPE_CHECKING:
-    from mlite.runtime.engine import Runtime
-
 LossFn = Callable[..., tuple[torch.Tensor, dict]]
+
+
+class Runtime(Protocol):
+    """What a step reads of the runtime (mlite.runtime.engine.Runtime is the one)."""
+
+    device: torch.device
+    placement: Any  # .equal_lengths, .host_group (mlite.runtime.layout.Placement)
+    mesh: ParallelMesh | None
+    dims: ParallelDims
+    arch: ModelArch
+    model: nn.Module
+    pipeline: Any  # mlite.runtime.parallel.pipeline.PipelineRunner, None without pipeline parallel
+    chunks: dict[int, nn.Module] | None
+    autocast_dtype: torch.dtype | None
+
+    def set_gradient_sync(self, chunk: int, last: bool) -> None: ...
+
+    def release_gathered(self) -> None: ...
 
 
 def forward_backward(

@@ -1,6 +1,8 @@
 """Where a run computes: its device, its process group and parallel meshes, and the model built and
 parallelized on them. Every layout decision of the runtime lives here; every rule about which layouts and
-keys a run accepts lives in the rule book (mlite.plan.rules), asked first, before anything is built.
+keys a run accepts lives in the rule book (mlite.plan.rules), and every choice a job leaves to mlite in the
+planner (mlite.plan): `place` plans the job once, first, for the world it runs on, and everything else is
+built from that plan (`Placement.plan`), never asking either again.
 
 One process is the layout with every degree 1 (`ParallelDims(world_size=1)`): no process group, no meshes.
 Several ranks (torchrun or srun set WORLD_SIZE) get the meshes of `ParallelDims.build` and
@@ -27,8 +29,8 @@ from torch import nn
 from mlite.config.arch import ModelArch
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
-from mlite.plan.memory import fsdp_units
-from mlite.plan.rules import Layout, check_job, check_layout, equal_micro_batch_lengths, megatron_installed
+from mlite.plan import Plan, World, megatron_installed, plan_job
+from mlite.plan.rules import Layout
 from mlite.runtime.models import build_model, seeded_init
 from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
 from mlite.runtime.parallel.parallelize import (
@@ -39,7 +41,7 @@ from mlite.runtime.parallel.parallelize import (
     parallelize_model,
     parameter_holders,
 )
-from mlite.runtime.parallel.pipeline import PipelineRunner, split_layers, stage_view
+from mlite.runtime.parallel.pipeline import PipelineRunner, stage_view
 
 
 def pick_device(choice: str) -> torch.device:
@@ -71,19 +73,28 @@ def hf_config_of(job: JobConfig) -> dict[str, Any]:
 
 @dataclass
 class Placement:
-    """The run's device, degrees and meshes. `mesh` is None for one process."""
+    """The run's plan, device, degrees and meshes. `mesh` is None for one process."""
 
     device: torch.device
     dims: ParallelDims
     mesh: ParallelMesh | None
     owns_process_group: bool  # this runtime started the process group, and ends it in `close`
-    layout: Layout  # the rule book's verdict for this world
-    # each step's micro-batches padded to one length on every rank (rules.equal_micro_batch_lengths), the
-    # lengths exchanged over `host_group`: gloo on the host, so the exchange never waits for the GPU (an
-    # object all-gather over NCCL reads its result on the host, after the GPU's queued work); None: the
-    # default group, itself gloo on the CPU
-    equal_lengths: bool = False
+    plan: Plan  # the job planned for this world: its layout, memory and resolved job (mlite.plan.plan_job)
+    # where each step's micro-batches are padded to one length on every rank (`equal_lengths`), the lengths
+    # are exchanged over `host_group`: gloo on the host, so the exchange never waits for the GPU (an object
+    # all-gather over NCCL reads its result on the host, after the GPU's queued work); None: the default
+    # group, itself gloo on the CPU
     host_group: dist.ProcessGroup | None = None
+
+    @property
+    def layout(self) -> Layout:
+        """The rule book's verdict for this world."""
+        return self.plan.layout
+
+    @property
+    def equal_lengths(self) -> bool:
+        """Each step's micro-batches padded to one length on every rank (policy.equal_micro_batch_lengths)."""
+        return self.plan.equal_micro_batch_lengths
 
     @property
     def loss_group(self) -> dist.ProcessGroup | None:
@@ -119,12 +130,13 @@ def end_process_group(clean: bool) -> None:
 
 
 def place(job: JobConfig, arch: ModelArch) -> Placement:
-    """Ask the rule book, then start the process group (several ranks) and build the meshes."""
+    """Plan the job for the world this process runs in (the one time the rule book and the memory estimate
+    are asked), then start the process group (several ranks) and build the meshes the plan lays out."""
     device = pick_device(job.trainer.device)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    layout = check_job(job, arch, world, device.type, megatron_installed())
+    plan = plan_job(job, arch, world=World(world, device.type, megatron_installed()))
     # one rank: FSDP2 over a mesh of one (rule book), or Megatron's DDP, which needs a process group
-    sharded = world > 1 or job.parallel.fsdp_one_rank or job.optimizer.backend == "dist_opt"
+    sharded = plan.process_group
     owns = not dist.is_initialized() and sharded
     if owns:
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -132,23 +144,24 @@ def place(job: JobConfig, arch: ModelArch) -> Placement:
             dist.init_process_group(backend)
         else:  # no launcher's rendezvous to join: a store in this process
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    dims = ParallelDims.from_job(job, world)
+    dims = ParallelDims.from_layout(plan.layout)
     mesh = dims.build(device.type) if sharded else None
-    equal = sharded and equal_micro_batch_lengths(dims.ep, arch.moe.top_k if arch.moe else None,
-                                                  job.parallel.fsdp_embedding == "rows")
+    equal = plan.equal_micro_batch_lengths
     host_group = dist.new_group(backend="gloo") if equal and device.type == "cuda" else None
-    return Placement(device, dims, mesh, owns, layout, equal, host_group)
+    return Placement(device, dims, mesh, owns, plan, host_group)
 
 
-def build_parallel_model(job: JobConfig, placement: Placement, arch: ModelArch,
-                         dtype: torch.dtype = torch.float32, weights: str | Path | None = None):
+def build_parallel_model(placement: Placement, dtype: torch.dtype = torch.float32,
+                         weights: str | Path | None = None):
     """This rank's share of the model, laid out on the placement: (model, pipeline runner or None, chunks or
     None). Under pipeline parallel, `model` is a view of this rank's chunks under the whole model's names.
 
     No rank ever holds the whole model: the chunks are built and laid out on the meta device
     (`rank_chunks`), then each rank materialises only its own shards (`materialise`): random weights that
-    are the same under every layout, or its slices of the HF checkpoint at `weights`."""
-    chunks = rank_chunks(job, arch, placement.dims, placement.mesh, dtype, placement.device.type)
+    are the same under every layout, or its slices of the HF checkpoint at `weights`. Built from the
+    placement's plan: its job (the `auto`s resolved) and its model."""
+    job = placement.plan.job
+    chunks = rank_chunks(placement.plan, placement.mesh, dtype, placement.device.type)
     for chunk in chunks.values():
         materialise(chunk, placement.device, job.trainer.seed, weights)
     if placement.dims.pp == 1:
@@ -161,30 +174,18 @@ def build_parallel_model(job: JobConfig, placement: Placement, arch: ModelArch,
     return stage_view(chunks), runner, chunks
 
 
-def with_fsdp_units(job: JobConfig, arch: ModelArch, world_size: int) -> JobConfig:
-    """The job with parallel.fsdp_unit_layers and fsdp_reshard_after_forward resolved: `auto` is the
-    planner's choice (mlite.plan.memory.fsdp_units), so the units the runtime lays out are those the plan
-    sized."""
-    par = job.parallel
-    if "auto" not in (par.fsdp_unit_layers, par.fsdp_reshard_after_forward):
-        return job
-    units, reshard = fsdp_units(job, arch, check_layout(job, arch, world_size))
-    return job.model_copy(update={"parallel": par.model_copy(update={
-        "fsdp_unit_layers": units, "fsdp_reshard_after_forward": reshard})})
-
-
-def rank_chunks(job: JobConfig, arch: ModelArch, dims: ParallelDims, mesh: ParallelMesh | None,
-                dtype: torch.dtype = torch.float32, runs_on: str = "cpu") -> dict[int, nn.Module]:
-    """This rank's pipeline chunks (chunk c of pp*vpp lives on pp rank c % pp; one chunk, the whole model,
-    without pipeline parallel), each built on the meta device with only its own layers (the embedding on
-    the chunk with layer 0, norm and head on the one with the last layer) and laid out like a whole model
-    (TP, CP, recompute, EP, FSDP2: DTensor plans apply to meta modules). Nothing is allocated: what the
-    rank holds is each parameter's local shard (`to_local()`), which `materialise` gives storage and
-    values. `mesh` None: one process (recompute and compilation only). `runs_on`: the device type the chunks
-    will compute on (their attention backend is chosen for it, not for the meta device)."""
+def rank_chunks(plan: Plan, mesh: ParallelMesh | None, dtype: torch.dtype = torch.float32,
+                runs_on: str = "cpu") -> dict[int, nn.Module]:
+    """This rank's pipeline chunks of the plan's model (chunk c of the plan's pp x vpp, `Layout.chunk_layers`,
+    lives on pp rank c % pp; one chunk, the whole model, without pipeline parallel), each built on the meta
+    device with only its own layers (the embedding on the chunk with layer 0, norm and head on the one with
+    the last layer) and laid out like a whole model (TP, CP, recompute, EP, FSDP2 as the plan's job says:
+    DTensor plans apply to meta modules). Nothing is allocated: what the rank holds is each parameter's
+    local shard (`to_local()`), which `materialise` gives storage and values. `mesh` None: one process
+    (recompute and compilation only). `runs_on`: the device type the chunks will compute on (their
+    attention backend is chosen for it, not for the meta device)."""
+    job, arch = plan.job, plan.arch
     model = job.model
-    if mesh is not None:
-        job = with_fsdp_units(job, arch, dims.world_size)
 
     def build(layers):
         return build_model(arch, model.attention_backend, dtype=dtype, device="meta", layers=layers,
@@ -196,12 +197,11 @@ def rank_chunks(job: JobConfig, arch: ModelArch, dims: ParallelDims, mesh: Paral
         rc = job.recompute
         apply_recompute(whole, rc.granularity, rc.method, rc.num_layers, compile_blocks=model.compile)
         return {0: whole}
-    par = job.parallel
-    split = split_layers(arch.num_layers, dims.pp, dims.vpp, par.pp_first_stage_layers,
-                         par.pp_last_stage_layers)
+    chunks, pp = plan.layout.chunk_layers, plan.layout.pp
     device_type = mesh.dense.device_type
-    return {c: parallelize_model(build(split[c]), mesh, job, device_type)
-            for c in range(mesh.rank_in("pp"), dims.pp * dims.vpp, dims.pp)}
+    return {c: parallelize_model(build(list(chunks[c])), mesh, job, device_type, plan.expert_exchange,
+                                 plan.fsdp_units)
+            for c in range(mesh.rank_in("pp"), len(chunks), pp)}
 
 
 def materialise(chunk: nn.Module, device: torch.device, seed: int, weights: str | Path | None = None) -> None:

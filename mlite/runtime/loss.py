@@ -19,13 +19,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from mlite.runtime.adapters.torch_fsdp import has_forward_hooks, reduce_in_backward
 from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.kernels.lm_head import linear_logprobs
-from mlite.runtime.models.deepseek_v4 import DeepseekV4
-from mlite.runtime.models.qwen3 import Transformer
-
-# models whose compute_logits is their `output` nn.Linear applied to the hidden states
-PLAIN_HEAD_MODELS = (Transformer, DeepseekV4)
+from mlite.runtime.models.base import LossHead, loss_head_of
 
 DEFAULT_CHUNK_TOKENS = 4096
 
@@ -44,8 +41,8 @@ def _chunk_logprobs(hidden, labels, compute_logits, temperature: float, with_ent
 
 def linear_head_weight(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
     """W when `compute_logits(h)` is exactly `h @ W^T` with W whole on this rank: a bias-free nn.Linear, or a
-    model's `compute_logits` over such a head (mlite's models). None for anything else, so the caller keeps
-    the autograd path: tp shards (a DTensor weight), other hooks on the head, a bias.
+    model's `compute_logits` over such a head (what its `loss_head` declares). None for anything else, so the
+    caller keeps the autograd path: tp shards (a DTensor weight), other hooks on the head, a bias.
 
     An untied FSDP2 head, a unit of its own, is gathered here (`unshard`), since the kernel's path never
     calls the forward in whose hooks FSDP2 would gather it (the last layer unit's forward has queued its
@@ -53,15 +50,16 @@ def linear_head_weight(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -
     gradient and reshards the weight (`_reduce_head_early`); without, call `release_head` once the log-probs
     are computed. A tied head shares its unit with the embedding, whose own backward hooks reduce it: it keeps
     the autograd path."""
-    owner, head = _head(compute_logits)
+    declared = _head(compute_logits)
+    head = declared.linear
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         return None
     if isinstance(head, FSDPModule):
-        embed = getattr(owner, "embed", None)
+        embed = declared.embedding
         if embed is None or embed.weight is head.weight:
             return None  # tied, or a head handed over without its model: the autograd path
         head.unshard()
-    elif head._forward_hooks or head._forward_pre_hooks:
+    elif has_forward_hooks(head):
         return None
     weight = head.weight
     return None if isinstance(weight, DTensor) else weight
@@ -70,7 +68,7 @@ def linear_head_weight(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -
 def release_head(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Reshard an FSDP2 head that `linear_head_weight` gathered for a pass without backward: left gathered,
     it would keep its weights of before the next update."""
-    _, head = _head(compute_logits)
+    head = _head(compute_logits).linear
     if isinstance(head, FSDPModule):
         head.reshard()
 
@@ -82,22 +80,19 @@ def _reduce_head_early(compute_logits: Callable[[torch.Tensor], torch.Tensor], h
     kernel read the weight, and would reduce it in their end-of-backward callback, where nothing overlaps
     the reduce-scatter. The weight's gradient is in place by then: autograd runs a leaf's accumulation
     before the other nodes the kernel's backward feeds, which FSDP2's hooks rely on too. Not where the model
-    reads the head in its own forward as well (DeepSeek-V4's MTP loss): the hook reshards the head, whose
-    later backward still needs it."""
-    owner, head = _head(compute_logits)
-    if not isinstance(head, FSDPModule) or getattr(owner, "mtp", None) is not None:
+    reads the head in its own forward as well (`LossHead.read_in_forward`: DeepSeek-V4's MTP loss): the hook
+    reshards the head, whose later backward still needs it."""
+    declared = _head(compute_logits)
+    if not isinstance(declared.linear, FSDPModule) or declared.read_in_forward:
         return hidden
-    group = head._get_fsdp_state()._fsdp_param_group  # FSDP2 has no public way to register its hook
-    (hidden,), _ = group._register_post_backward_hook((hidden,), {})
-    return hidden
+    return reduce_in_backward(declared.linear, hidden)  # FSDP2 has no public way to register its hook
 
 
-def _head(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> tuple[object, Callable]:
-    """(the model that owns `compute_logits` or None, the head module it applies, else compute_logits)."""
-    owner = getattr(compute_logits, "__self__", None)
-    if isinstance(owner, PLAIN_HEAD_MODELS) and compute_logits.__func__ is type(owner).compute_logits:
-        return owner, owner.output
-    return owner, compute_logits
+def _head(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> LossHead:
+    """The head the model declares for its `compute_logits` (mlite.runtime.models.base.loss_head_of), else
+    compute_logits itself as the head, with no model around it (a module handed over alone, any function)."""
+    declared = loss_head_of(compute_logits)
+    return LossHead(compute_logits) if declared is None else declared
 
 
 def _head_logprobs(hidden, labels, weight, temperature: float, chunk_tokens: int) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """A rank that stops making progress ends the job, with every thread's stack on disk.
 
 A multi-rank job hangs when one rank waits in a collective for a peer that never arrives: a peer stuck in
-user code (a reward server that does not answer), one that raised where the others went on (the dist_opt
-checkpoint of issue 17), or a network fault. NCCL's own timeout may be long or off, and a hung job burns
-its whole allocation before anyone sees that nothing moved. The training loop calls `beat(what)` at each
-phase of a step; a thread checks the time since the last beat. Past its limit (`trainer.startup_timeout_s`
+user code (a reward server that does not answer), one that raised where the others went on (a checkpoint
+save that fails on one rank while its peers wait in the save's all-reduce), or a network fault. NCCL's own
+timeout may be long or off, and a hung job burns its whole allocation before anyone sees that nothing
+moved. The training loop calls `beat(what)` at each phase of a step; a thread checks the time since the last
+beat. Past its limit (`trainer.startup_timeout_s`
 for the start-up and the first step, which compiles; `trainer.hang_timeout_s` after it) it writes
 every thread's Python stack to `<output_dir>/hang/rank<R>.txt`, prints one line naming the rank, the phase
 and the file, and ends the process with status 124 (as `timeout` does), so the launcher (torchrun, srun)

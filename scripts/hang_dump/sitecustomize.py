@@ -1,4 +1,6 @@
-"""Put this folder on PYTHONPATH to find where a multi-GPU run hangs: every torchrun worker (RANK set) that
+"""Dump every torchrun worker's Python stacks after N seconds, to find where a multi-GPU run hangs.
+
+Put this folder on PYTHONPATH to find where a multi-GPU run hangs: every torchrun worker (RANK set) that
 is still alive after MLITE_HANG_DUMP_S seconds (default 150) writes every thread's Python stack to
 $MLITE_HANG_DUMP_DIR/hang-rank<RANK>-<pid>.txt (default /tmp) and keeps running. A stuck collective shows as
 the frame that called it; a rank that left early shows no file. Training runs have their own, progress-

@@ -11,7 +11,8 @@ ships in `mlite/integrations/verl/config`:
     python -m verl.trainer.main_ppo hydra.searchpath=[pkg://mlite.integrations.verl.config] \
         model_engine=mlite actor_rollout_ref.rollout.name=mlite ...
 
-Nothing here patches verl: its registries are its extension points.
+Nothing here patches verl: its registries are its extension points. The one table verl 0.9.1 offers no
+register function for (the rollout classes) is written by `adapter.py`, with verl's other private names.
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ def register() -> None:
 
     # the built-in rollout (rollout.name=mlite): the replica (server side) in verl's replica registry, the
     # adapter (training side) in verl's rollout-class table, a plain dict that has no register function
-    from verl.workers.rollout import base as rollout_base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
+    from mlite.integrations.verl.adapter import register_rollout_class
+
     RolloutReplicaRegistry.register(BACKEND, _load_replica)
-    rollout_base._ROLLOUT_REGISTRY[(BACKEND, "async")] = "mlite.integrations.verl.rollout.MliteServerAdapter"
+    register_rollout_class(BACKEND, "async", "mlite.integrations.verl.rollout.MliteServerAdapter")
     _registered = True
 
 

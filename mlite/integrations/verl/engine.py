@@ -4,9 +4,9 @@ verl hands the engine a TensorDict of unpadded sequences (jagged `input_ids`, `p
 ...) and a loss function that reads `model_output["log_probs"]` (and `"entropy"`) as jagged tensors aligned
 with the inputs: position t holds log p(token t+1). The engine converts each micro-batch to mlite's
 `PackedBatch`, lets the runtime run the forward (and backward), and hands verl's loss the per-token tensors.
-Everything else (optimizer, schedule, checkpoints, weight export) is the runtime's; what only verl needs
-of it (one micro-batch with verl's loss, moving state between devices for verl's offload) lives here, on
-the runtime's public attributes.
+Everything else (optimizer, schedule, checkpoints, weight export, moving state to the host and back for
+verl's offload) is the runtime's; what only verl needs of it (one micro-batch with verl's loss, verl's
+device names mapped onto the runtime's offload) lives here, on the runtime's public methods.
 """
 
 from __future__ import annotations
@@ -83,22 +83,14 @@ def weight_sync_dtype(compute: str, device_type: str) -> torch.dtype:
 
 def move_state(runtime, device: str | torch.device, model: bool = True, optimizer: bool = True) -> None:
     """Move parameters (with their grads) and/or the optimizer state (not Adam's step counts) to `device`,
-    e.g. to the host while the rollout generates. verl names the accelerator by type ("cuda"): that is the
-    runtime's own device, index included."""
+    e.g. to the host while the rollout generates: the runtime's own device reloads what an offload moved
+    (`Runtime.reload_to_device`), any other is an offload onto it (`Runtime.offload_to_host`). verl names
+    the accelerator by type ("cuda"): that is the runtime's own device, index included."""
     target = torch.device(device)
-    if target.index is None and target.type == runtime.device.type:
-        target = runtime.device
-    if model:
-        runtime.weights_current()
-        for p in runtime.model.parameters():
-            p.data = p.data.to(target)
-            if p.grad is not None:
-                p.grad = p.grad.to(target)
-    if optimizer:
-        for state in runtime.optim.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and key != "step":
-                    state[key] = value.to(target)
+    if target.type == runtime.device.type and target.index in (None, runtime.device.index):
+        runtime.reload_to_device(weights=model, grads=model, optimizer=optimizer)
+    else:
+        runtime.offload_to_host(weights=model, grads=model, optimizer=optimizer, host=target)
 
 
 def _rank() -> int:
@@ -129,11 +121,11 @@ def shard_export(runtime, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tenso
     from verl.workers.engine.spec import BlockPlacement, ShardSpec
 
     from mlite.runtime.ckpt.sync import lockstep_shards
-    from mlite.runtime.state import held_models
 
     dist = torch.distributed
     group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
-    for name, shape, out_dtype, pieces in lockstep_shards(held_models(runtime), dtype):
+    runtime.weights_current()
+    for name, shape, out_dtype, pieces in lockstep_shards(runtime.held_models(), dtype):
         if not pieces:
             yield name, torch.empty(0, dtype=out_dtype, device=runtime.device), ShardSpec(
                 full_shape=shape, place=0, gather_group=group, contributes=False)
@@ -355,13 +347,13 @@ class MliteEngine(BaseEngine):
 
     def _save_hf_model(self, path: str) -> None:
         from mlite.runtime.ckpt.sync import export_hf
-        from mlite.runtime.state import held_models
 
         rt = self.runtime
         if _rank() == 0:
             shutil.rmtree(path, ignore_errors=True)  # a step saved again: its export is replaced
         config = None if rt.job.model.name is not None else rt.hf_config  # presets: from the arch
-        out = export_hf(held_models(rt), rt.arch, path, config=config)
+        rt.weights_current()
+        out = export_hf(rt.held_models(), rt.arch, path, config=config)
         tokenizer = getattr(self.model_config, "tokenizer", None)
         if out is not None and tokenizer is not None:
             tokenizer.save_pretrained(str(out))

@@ -4,7 +4,7 @@ verl's training workers join the process group with "cpu:gloo,<device>:<backend>
 the device is the CPU ("Duplicate device type cpu"; the same reason `sft_trainer.py` exists). This entry
 point is verl's Hydra program (verl's config, verl's synchronous v1 trainer, verl's agent loops) with one
 difference: its workers join plain gloo first, and verl then finds the group initialised. It swaps the worker
-classes the way verl's own separate-async trainer does (`_init_resource_pool_mgr`). On GPUs use verl's
+classes the way verl's own separate-async trainer does (`adapter.WorkerClassSwap`). On GPUs use verl's
 module; both accept the same arguments:
 
     python -m mlite.integrations.verl.main_ppo hydra.searchpath=[pkg://mlite.integrations.verl.config] \
@@ -20,6 +20,7 @@ import ray
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
+from mlite.integrations.verl.adapter import WorkerClassSwap
 from mlite.integrations.verl.platform_cpu import join_gloo
 
 
@@ -35,16 +36,12 @@ class CpuTrainingWorker(TrainingWorker):
         super().__init__(*args, **kwargs)
 
 
-class CpuPPOTrainerSync(PPOTrainerSync):
+class CpuPPOTrainerSync(WorkerClassSwap, PPOTrainerSync):
     """verl's synchronous trainer whose workers join gloo."""
 
-    def _init_resource_pool_mgr(self):
-        super()._init_resource_pool_mgr()
-        for role, actor_class in list(self.role_worker_mapping.items()):
-            cpu_class = (
-                CpuTrainingWorker if "TrainingWorker" in str(actor_class) else CpuActorRolloutRefWorker
-            )
-            self.role_worker_mapping[role] = ray.remote(cpu_class)
+    def swap_worker_class(self, actor_class):
+        cpu_class = CpuTrainingWorker if "TrainingWorker" in str(actor_class) else CpuActorRolloutRefWorker
+        return ray.remote(cpu_class)
 
 
 @ray.remote

@@ -2,7 +2,7 @@
 
 On one GPU the optimizer step is pure streaming: read parameter, gradient and both moments, write parameter
 and both moments, 14 bytes per bf16 parameter. torch's fused AdamW (multi_tensor_apply) runs it at 1.3-1.5x
-the copy-bandwidth floor (scripts/adamw_floor.py, issue 15): its launches cover at most 320 chunks of 64k
+the copy-bandwidth floor (scripts/adamw_floor.py): its launches cover at most 320 chunks of 64k
 elements (and 36 tensors) each, so a 4B-parameter step is ~200 launches that each fill part of the GPU and
 drain to a tail, and it loads 4 elements per thread at a time (8 bytes of bf16).
 
@@ -41,6 +41,8 @@ import os
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from mlite.runtime.kernels.grads import scale_grads_
 
 try:
     import triton
@@ -189,7 +191,7 @@ class TritonAdamW(torch.optim.AdamW):
     num_warps = 8
     # (block, num_warps) by GPU name where another tile measured faster: an H200's memory (4.2 TB/s copies
     # against an H100's 2.9) wants more bytes in flight per program. In the bench step on one H200 4096 x 16
-    # beat 2048 x 8 by 1.1 ms (MoE) and 0.5 ms (dense) (docs/PERFORMANCE.md, 2026-11-28)
+    # beat 2048 x 8 by 1.1 ms (MoE) and 0.5 ms (dense) (docs/PERFORMANCE.md, "What the defaults rest on")
     tiles_by_gpu = {"H200": (4096, 16)}
 
     def __init__(self, *args, **kwargs):
@@ -256,8 +258,6 @@ class TritonAdamW(torch.optim.AdamW):
         """The step where the kernel does not serve it: torch's own."""
         params = [p for group in self.param_groups for p in group["params"]]
         if grad_coef is not None:
-            from mlite.runtime.optim import scale_grads_
-
             scale_grads_(params, grad_coef)
         if any(isinstance(p, DTensor) for p in params):
             # shards of several meshes (dense, experts), which one fused call cannot take: torch's
@@ -587,6 +587,7 @@ if triton is not None:
         x ^= x >> 16
         return x
 
+    # one tile's whole update, step for step in fp8_adamw_reference's order, to be read against it
     @triton.jit
     def _adamw_fp8_tile(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, tile, start, size, seed, lr,
                         weight_decay, beta1, beta2, eps, step_size, bc2_sqrt, grad_coef,

@@ -1,5 +1,6 @@
-"""Pieces every model family shares: the forward output, the KV cache, RMSNorm, rotary embeddings and the
-description of how one native parameter is stored in an HF checkpoint."""
+"""Pieces every model family shares: the base class with the seams the loss reads (`CausalLM`), the forward
+output, the KV cache, RMSNorm, rotary embeddings and the description of how one native parameter is stored
+in an HF checkpoint."""
 
 from __future__ import annotations
 
@@ -28,7 +29,45 @@ class ModelOutput:
 # FSDP2 finds a module's output tensors by pytree flattening, to unshard its parameters again before their
 # backward; an unregistered dataclass hides them and the root's weights (final norm, embedding) would be
 # read after being freed (an illegal memory access on GPUs).
-torch.utils._pytree.register_dataclass(ModelOutput)
+torch.export.register_dataclass(ModelOutput)  # torch's public entry to its pytree registry
+
+
+@dataclass(frozen=True)
+class LossHead:
+    """What the loss (mlite.runtime.loss) needs to know of a model's LM head, as the model declares it
+    (`CausalLM.loss_head`), so the loss code knows no model family.
+
+    `linear`: the module the model's `compute_logits` applies to the hidden states, and nothing more.
+    `embedding`: this model's input embedding, None where it holds none (a later pipeline stage); a head
+    whose weight is the embedding's is tied to it.
+    `read_in_forward`: the model's own forward applies the head as well (DeepSeek-V4's multi-token
+    prediction loss), so its weight is read again after the loss's own use."""
+
+    linear: Callable[[torch.Tensor], torch.Tensor]
+    embedding: nn.Module | None = None
+    read_in_forward: bool = False
+
+
+class CausalLM(nn.Module):
+    """A model family's seams beyond its forward: `compute_logits` (hidden states -> logits) and
+    `loss_head`, what the loss may know of the head behind it."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss_head(self) -> LossHead | None:
+        """The head `compute_logits` applies; None where it applies no plain module (the loss then treats
+        compute_logits as an opaque function)."""
+        return None
+
+
+def loss_head_of(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> LossHead | None:
+    """The head a model declares (`CausalLM.loss_head`) when `compute_logits` is that model's own
+    `compute_logits` method, as the runtime hands it to the loss; None for any other callable."""
+    model = getattr(compute_logits, "__self__", None)
+    if isinstance(model, CausalLM) and compute_logits.__func__ is type(model).compute_logits:
+        return model.loss_head()
+    return None
 
 
 @dataclass

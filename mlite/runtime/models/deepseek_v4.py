@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from mlite.config.arch import V4_CSA as CSA
 from mlite.config.arch import V4_DENSE_ENTRIES_PER_PICK, V4_KEY_SET_LOGITS, ModelArch
 from mlite.runtime.data.packed import IGNORE, PackedBatch
-from mlite.runtime.models.base import HFTensors, ModelOutput, RMSNorm, same_tensor
+from mlite.runtime.models.base import CausalLM, HFTensors, LossHead, ModelOutput, RMSNorm, same_tensor
 from mlite.runtime.models.moe import (
     MoE,
     RouterStats,
@@ -257,6 +257,7 @@ class _SinkSoftmax(torch.autograd.Function):
         return p * (grad - dot), grad_sinks.to(sinks.dtype), None
 
 
+# long for one kernel: padding, the per-block product, its runs and chunks share the block shapes
 def key_set_attention(q, kv, window_mask, entries, entry_keys, entry_mask, sinks, scale: float,
                       budget: int = V4_KEY_SET_LOGITS, entry_limits: tuple[int, ...] | None = None,
                       entry_runs: int = 8) -> torch.Tensor:
@@ -772,7 +773,7 @@ def shift_in_sequence(values: torch.Tensor, batch: PackedBatch, fill: int) -> to
 
 
 # ---------------------------------------------------------------------------------------------- model
-class DeepseekV4(nn.Module):
+class DeepseekV4(CausalLM):
     def __init__(self, arch: ModelArch, layers: Iterable[int] | None = None, mtp_weight: float = 0.0):
         """`layers`: the global layer indices of this pipeline stage (all by default). `mtp_weight` > 0
         builds the MTP block and adds its loss, times the weight, to `aux_loss`."""
@@ -876,6 +877,12 @@ class DeepseekV4(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.output(hidden)
+
+    def loss_head(self) -> LossHead | None:
+        """The MTP loss (`mtp_loss`) applies the head inside the forward too."""
+        if self.output is None:
+            return None
+        return LossHead(self.output, self.embed, read_in_forward=self.mtp is not None)
 
     # ------------------------------------------------------------------ rollout (no compressed-KV cache)
     def new_kv_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> TokenCache:

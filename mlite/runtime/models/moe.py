@@ -37,7 +37,7 @@ class RouterStats:
 
 # returned through FSDP2-wrapped modules: registered so FSDP finds prob_sum (which carries the router's
 # gradient) when it hooks a module's outputs for backward, as for ModelOutput
-torch.utils._pytree.register_dataclass(RouterStats)
+torch.export.register_dataclass(RouterStats)
 
 # experts(tokens [M, H] grouped by local expert, counts [E_local]) -> [M, H]
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

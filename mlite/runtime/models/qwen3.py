@@ -27,8 +27,10 @@ from mlite.errors import MliteError
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.kernels import cached_attention, varlen_attention
 from mlite.runtime.models.base import (
+    CausalLM,
     HFTensors,
     KVCache,
+    LossHead,
     ModelOutput,
     RMSNorm,
     apply_rope,
@@ -158,7 +160,7 @@ class Block(nn.Module):
         return x + out.view_as(x)
 
 
-class Transformer(nn.Module):
+class Transformer(CausalLM):
     def __init__(
         self,
         arch: ModelArch,
@@ -210,6 +212,9 @@ class Transformer(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, vocab]."""
         return self.output(hidden)
+
+    def loss_head(self) -> LossHead | None:
+        return None if self.output is None else LossHead(self.output, self.embed)
 
     # ------------------------------------------------------------------ inference with a KV cache
     def new_kv_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:

@@ -7,20 +7,21 @@
 
 `LocalAdamW` serves every layout the runtime runs: one process, and FSDP2, whose parameters are DTensor
 shards (then `grad_norm_fn` is mlite.runtime.parallel.parallelize.grad_norm, summed over every mesh once).
-`OptimizerBackend` is the interface it implements; the Megatron-Core adapter
-(mlite.runtime.parallel.dist_opt) implements it too.
+The runtime's fsdp2 backend (mlite.runtime.backends.fsdp2) is this optimizer plus what a backend owns
+beyond the step (mlite.runtime.backends.base.OptimizerBackend).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from mlite.config.schema import OptimizerConfig
+from mlite.runtime.kernels.grads import scale_grads_
+
+__all__ = ["LRSchedule", "LocalAdamW", "clip_coef", "lr_at", "scale_grads_"]
 
 
 # --------------------------------------------------------------------------------------- schedule
@@ -69,22 +70,7 @@ class LRSchedule:
         self._apply()
 
 
-# ---------------------------------------------------------------------------------------- backends
-class OptimizerBackend(Protocol):
-    """What the runtime asks of an optimizer backend (one per parallel layout)."""
-
-    optimizer: torch.optim.Optimizer  # the torch optimizer, for checkpoints (DCP names its state by FQN)
-    params: list[torch.nn.Parameter]  # what it updates (replicated data parallel sums their grads first)
-    skipped_steps: int | torch.Tensor  # a count, possibly a 0-dim tensor still on the device
-
-    def step(self) -> tuple[torch.Tensor | float, torch.Tensor | bool]:
-        """Clip, then update unless the grad norm is non-finite. Returns (grad norm before clipping,
-        skipped), as 0-dim tensors where the backend decides on the device: float() and bool() read them
-        (a host sync), so read them when the numbers are logged, not in the step."""
-
-    def zero_grad(self) -> None: ...
-
-
+# ------------------------------------------------------------------------------------- the optimizer
 class LocalAdamW:
     """AdamW over the runtime's parameters, whole on one process or FSDP2 shards (DTensors) on several.
 
@@ -167,23 +153,6 @@ class LocalAdamW:
 def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """torch's clip_grads_with_norm_ factor: min(1, max_norm / (norm + 1e-6)), left on the device."""
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-
-
-def scale_grads_(params: list[torch.nn.Parameter], coef: torch.Tensor) -> None:
-    """Every gradient times `coef` in place (torch's clip_grads_with_norm_ with the factor given), scaling
-    each gradient's local part: sharded layouts mix DTensors of several meshes (dense over dp_cp, experts
-    over edp), which one foreach call cannot take."""
-    grads = [p.grad for p in params if p.grad is not None]
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    for device, group in _by_device(local).items():
-        torch._foreach_mul_(group, coef.to(device))
-
-
-def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
-    groups: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.device, []).append(t)
-    return groups
 
 
 def _local_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Capacity-free: every (token, expert) pair is computed, however unbalanced the routing; nothing is padded
 or dropped. Experts are stacked [E, ...] parameters; ep rank r holds experts [r * E/ep, (r+1) * E/ep).
-Two exchanges (`mlite.plan.rules.expert_exchange` picks by ep and top_k, so the planner sizes the same one):
+Two exchanges (`mlite.plan.policy.expert_exchange` picks by ep and top_k, so the planner sizes the same one):
 - `all_gather`: every rank gathers every token of the ep group (fixed sizes), runs its experts' pairs,
   sums each token's local pairs weighted, and the partial sums go home by an all-to-all of fixed splits,
   added in fp32 there;
@@ -37,7 +37,7 @@ from mlite.runtime.models.moe import (
 
 def expert_parallel_dispatch(group: dist.ProcessGroup, exchange: str):
     """The MoE block's `dispatch` under expert parallel over `group` (mlite.runtime.models.moe.DispatchFn),
-    by `exchange` (`all_gather` or `all_to_all`, from mlite.plan.rules.expert_exchange)."""
+    by `exchange` (`all_gather` or `all_to_all`, from mlite.plan.policy.expert_exchange)."""
     if exchange not in ("all_gather", "all_to_all"):
         raise ValueError(f"expert exchange {exchange!r}: all_gather or all_to_all")
 
@@ -106,7 +106,7 @@ def _block_permutation(counts: torch.Tensor, total: int) -> torch.Tensor:
 
 def _gathered(hidden, expert_ids, weights, experts, num_experts, group) -> torch.Tensor:
     """The `all_gather` exchange: [N, H] -> [N, H], every rank's tokens seen by every rank of `group`. Every
-    rank holds the same N: the step pads the micro-batches to one length (mlite.plan.rules.
+    rank holds the same N: the step pads the micro-batches to one length (mlite.plan.policy.
     equal_micro_batch_lengths), so the gathers' blocks are equal without a read of the group's longest."""
     me, k = dist.get_rank(group), expert_ids.shape[1]
     local = num_experts // dist.get_world_size(group)
@@ -203,8 +203,8 @@ def _count_then_gather_rows(count, x, group):
     """(int(count), _gather_rows(x)): the exchange's host read, this rank's pair count (the grouped GEMM's
     row count), waits for the router and the small routing gather only; the tokens' gather is the first
     thing queued after it. A blocking read: the copy queued ahead of the tokens' gather and read after an
-    event stepped no faster on 4 x H200 (docs/PERFORMANCE.md, 2026-11-28). (Its first form gave counts
-    larger than the routing's: it asked the host copy, not the device tensor, whether to wait.)"""
+    event stepped no faster on 4 x H200 (docs/PERFORMANCE.md, "What the defaults rest on"). (Its first form
+    gave counts larger than the routing's: it asked the host copy, not the device tensor, whether to wait.)"""
     pairs = int(count)
     return pairs, _AllGatherRows.apply(x, group)
 

@@ -25,7 +25,7 @@ Named meshes and why each exists:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, InitVar, dataclass
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from mlite.plan.rules import check_degrees, data_parallel_size
 
 if TYPE_CHECKING:
     from mlite.config.schema import JobConfig
+    from mlite.plan.rules import Layout
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,20 @@ class ParallelDims:
     ep: int = 1
     etp: int = 1
     vpp: int = 1
+    _: KW_ONLY
+    planned: InitVar[bool] = False  # the degrees of a checked layout (`from_layout`): not checked again
 
-    def __post_init__(self):
+    def __post_init__(self, planned: bool):
         # the degree rules live in the rule book, shared with the planner (one message for one problem)
-        check_degrees(self.world_size, self.pp, self.dp, self.cp, self.tp, self.ep, self.etp, self.vpp)
+        if not planned:
+            check_degrees(self.world_size, self.pp, self.dp, self.cp, self.tp, self.ep, self.etp, self.vpp)
+
+    @classmethod
+    def from_layout(cls, layout: Layout) -> ParallelDims:
+        """The degrees of the plan's layout, which the rule book has checked (mlite.plan.plan_job): the
+        runtime's own, never checked twice."""
+        lay = layout
+        return cls(lay.world, lay.pp, lay.dp, lay.cp, lay.tp, lay.ep, lay.etp, lay.vpp, planned=True)
 
     @classmethod
     def from_job(cls, job: JobConfig, world_size: int) -> ParallelDims:

@@ -35,10 +35,13 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from mlite.errors import MliteError
-from mlite.plan.rules import expert_exchange, grad_reduce_dtype
+from mlite.runtime.adapters.torch_fsdp import (
+    offloaded_shards,
+    reshards_after_forward,
+    strided_index_placement,
+)
 from mlite.runtime.models.moe import local_dispatch, local_stats, whole
 from mlite.runtime.parallel.context import context_geometry, context_parallel_attention
 from mlite.runtime.parallel.expert import expert_parallel_dispatch, local_slice, token_group_stats
@@ -116,9 +119,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
         parallelize_module(layer, tp, plan)
 
 
-def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
-    """Keep this ep rank's slice of the stacked experts; tokens reach them by the exchange
-    `mlite.plan.rules.expert_exchange` picks (all-gather or all-to-all).
+def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, exchange: str | None = None) -> None:
+    """Keep this ep rank's slice of the stacked experts; tokens reach them by `exchange`, the plan's choice
+    (`all_gather` or `all_to_all`: mlite.plan.Plan.expert_exchange, by mlite.plan.policy.expert_exchange).
 
     The stacked parameters become DTensors split on dim 0 over `ep`: their global shape stays [E, ...], so
     checkpoints name and shape them the same under any ep (resume ep2 -> ep1). The experts' own forward
@@ -134,7 +137,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
             continue
         dispatch = local_dispatch
         if ep.size() > 1:
-            dispatch = expert_parallel_dispatch(ep.get_group(), expert_exchange(ep.size(), layer.mlp.top_k))
+            dispatch = expert_parallel_dispatch(ep.get_group(), exchange)
             experts = layer.mlp.experts
             for name, param in list(experts.named_parameters(recurse=False)):
                 # every rank slices its own experts (src_data_rank=None: no scatter), so this also lays out
@@ -146,6 +149,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
         layer.mlp.set_parallel(dispatch, reduce_stats, token_rows)
 
 
+# long for its docstring (one paragraph a knob); the code is one order, inner units before the root's
 def apply_fsdp(
     model: nn.Module,
     mesh: ParallelMesh,
@@ -178,7 +182,7 @@ def apply_fsdp(
     # cast_forward_inputs off: every unit's inputs already come in the compute dtype (the embedding's output,
     # RoPE's cos/sin cast to it, pipeline activations received in it, token ids), and the cast walks each
     # call's arguments, the PackedBatch included, rebuilding it per block: host time in every block's call
-    # (docs/PERFORMANCE.md, 2026-11-28), where a host behind its GPU sets the step
+    # (docs/PERFORMANCE.md, "What the defaults rest on"), where a host behind its GPU sets the step
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype,
                                   cast_forward_inputs=False)
     layers = blocks(model)
@@ -235,7 +239,7 @@ def shard_embedding_rows(embed: nn.Embedding, mesh, compute_dtype: torch.dtype) 
     """parallel.fsdp_embedding rows: the embedding's [vocab, hidden] matrix stays sharded by vocabulary rows
     over `mesh` (dp_cp) and is never gathered. Tensor parallel's vocab-parallel embedding, over ranks whose
     tokens differ: each lookup all-gathers the ranks' token ids (the micro-batches have one length on every
-    rank: rules.equal_micro_batch_lengths), looks up the rows this rank holds (zeros elsewhere) and
+    rank: policy.equal_micro_batch_lengths), looks up the rows this rank holds (zeros elsewhere) and
     reduce-scatters the [ranks x tokens, hidden] result back to each rank's own tokens. The backward
     all-gathers the output gradients, and every token's lands in its row: DTensor forms the whole [vocab,
     hidden] sum on each rank (it has no row-sharded rule for this backward) and a hook keeps this rank's
@@ -273,9 +277,8 @@ def parameter_holders(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]
     """id(parameter) -> every (module, name) that registers it (a tied matrix has two)."""
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     for sub in module.modules():
-        for name, param in sub._parameters.items():
-            if param is not None:
-                holders.setdefault(id(param), []).append((sub, name))
+        for name, param in sub.named_parameters(recurse=False, remove_duplicate=False):
+            holders.setdefault(id(param), []).append((sub, name))
     return holders
 
 
@@ -285,17 +288,19 @@ def host_offloaded(model: nn.Module) -> set[int]:
     anywhere else at its first forward."""
     ids: set[int] = set()
     for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            group = unit._get_fsdp_state()._fsdp_param_group  # FSDP2 has no public getter for a unit's policy
-            if group is not None and isinstance(group.offload_policy, CPUOffloadPolicy):
-                ids.update(id(p.sharded_param) for p in group.fsdp_params)
+        if isinstance(unit, FSDPModule):  # FSDP2 has no public getter for a unit's policy
+            ids.update(id(shard) for shard in offloaded_shards(unit))
     return ids
 
 
-def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, device_type: str) -> nn.Module:
+def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, device_type: str,
+                      exchange: str | None = None, fsdp_units: bool = True) -> nn.Module:
     """The whole layout for the runtime, in its fixed order: TP+SP, attention core (CP + recompute), EP,
-    FSDP2 (not under optimizer.backend dist_opt: mlite.runtime.parallel.dist_opt wraps the result). The
-    rule book (mlite.plan.rules.check_job) has accepted the layout before any of this runs."""
+    FSDP2 where `fsdp_units` (the plan's: not under optimizer.backend dist_opt, whose backend,
+    mlite.runtime.backends.dist_opt, wraps the result in Megatron's DDP). Built
+    from the plan (mlite.plan.plan_job has accepted the layout before any of this runs): `job` is the plan's
+    job, its `auto`s resolved (FSDP2's units, the reduction dtype), and `exchange` its expert exchange
+    (None without expert parallel)."""
     apply_tensor_parallel(model, mesh)
     rc = job.recompute
     cp_group = mesh.group("cp") if mesh.dims.cp > 1 else None
@@ -304,31 +309,23 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, devi
         cp_group = None
     apply_recompute(model, rc.granularity, rc.method, rc.num_layers, cp_group,
                     compile_blocks=job.model.compile)
-    apply_expert_parallel(model, mesh)
-    if job.optimizer.backend == "dist_opt":  # Megatron's DDP shards the optimizer and reduces the gradients
+    apply_expert_parallel(model, mesh, exchange)
+    if not fsdp_units:  # the backend shards the optimizer and reduces the gradients itself (dist_opt)
         return model
-    par = _resolved(job).parallel
+    par = job.parallel
     apply_fsdp(
         model,
         mesh,
         # CPU: fp32
         compute_dtype=COMPUTE_DTYPES[job.precision.compute] if device_type == "cuda" else torch.float32,
         offload_fraction=job.offload.optimizer_fraction if job.offload.optimizer else 0.0,
-        reduce_dtype=COMPUTE_DTYPES[grad_reduce_dtype(job)],
+        reduce_dtype=COMPUTE_DTYPES[job.precision.grad_reduce],
         unit_layers=par.fsdp_unit_layers,
         reshard_after_forward=par.fsdp_reshard_after_forward,
         forward_prefetch=par.fsdp_forward_prefetch,
         embedding_rows=par.fsdp_embedding == "rows",
     )
     return model
-
-
-def _resolved(job: JobConfig) -> JobConfig:
-    """The caller resolves `auto` (mlite.runtime.layout.with_fsdp_units): the units are the plan's."""
-    for key in ("fsdp_unit_layers", "fsdp_reshard_after_forward"):
-        if getattr(job.parallel, key) == "auto":
-            raise ValueError(f"parallel.{key} auto: resolve it first (mlite.runtime.layout.with_fsdp_units)")
-    return job
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
@@ -349,11 +346,13 @@ def reshard_units(model: nn.Module) -> None:
     forward, after FSDP2 closed the unit at the root's. So each is asked as a unit that reshards after
     forward, then set back (FSDP2's `set_reshard_after_forward`)."""
     for module in model.modules():
-        if isinstance(module, FSDPModule) and (group := module._get_fsdp_state()._fsdp_param_group):
-            kept = not group._reshard_after_forward  # FSDP2 has no public getter for it
+        if not isinstance(module, FSDPModule):
+            continue
+        reshards = reshards_after_forward(module)  # FSDP2 has no public getter for it
+        if reshards is not None:
             module.set_reshard_after_forward(True, recurse=False)
             module.reshard()
-            module.set_reshard_after_forward(not kept, recurse=False)
+            module.set_reshard_after_forward(reshards, recurse=False)
 
 
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -430,8 +429,8 @@ def local_shard(tensor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor |
     for dim, size in enumerate(tensor.shape):
         placements = []
         for p in tensor.placements:
-            if isinstance(p, _StridedShard) and p.dim == dim:
-                placements.append(_StridedShard(0, split_factor=p.split_factor))
+            if (strided := strided_index_placement(p, dim)) is not None:
+                placements.append(strided)
             elif p.is_shard(dim):
                 placements.append(Shard(0))
             else:

@@ -8,7 +8,7 @@
   length is exact.
 - `equal_lengths(batches)`: each micro-batch padded (the same way) to the longest of its index on any rank,
   for the all-gather expert exchange and the embedding's row exchange
-  (mlite.plan.rules.equal_micro_batch_lengths).
+  (mlite.plan.policy.equal_micro_batch_lengths).
 - `vocab_parallel_logprobs`: per-token log-probs (and entropy) from logits split over `tp` by vocabulary:
   `cross_entropy(reduction="none")` under `loss_parallel()` (each rank reduces its vocabulary slice, one
   all-reduce of max and sum per token; the full [T, vocab] logits never exist on one rank). The result is
@@ -64,7 +64,7 @@ def equal_lengths(batches: list[PackedBatch], group=None) -> list[PackedBatch]:
     """Each micro-batch padded (`pad_to_length`) to the longest micro-batch of the same index on any rank of
     `group` (default: the world), so that every rank's stream, and every layer's rows, have one length:
     what the all-gather expert exchange and the embedding's row exchange need
-    (mlite.plan.rules.equal_micro_batch_lengths). One exchange of the lengths per call, not one per layer,
+    (mlite.plan.policy.equal_micro_batch_lengths). One exchange of the lengths per call, not one per layer,
     over `group`: the runtime passes a gloo group on the host (`Placement.host_group`), so it never waits for
     the GPU. The world, not the ep group: ranks that share a micro-batch (tp, cp, pp) must pad it alike."""
     lengths = [b.num_tokens for b in batches]

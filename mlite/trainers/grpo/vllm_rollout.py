@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 def require_vllm() -> None:
     """The start-up check, before any GPU work: vLLM must be importable where the job runs."""
     if importlib.util.find_spec("vllm") is None:
-        from mlite.stack import load_stack
+        from mlite.images.stacks import load_stack
 
         try:
             pin = load_stack().requirement("vllm")  # the image's (docker/stacks)

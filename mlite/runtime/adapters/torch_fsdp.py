@@ -1,0 +1,60 @@
+"""torch's private names the runtime needs, in one place: FSDP2's per-unit state (a unit's offload policy,
+whether it reshards after forward, its post-backward hook), DTensor's strided shard placement (what FSDP2
+over tensor or expert parallel gives) and nn.Module's forward-hook tables.
+
+Checked against torch 2.13.0 (`TORCH_CHECKED`); the pinned images run 2.11.0, where running
+tests/test_adapters.py in the image is the check.
+torch has no public getter for any of these: FSDP2 offers setters only (`set_reshard_after_forward`,
+`set_requires_gradient_sync`, ...) and no way to put its post-backward hook on a tensor its forward did not
+see. tests/test_adapters.py exercises every function here on the installed torch and fails naming this module
+when one stops behaving; update the functions here, never their callers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+TORCH_CHECKED = "2.13.0"
+
+
+def _param_group(unit: FSDPModule):
+    """The unit's one FSDPParamGroup (None where it manages no parameters of its own)."""
+    return unit._get_fsdp_state()._fsdp_param_group
+
+
+def offloaded_shards(unit: FSDPModule) -> list[torch.Tensor]:
+    """The sharded parameters of a unit sharded with CPUOffloadPolicy (kept on the host), else []."""
+    group = _param_group(unit)
+    if group is None or not isinstance(group.offload_policy, CPUOffloadPolicy):
+        return []
+    return [fsdp_param.sharded_param for fsdp_param in group.fsdp_params]
+
+
+def reshards_after_forward(unit: FSDPModule) -> bool | None:
+    """Whether the unit frees its gathered weights after its forward (FSDP2 turns it off for the root at
+    its first forward); None where the unit manages no parameters."""
+    group = _param_group(unit)
+    return None if group is None else group._reshard_after_forward
+
+
+def reduce_in_backward(unit: FSDPModule, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` through the unit's post-backward hook, as if its forward had taken it as input: once
+    autograd has the gradient of `tensor`, the unit reduce-scatters its gradients and reshards."""
+    (tensor,), _ = _param_group(unit)._register_post_backward_hook((tensor,), {})
+    return tensor
+
+
+def strided_index_placement(placement: Placement, dim: int) -> Placement | None:
+    """Where `placement` is a strided shard of `dim`, the same split of a 1-D index (dim 0); None for any
+    other placement. Ask this before `is_shard`: torch 2.11's strided shard is a Shard too."""
+    if isinstance(placement, _StridedShard) and placement.dim == dim:
+        return _StridedShard(0, split_factor=placement.split_factor)
+    return None
+
+
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Whether hooks of the module's own (forward or forward-pre) run around its forward."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)

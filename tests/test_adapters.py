@@ -1,0 +1,187 @@
+"""The adapters over other libraries' private names (mlite.runtime.adapters.torch_fsdp,
+mlite.runtime.adapters.megatron_core, mlite.integrations.verl.adapter) still hold on the installed libraries.
+
+Each adapter names the version it was checked against; these tests exercise every private name it uses, on
+whatever version is installed, so a library that renames or changes one fails here, with a message naming the
+adapter to update, not somewhere inside a training step.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def stale(adapter: str, library: str, checked: str, installed: str, what: str) -> str:
+    return (f"{adapter} was checked against {library} {checked}; installed {installed}: {what}. "
+            f"Update {adapter} (and its version) to the installed {library}.")
+
+
+# ------------------------------------------------------------------------------------------------ torch
+class TinyModel(nn.Module):
+    """A body whose forward the root runs, and an LM head the loss applies outside it (as the runtime's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4, bias=False)
+        self.head = nn.Linear(4, 6, bias=False)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_torch_fsdp_adapter_private_names_still_behave(monkeypatch):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from mlite.runtime.adapters import torch_fsdp as adapter
+
+    def says(what: str) -> str:
+        return stale("mlite/runtime/adapters/torch_fsdp.py", "torch", adapter.TORCH_CHECKED,
+                     torch.__version__, what)
+
+    # FSDP2 pins offloaded shards; pinned memory needs an accelerator, which a CPU machine lacks
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model, reference = TinyModel(), TinyModel()
+        reference.load_state_dict(model.state_dict())
+        mesh = init_device_mesh("cpu", (1,))
+        fully_shard(model.body, mesh=mesh, offload_policy=CPUOffloadPolicy(), reshard_after_forward=False)
+        fully_shard(model.head, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # the root holds no parameters of its own
+
+        assert [id(t) for t in adapter.offloaded_shards(model.body)] == [id(model.body.weight)], says(
+            "an offloaded unit's sharded parameters are not read from its param group")
+        assert adapter.offloaded_shards(model.head) == [] and adapter.offloaded_shards(model) == []
+        assert (adapter.reshards_after_forward(model.body), adapter.reshards_after_forward(model.head),
+                adapter.reshards_after_forward(model)) == (False, True, None), says(
+            "a unit's reshard-after-forward is not read from its param group")
+        model.head.set_reshard_after_forward(False, recurse=False)
+        assert adapter.reshards_after_forward(model.head) is False, says(
+            "the public setter is not what it reads")
+        model.head.set_reshard_after_forward(True, recurse=False)
+
+        # the loss's path: the head gathered by hand, its post-backward hook on the hidden states. The hook
+        # must reduce the head's gradient and reshard it as soon as the hidden states' gradient is there:
+        # before the body's backward reaches the inputs, not in FSDP2's end-of-backward callback
+        x = torch.randn(3, 4, requires_grad=True)
+        seen = []
+        x.register_hook(lambda _grad: seen.append(
+            (isinstance(model.head.weight, DTensor), model.head.weight.grad is not None)))
+        hidden = model(x)
+        model.head.unshard()
+        assert not isinstance(model.head.weight, DTensor)
+        hidden = adapter.reduce_in_backward(model.head, hidden)
+        (hidden @ model.head.weight.t()).square().sum().backward()
+        assert seen == [(True, True)], says(
+            "the head's post-backward hook did not reduce and reshard in time")
+        x_ref = x.detach().clone().requires_grad_()
+        reference.head(reference.body(x_ref)).square().sum().backward()
+        torch.testing.assert_close(model.head.weight.grad.full_tensor(), reference.head.weight.grad)
+        torch.testing.assert_close(x.grad, x_ref.grad)
+    finally:
+        dist.destroy_process_group()
+
+    # DTensor's strided shard (FSDP2 over tp or ep), whose split the adapter re-states for an index
+    strided = _StridedShard(1, split_factor=2)
+    assert (strided.dim, strided.split_factor) == (1, 2), says("_StridedShard's dim / split_factor changed")
+    assert adapter.strided_index_placement(strided, 1) == _StridedShard(0, split_factor=2), says(
+        "_StridedShard(dim, split_factor=...) changed")
+    assert adapter.strided_index_placement(strided, 0) is None
+    assert adapter.strided_index_placement(Shard(1), 1) is None
+
+    # nn.Module's hook tables
+    linear = nn.Linear(4, 4)
+    assert not adapter.has_forward_hooks(linear)
+    for register in (linear.register_forward_hook, linear.register_forward_pre_hook):
+        handle = register(lambda *args: None)
+        assert adapter.has_forward_hooks(linear), says(f"{register.__name__} is not seen")
+        handle.remove()
+    handle = linear.register_forward_hook(lambda *args: None, with_kwargs=True)
+    assert adapter.has_forward_hooks(linear), says("a forward hook with kwargs is not seen")
+
+
+# --------------------------------------------------------------------------------------------- Megatron
+def test_megatron_core_adapter_private_names_still_behave():
+    pytest.importorskip("megatron.core")
+    import megatron.core
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+
+    from mlite.runtime.adapters import megatron_core as adapter
+
+    def says(what: str) -> str:
+        return stale("mlite/runtime/adapters/megatron_core.py", "megatron-core", adapter.MEGATRON_CHECKED,
+                     megatron.core.__version__, what)
+
+    # the kernel globals use_sync_free_fallbacks rebinds: there, read by name at each call, and the
+    # fallbacks it replaces keep amp_C's contract, which foreach_l2_norm / foreach_scale implement
+    for module, name in ((clip_grads, "l2_norm_impl"), (clip_grads, "multi_tensor_scale_impl"),
+                         (optimizer, "multi_tensor_scale_impl")):
+        assert hasattr(module, name), says(f"{module.__name__}.{name} is gone")
+    assert "l2_norm_impl" in clip_grads.get_grad_norm_fp32.__code__.co_names, says(
+        "get_grad_norm_fp32 no longer reads clip_grads.l2_norm_impl")
+    assert "multi_tensor_scale_impl" in clip_grads.clip_grad_by_total_norm_fp32.__code__.co_names, says(
+        "clip_grad_by_total_norm_fp32 no longer reads clip_grads.multi_tensor_scale_impl")
+    assert "multi_tensor_scale_impl" in optimizer._multi_tensor_copy_this_to_that.__code__.co_names, says(
+        "_multi_tensor_copy_this_to_that no longer reads optimizer.multi_tensor_scale_impl")
+    for theirs, ours in ((utils.local_multi_tensor_l2_norm, adapter.foreach_l2_norm),
+                         (utils.local_multi_tensor_scale, adapter.foreach_scale)):
+        assert list(inspect.signature(theirs).parameters) == list(inspect.signature(ours).parameters), says(
+            f"{theirs.__name__}'s contract changed")
+
+    # a shard's range: the private getter, over the public maps the optimizer builds
+    param = nn.Parameter(torch.zeros(8))
+    opt = DistributedOptimizer.__new__(DistributedOptimizer)  # only the two maps the getter reads
+    opt.model_param_gbuf_map = {param: (0, torch.float32, 0)}
+    opt.gbuf_ranges = [{torch.float32: [{"param_map": {param: {"param": Range(2, 5)}}}]}]
+    assert adapter.shard_slice(opt, param) == slice(2, 5), says(
+        "DistributedOptimizer._get_model_param_range_map(param)['param'] changed")
+
+
+# ------------------------------------------------------------------------------------------------- verl
+def test_verl_adapter_private_names_still_behave():
+    pytest.importorskip("verl")
+    import verl
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    from verl.workers.rollout import base, get_rollout_class
+
+    from mlite.integrations.verl import adapter
+    from mlite.integrations.verl.rollout import MliteServerAdapter
+
+    def says(what: str) -> str:
+        return stale("mlite/integrations/verl/adapter.py", "verl", adapter.VERL_CHECKED, verl.__version__,
+                     what)
+
+    # the rollout-class table: written by the adapter, read by verl's public getter
+    assert isinstance(getattr(base, "_ROLLOUT_REGISTRY", None), dict), says("_ROLLOUT_REGISTRY is gone")
+    adapter.register_rollout_class("mlite", "async", "mlite.integrations.verl.rollout.MliteServerAdapter")
+    assert get_rollout_class("mlite", "async") is MliteServerAdapter, says(
+        "get_rollout_class does not find what register_rollout_class wrote")
+
+    # the trainer's set-up step WorkerClassSwap extends: still called by set-up, still fills the mapping
+    assert "_init_resource_pool_mgr" in PPOTrainer._setup.__code__.co_names, says(
+        "PPOTrainer._setup no longer calls _init_resource_pool_mgr")
+    assert "role_worker_mapping" in PPOTrainer._init_resource_pool_mgr.__code__.co_names, says(
+        "_init_resource_pool_mgr no longer fills role_worker_mapping")
+
+    class Base:
+        def _init_resource_pool_mgr(self):
+            self.role_worker_mapping = {"actor": "verl's", "critic": "verl's"}
+
+    class Swapped(adapter.WorkerClassSwap, Base):
+        def swap_worker_class(self, actor_class):
+            return f"ours over {actor_class}"
+
+    trainer = Swapped()
+    trainer._init_resource_pool_mgr()
+    assert trainer.role_worker_mapping == {"actor": "ours over verl's", "critic": "ours over verl's"}
