@@ -301,11 +301,13 @@ def test_weight_stream_gathers_fsdp_shards_on_every_rank(tmp_path):
 def _stream_expert_slice(rank, world, src):
     from torch.distributed.tensor import DTensor
 
+    from mlite.plan.policy import expert_exchange
     from mlite.runtime.parallel.mesh import ParallelDims
     from mlite.runtime.parallel.parallelize import apply_expert_parallel
 
     model = loaded(src)
-    apply_expert_parallel(model, ParallelDims(world, dp=world, ep=world).build("cpu"))
+    exchange = expert_exchange(world, model.arch.moe.top_k)  # the plan's choice, as the runtime passes it
+    apply_expert_parallel(model, ParallelDims(world, dp=world, ep=world).build("cpu"), exchange)
     experts = model.layers["1"].mlp.experts
     assert isinstance(experts.down, DTensor) and experts.down.to_local().shape[0] == 4 // world  # 2 of 4 held
     streamed = dict(iter_hf_weights(model))

@@ -119,7 +119,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
         parallelize_module(layer, tp, plan)
 
 
-def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, exchange: str | None = None) -> None:
+def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, exchange: str) -> None:
     """Keep this ep rank's slice of the stacked experts; tokens reach them by `exchange`, the plan's choice
     (`all_gather` or `all_to_all`: mlite.plan.Plan.expert_exchange, by mlite.plan.policy.expert_exchange).
 
