@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import one_thread  # noqa: F401 (autouse: one intra-op thread)
 from torch.distributed.tensor import DTensor
 
 import mlite
@@ -25,14 +26,6 @@ from mlite.runtime.backends.fsdp2 import Fsdp2Backend
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.engine import Runtime
 from mlite.runtime.loss import sft_loss
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_job(one_rank: bool, device: str = "cpu"):

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from cli_runs import one_thread  # noqa: F401 (autouse: one intra-op thread)
 
 from mlite.config import job_from_dict
 from mlite.errors import MliteError
@@ -28,14 +29,6 @@ from mlite.trainers.sft import train_sft
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 EXACT = ("step", "loss", "grad_norm", "lr", "tokens", "target_tokens")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
