@@ -157,6 +157,8 @@ def run(job: JobConfig, runtime: Runtime, trainer: Trainer, console=None,
     return result
 
 
+# one loop whose two closures (evaluate, publish) share its state: the step read one step late, the skip
+# streak, the last checkpoint; split further, each part would take all of it as arguments
 def _run(job, runtime, trainer, console, show_progress, watch: Watchdog) -> RunResult:
     cfg = job.trainer
     out = Path(cfg.output_dir)
@@ -166,15 +168,7 @@ def _run(job, runtime, trainer, console, show_progress, watch: Watchdog) -> RunR
     manager = CheckpointManager(out, cfg.keep_last)
     manager.clean_partials()  # this run holds the folder's lock: leftovers of a failed save are its own
 
-    start = 0
-    resume_from = checkpoint_to_resume(cfg.resume, manager)
-    if resume_from is not None:
-        watch.beat(f"resuming from {resume_from}")
-        extra = runtime.load_checkpoint(resume_from)
-        start = int(extra.pop("step"))
-        trainer.load_state_dict(extra)
-        log.info("resumed from %s at step %d", resume_from, start)
-
+    start, resume_from = _resume(cfg.resume, runtime, trainer, manager, watch)
     output = first_rank()
     writer = MetricsWriter(out, cfg.tensorboard, resume_step=start, enabled=output)
     progress = ProgressDisplay(total, start, trainer.name, enabled=show_progress and output, console=console)
@@ -236,14 +230,7 @@ def _run(job, runtime, trainer, console, show_progress, watch: Watchdog) -> RunR
                 pending = (step, result, span)
             if save:
                 watch.beat(f"saving the checkpoint of step {step}")
-                if not runtime.weights_finite():
-                    raise MliteError(
-                        f"the weights hold NaN or inf after step {step}, so no checkpoint was written (the "
-                        f"last one is {last_saved}); lower optimizer.lr or check the data, then rerun to "
-                        "resume from it")
-                extra = {"step": step, **trainer.state_dict()}
-                last_saved = manager.save(step,
-                                          lambda path, extra=extra: runtime.save_checkpoint(path, extra))
+                last_saved = _save(step, runtime, trainer, manager, last_saved)
             if stopped:
                 stopped_by = stop.received
                 break
@@ -253,14 +240,46 @@ def _run(job, runtime, trainer, console, show_progress, watch: Watchdog) -> RunR
             publish(*pending, {})
     progress.close()
     writer.close()
-    plot = None
-    if output and stopped_by is None:
-        plot = plot_metrics(writer.path, out / trainer.plot_file, trainer.plot_keys,
-                            f"{trainer.name} ({out.name})")
-    speeds = [r["tokens_per_s"] for r in read_metrics(writer.path) if "tokens_per_s" in r] if output else []
-    result = RunResult(out, start, step, total, last_saved, writer.path, plot, stopped_by,
-                       sum(speeds) / len(speeds) if speeds else None, output, evals)
-    result.summary = summary_lines(result, trainer.summary_lines(result)) if output else []
+    result = RunResult(out, start, step, total, last_saved, writer.path, None, stopped_by, None, output,
+                       evals)
+    return _finish(result, trainer)
+
+
+def _resume(resume: str, runtime, trainer, manager: CheckpointManager,
+            watch: Watchdog) -> tuple[int, Path | None]:
+    """trainer.resume applied: (the step the run continues after, the checkpoint it loaded or None)."""
+    path = checkpoint_to_resume(resume, manager)
+    if path is None:
+        return 0, None
+    watch.beat(f"resuming from {path}")
+    extra = runtime.load_checkpoint(path)
+    start = int(extra.pop("step"))
+    trainer.load_state_dict(extra)
+    log.info("resumed from %s at step %d", path, start)
+    return start, path
+
+
+def _save(step: int, runtime, trainer, manager: CheckpointManager, last_saved: Path | None) -> Path:
+    """The checkpoint of `step`, written only from finite weights (every rank checks its own)."""
+    if not runtime.weights_finite():
+        raise MliteError(f"the weights hold NaN or inf after step {step}, so no checkpoint was written (the "
+                         f"last one is {last_saved}); lower optimizer.lr or check the data, then rerun to "
+                         "resume from it")
+    extra = {"step": step, **trainer.state_dict()}
+    return manager.save(step, lambda path: runtime.save_checkpoint(path, extra))
+
+
+def _finish(result: RunResult, trainer) -> RunResult:
+    """The plot (a run that ended, not one stopped by a signal), the run's mean speed and its summary, on
+    the output rank."""
+    if not result.is_output_rank:
+        return result
+    if result.stopped_by is None:
+        result.plot_path = plot_metrics(result.metrics_path, result.output_dir / trainer.plot_file,
+                                        trainer.plot_keys, f"{trainer.name} ({result.output_dir.name})")
+    speeds = [r["tokens_per_s"] for r in read_metrics(result.metrics_path) if "tokens_per_s" in r]
+    result.tokens_per_s = sum(speeds) / len(speeds) if speeds else None
+    result.summary = summary_lines(result, trainer.summary_lines(result))
     return result
 
 
