@@ -185,3 +185,27 @@ def test_verl_adapter_private_names_still_behave():
     trainer = Swapped()
     trainer._init_resource_pool_mgr()
     assert trainer.role_worker_mapping == {"actor": "ours over verl's", "critic": "ours over verl's"}
+
+
+def test_torch_adapter_mesh_and_checkpoint_traversal_still_behave():
+    """DeviceMesh's unflatten/flatten and DCP's nested-state traversal, as the runtime uses them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mlite.runtime.adapters import torch_fsdp as adapter
+
+    def says(what: str) -> str:
+        return stale("mlite/runtime/adapters/torch_fsdp.py", "torch", adapter.TORCH_CHECKED,
+                     torch.__version__, what)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        world = init_device_mesh("cpu", (1,), mesh_dim_names=("world",))
+        dense = adapter.unflatten_mesh(world, 0, (1, 1, 1), ("dp", "cp", "tp"))
+        assert dense.mesh_dim_names == ("dp", "cp", "tp"), says("DeviceMesh._unflatten")
+        flat = adapter.flatten_mesh(dense["dp", "cp"], "dp_cp")
+        assert flat.mesh_dim_names == ("dp_cp",) and flat.size() == 1, says("DeviceMesh._flatten")
+    finally:
+        dist.destroy_process_group()
+    state = {"optimizer": {"param_groups": [{"lr": 0.0}]}}
+    adapter.set_state_element(state, ("optimizer", "param_groups", 0, "lr"), 0.5)
+    assert state["optimizer"]["param_groups"][0]["lr"] == 0.5, says("checkpoint._traverse.set_element")

@@ -1,6 +1,7 @@
 """torch's private names the runtime needs, in one place: FSDP2's per-unit state (a unit's offload policy,
 whether it reshards after forward, its post-backward hook), DTensor's strided shard placement (what FSDP2
-over tensor or expert parallel gives) and nn.Module's forward-hook tables.
+over tensor or expert parallel gives), nn.Module's forward-hook tables, DeviceMesh's flatten and
+unflatten, and DCP's nested-state traversal.
 
 Checked against torch 2.13.0 (`TORCH_CHECKED`); the pinned images run 2.11.0, where running
 tests/test_adapters.py in the image is the check.
@@ -58,3 +59,23 @@ def strided_index_placement(placement: Placement, dim: int) -> Placement | None:
 def has_forward_hooks(module: nn.Module) -> bool:
     """Whether hooks of the module's own (forward or forward-pre) run around its forward."""
     return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def unflatten_mesh(mesh, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]):
+    """`mesh` with dimension `dim` split into `sizes` named `names`: DeviceMesh's own unflatten, which keeps
+    every sub-mesh a descendant of one root (FSDP2 and DTensor accept the dense and expert meshes together
+    only then); torch has no public form of it."""
+    return mesh._unflatten(dim, sizes, names)
+
+
+def flatten_mesh(mesh, name: str):
+    """The dimensions of `mesh` as one, named `name` (DeviceMesh's own flatten, as `unflatten_mesh`)."""
+    return mesh._flatten(name)
+
+
+def set_state_element(state: dict, path, value) -> None:
+    """Put `value` at the flattened `path` of a nested state dict: what DCP's default load planner does for
+    a non-tensor item (torch.distributed.checkpoint's own traversal; no public form)."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(state, path, value)

@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from mlite.errors import MliteError
+from mlite.runtime.adapters.torch_fsdp import set_state_element
 
 _METADATA_CLASSES = ("Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata",
                      "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
@@ -150,6 +150,6 @@ class TrustedLoadPlanner(DefaultLoadPlanner):
             raise UntrustedCheckpoint(self.checkpoint, f"its non-tensor item {fqn}", what) from None
         # what DefaultLoadPlanner.load_bytes does with the item once read
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], item)
+            set_state_element(self.original_state_dict, self.mappings[fqn], item)
         else:
             self.state_dict[fqn] = item

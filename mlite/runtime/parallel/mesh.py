@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mlite.errors import MliteError
 from mlite.plan.rules import check_degrees, data_parallel_size
+from mlite.runtime.adapters.torch_fsdp import flatten_mesh, unflatten_mesh
 
 if TYPE_CHECKING:
     from mlite.config.schema import JobConfig
@@ -99,13 +100,12 @@ class ParallelDims:
         # one flat mesh of all ranks, split two ways: dense (pp, dp, cp, tp) and expert (pp, edp, ep, etp).
         # Both come from the same root mesh, so FSDP2 and DTensor accept them together.
         world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
-        dense = world._unflatten(0, (self.pp, self.dp, self.cp, self.tp), ("pp", "dp", "cp", "tp"))
-        expert = world._unflatten(0, (self.pp, self.edp, self.ep, self.etp), ("pp", "edp", "ep", "etp"))
+        dense = unflatten_mesh(world, 0, (self.pp, self.dp, self.cp, self.tp), ("pp", "dp", "cp", "tp"))
+        expert = unflatten_mesh(world, 0, (self.pp, self.edp, self.ep, self.etp), ("pp", "edp", "ep", "etp"))
         named = {name: dense[name] for name in ("pp", "dp", "cp", "tp")}
         named |= {name: expert[name] for name in ("ep", "etp", "edp")}
-        named["dp_cp"] = dense["dp", "cp"]._flatten("dp_cp")
-        named["cp_tp"] = dense["cp", "tp"]._flatten("cp_tp")
-        named["dp_cp_tp"] = dense["dp", "cp", "tp"]._flatten("dp_cp_tp")
+        for name in ("dp_cp", "cp_tp", "dp_cp_tp"):
+            named[name] = flatten_mesh(dense[tuple(name.split("_"))], name)
         return ParallelMesh(self, dense, expert, named)
 
 
