@@ -1,4 +1,4 @@
-"""The adapters over other libraries' private names (mlite.runtime.adapters.torch_fsdp,
+"""The adapters over other libraries' private names (mlite.runtime.adapters.pytorch,
 mlite.runtime.adapters.megatron_core, mlite.integrations.verl.adapter) still hold on the installed libraries.
 
 Each adapter names the version it was checked against; these tests exercise every private name it uses, on
@@ -34,16 +34,16 @@ class TinyModel(nn.Module):
         return self.body(x)
 
 
-def test_torch_fsdp_adapter_private_names_still_behave(monkeypatch):
+def test_pytorch_adapter_private_names_still_behave(monkeypatch):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from mlite.runtime.adapters import torch_fsdp as adapter
+    from mlite.runtime.adapters import pytorch as adapter
 
     def says(what: str) -> str:
-        return stale("mlite/runtime/adapters/torch_fsdp.py", "torch", adapter.TORCH_CHECKED,
+        return stale("mlite/runtime/adapters/pytorch.py", "torch", adapter.TORCH_CHECKED,
                      torch.__version__, what)
 
     # FSDP2 pins offloaded shards; pinned memory needs an accelerator, which a CPU machine lacks
@@ -191,10 +191,10 @@ def test_torch_adapter_mesh_and_checkpoint_traversal_still_behave():
     """DeviceMesh's unflatten/flatten and DCP's nested-state traversal, as the runtime uses them."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from mlite.runtime.adapters import torch_fsdp as adapter
+    from mlite.runtime.adapters import pytorch as adapter
 
     def says(what: str) -> str:
-        return stale("mlite/runtime/adapters/torch_fsdp.py", "torch", adapter.TORCH_CHECKED,
+        return stale("mlite/runtime/adapters/pytorch.py", "torch", adapter.TORCH_CHECKED,
                      torch.__version__, what)
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -209,3 +209,78 @@ def test_torch_adapter_mesh_and_checkpoint_traversal_still_behave():
     state = {"optimizer": {"param_groups": [{"lr": 0.0}]}}
     adapter.set_state_element(state, ("optimizer", "param_groups", 0, "lr"), 0.5)
     assert state["optimizer"]["param_groups"][0]["lr"] == 0.5, says("checkpoint._traverse.set_element")
+
+
+def test_pytorch_adapter_tensor_walk_views_and_multi_tensor_kernels_still_behave():
+    """nn.Module's per-tensor walk, a view's base, the grouped matmul and the foreach kernels, against plain
+    torch on the same numbers."""
+    from mlite.runtime.adapters import pytorch as adapter
+
+    def says(what: str) -> str:
+        return stale("mlite/runtime/adapters/pytorch.py", "torch", adapter.TORCH_CHECKED,
+                     torch.__version__, what)
+
+    model = nn.Linear(3, 2)
+    weight = model.weight
+    weight.grad = torch.ones_like(weight)
+    adapter.apply_to_tensors(model, lambda t: t.double())
+    assert model.weight is weight and weight.dtype == torch.float64, says("nn.Module._apply")
+    assert weight.grad.dtype == torch.float64 and model.bias.dtype == torch.float64, says("nn.Module._apply")
+
+    base = torch.empty(4, 6, device="meta")
+    assert adapter.is_view_of(base, base) and adapter.is_view_of(base[1:3], base), says("Tensor._base")
+    assert adapter.is_view_of(base.t(), base), says("Tensor._base")
+    assert adapter.is_view_of(base.unbind(0)[2], base), says("Tensor._base")
+    assert not adapter.is_view_of(base.clone(), base), says("Tensor._base")
+    assert not adapter.is_view_of(base + 0, base), says("Tensor._base")
+
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 8, dtype=torch.bfloat16), torch.randn(3, 8, 16, dtype=torch.bfloat16)
+    offsets = torch.tensor([2, 2, 5], dtype=torch.int32)  # groups of 2, 0 and 3 rows
+    try:
+        grouped = adapter.grouped_mm(x, w, offsets)
+    except RuntimeError as error:  # a build whose CPU path lacks the kernel: the runtime falls back to a loop
+        assert "grouped" in str(error).lower() or "cuda" in str(error).lower(), says("torch._grouped_mm")
+    else:
+        expected = torch.cat([x[:2] @ w[0], x[2:2] @ w[1], x[2:] @ w[2]])
+        torch.testing.assert_close(grouped.float(), expected.float(), atol=0.1, rtol=0.02,
+                                   msg=says("torch._grouped_mm"))
+
+    tensors = [torch.full((2,), 3.0), torch.full((3,), -4.0)]
+    adapter.foreach_mul_(tensors, torch.tensor(0.5))
+    assert [t.tolist() for t in tensors] == [[1.5, 1.5], [-2.0, -2.0, -2.0]], says("torch._foreach_mul_")
+    adapter.foreach_add_(tensors, 1)
+    adapter.foreach_sub_(tensors, [torch.tensor(0.5), torch.tensor(1.0)])
+    assert [t.tolist() for t in tensors] == [[2.0, 2.0], [-2.0, -2.0, -2.0]], says("torch._foreach_add_")
+    norms = adapter.foreach_norm(tensors, 2, dtype=torch.float32)
+    expected_norms = [round(8**0.5, 5), round(12**0.5, 5)]
+    assert [round(n.item(), 5) for n in norms] == expected_norms, says("torch._foreach_norm")
+
+
+def test_no_module_outside_the_adapters_reads_a_private_name():
+    """Outside the adapter modules, no code reads another object's private attribute (`x._y` where x is not
+    self or cls: torch's, Megatron's, verl's or another mlite class's) or imports a private name. A new use
+    goes into the library's adapter, with a check above."""
+    import ast
+    from pathlib import Path
+
+    import mlite
+
+    root = Path(mlite.__file__).parent
+    allowed = {"os._exit"}  # the standard library's documented exit without clean-up
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.parent.name == "adapters" or path.name == "adapter.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            where = f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', 0)}"
+            private = isinstance(node, ast.Attribute) and node.attr[:1] == "_" and node.attr[:2] != "__"
+            if private:
+                own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+                if not own and ast.unparse(node) not in allowed:
+                    found.append(f"{where} {ast.unparse(node)}")
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or "", *(a.name for a in node.names)]
+                if any(p.startswith("_") and not p.startswith("__") for n in names for p in n.split(".")):
+                    found.append(f"{where} from {node.module} import {', '.join(a.name for a in node.names)}")
+    assert not found, "private names outside the adapters:\n" + "\n".join(found)

@@ -31,6 +31,7 @@ from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
 from mlite.plan import Plan, World, megatron_installed, plan_job
 from mlite.plan.rules import Layout
+from mlite.runtime.adapters.pytorch import apply_to_tensors
 from mlite.runtime.models import build_model, seeded_init
 from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
 from mlite.runtime.parallel.parallelize import (
@@ -224,7 +225,7 @@ def to_empty_tied(module: nn.Module, device: torch.device) -> None:
     host-offloaded FSDP2 units (offload.optimizer) are allocated on the host, where FSDP2 keeps them."""
     holders = parameter_holders(module)
     on_host = host_offloaded(module)
-    module._apply(lambda t: torch.empty_like(t, device="cpu" if id(t) in on_host else device))
+    apply_to_tensors(module, lambda t: torch.empty_like(t, device="cpu" if id(t) in on_host else device))
     for (first, first_name), *others in (places for places in holders.values() if len(places) > 1):
         for sub, name in others:
-            sub._parameters[name] = first._parameters[first_name]
+            setattr(sub, name, getattr(first, first_name))

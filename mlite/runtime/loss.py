@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from mlite.runtime.adapters.torch_fsdp import has_forward_hooks, reduce_in_backward
+from mlite.runtime.adapters.pytorch import has_forward_hooks, reduce_in_backward
 from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.kernels.lm_head import linear_logprobs
 from mlite.runtime.models.base import LossHead, loss_head_of

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from mlite.config.schema import OptimizerConfig
 from mlite.plan import Plan
+from mlite.runtime.adapters.pytorch import apply_to_tensors
 from mlite.runtime.backends.base import BackendBase, HeldModel
 from mlite.runtime.optim import LocalAdamW
 from mlite.runtime.parallel.mesh import ParallelDims
@@ -129,4 +130,4 @@ class Fsdp2Backend(BackendBase, LocalAdamW):
             return move(tensor) if id(tensor) in moving else tensor
 
         for chunk in self.held.chunks.values():
-            chunk._apply(move_one)  # nn.Module's own walk over parameters, their grads and buffers
+            apply_to_tensors(chunk, move_one)

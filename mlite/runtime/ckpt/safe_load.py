@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from mlite.errors import MliteError
-from mlite.runtime.adapters.torch_fsdp import set_state_element
+from mlite.runtime.adapters.pytorch import set_state_element
 
 _METADATA_CLASSES = ("Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata",
                      "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mlite.errors import MliteError
+from mlite.runtime.adapters.pytorch import is_view_of
 
 if TYPE_CHECKING:
     from mlite.config.arch import ModelArch
@@ -130,7 +131,7 @@ def _hf_regions(entry, shape: torch.Size) -> list[tuple[str, list[int], list[int
             if n != 1 and (d is None or starts[d] + n > shape[d]):
                 d = -1
             dims.append(d)
-        is_view = view is base or view._base is base
+        is_view = is_view_of(view, base)
         if not is_view or -1 in dims or sum(a * s for a, s in zip(starts, strides)) != offset:
             raise MliteError(
                 f"weight sync: {entry.param}'s split into {name} is not a view of it (a box of the native "

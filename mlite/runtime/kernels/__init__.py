@@ -3,7 +3,7 @@
 - `attention`: causal attention over a packed token stream that never crosses a sequence boundary, by
   backend name (`torch`, `sdpa`, `varlen`, `cudnn`, `packed`, `flash_attn`, `te`) or `auto`;
   `cached_attention` for decoding.
-- `grouped_gemm`: one matmul per expert over rows grouped by expert (`torch._grouped_mm` or a loop).
+- `grouped_gemm`: one matmul per expert over rows grouped by expert (torch's grouped matmul or a loop).
 - `lm_head`: log p(label) through the LM head without [T, vocab] fp32 logits; the runtime's loss path
   (mlite.runtime.loss.token_logprobs) takes it for a plain linear head.
 - `segment_sum`: sums of consecutive runs of rows in fp32, in order (a Triton kernel on CUDA,

@@ -42,6 +42,7 @@ import os
 import torch
 from torch.distributed.tensor import DTensor
 
+from mlite.runtime.adapters.pytorch import foreach_add_, foreach_sub_
 from mlite.runtime.kernels.grads import scale_grads_
 
 try:
@@ -213,7 +214,7 @@ class TritonAdamW(torch.optim.AdamW):
     def step(self, closure=None, grad_coef: torch.Tensor | None = None,
              found_inf: torch.Tensor | None = None):
         """One AdamW step. `grad_coef` (a scalar tensor on the parameters' device, e.g. gradient clipping's
-        min(1, max_norm / norm)) scales every gradient first, exactly as torch._foreach_mul_ would (fp32
+        min(1, max_norm / norm)) scales every gradient first, exactly as a foreach multiply would (fp32
         product rounded to the gradient's dtype). The kernel applies it as it reads each gradient, which
         saves clipping's own pass over them (a read and a write of every gradient: 7 ms of a 4B-parameter
         step); the gradients themselves are left unscaled. torch's step scales them in place first.
@@ -231,9 +232,9 @@ class TritonAdamW(torch.optim.AdamW):
             return loss
         steps, launches = plan
         if steps:
-            torch._foreach_add_(steps, 1)  # as torch's fused step: the kernel reads the new count
+            foreach_add_(steps, 1)  # as torch's fused step: the kernel reads the new count
             if found_inf is not None:  # as torch's fused step: a skipped step does not count
-                torch._foreach_sub_(steps, [found_inf.to(steps[0].device, torch.float32)] * len(steps))
+                foreach_sub_(steps, [found_inf.to(steps[0].device, torch.float32)] * len(steps))
         for group, device, dtype, aligned, table, program_tensor in launches:
             beta1, beta2 = group["betas"]
             hyper = _to_device(torch.tensor([group["lr"], group["weight_decay"], beta1, beta2, group["eps"]],

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from mlite.runtime.adapters.pytorch import foreach_mul_
+
 
 def scale_grads_(params: list[torch.nn.Parameter], coef: torch.Tensor) -> None:
     """Every gradient times `coef` in place (torch's clip_grads_with_norm_ with the factor given), scaling
@@ -15,7 +17,7 @@ def scale_grads_(params: list[torch.nn.Parameter], coef: torch.Tensor) -> None:
     grads = [p.grad for p in params if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     for device, group in by_device(local).items():
-        torch._foreach_mul_(group, coef.to(device))
+        foreach_mul_(group, coef.to(device))
 
 
 def by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:

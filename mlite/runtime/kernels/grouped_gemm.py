@@ -1,13 +1,15 @@
 """One matmul per expert over rows already grouped by expert.
 
 Expert weights are stacked like nn.Linear weights, [E, out, in], so expert parallel shards dim 0 and the
-HF per-expert tensors stack without transposes. `torch._grouped_mm` runs all experts in one kernel on CUDA
+HF per-expert tensors stack without transposes. torch's grouped matmul runs all experts in one kernel on CUDA
 (bf16, 16-byte aligned dims); elsewhere a loop over experts computes the same product.
 """
 
 from __future__ import annotations
 
 import torch
+
+from mlite.runtime.adapters.pytorch import grouped_mm
 
 
 def grouped_gemm_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -29,12 +31,12 @@ def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x [M, in] grouped by expert, w [E, out, in], counts [E] -> [M, out]."""
     if x.is_cuda and torch.is_autocast_enabled("cuda"):
-        # autocast (one process, fp32 master weights) does not cover torch._grouped_mm: cast both operands
+        # autocast (one process, fp32 master weights) does not cover the grouped matmul: cast both operands
         # as it casts a matmul's, or fp32 experts would fall to the loop (a host sync and a graph break
         # per call)
         dtype = torch.get_autocast_dtype("cuda")
         x, w = x.to(dtype), w.to(dtype)
     if _grouped_mm_fits(x, w):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # end row of each expert's group
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        return grouped_mm(x, w.transpose(-2, -1), offsets)
     return grouped_gemm_loop(x, w, counts)

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mlite.errors import MliteError
 from mlite.plan.rules import check_degrees, data_parallel_size
-from mlite.runtime.adapters.torch_fsdp import flatten_mesh, unflatten_mesh
+from mlite.runtime.adapters.pytorch import flatten_mesh, unflatten_mesh
 
 if TYPE_CHECKING:
     from mlite.config.schema import JobConfig

@@ -37,7 +37,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from mlite.errors import MliteError
-from mlite.runtime.adapters.torch_fsdp import (
+from mlite.runtime.adapters.pytorch import (
+    foreach_norm,
     offloaded_shards,
     reshards_after_forward,
     strided_index_placement,
@@ -377,7 +378,7 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         groups.setdefault((local.device, local.dtype, copies), []).append(local)
     total = torch.zeros((), dtype=torch.float64, device=device)
     for (_device, _dtype, copies), locals_ in groups.items():
-        norms = torch._foreach_norm(locals_, 2, dtype=torch.float32)
+        norms = foreach_norm(locals_, 2, dtype=torch.float32)
         total += (torch.stack(norms).double().square().sum() / copies).to(device)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)

@@ -1,11 +1,12 @@
 """torch's private names the runtime needs, in one place: FSDP2's per-unit state (a unit's offload policy,
 whether it reshards after forward, its post-backward hook), DTensor's strided shard placement (what FSDP2
-over tensor or expert parallel gives), nn.Module's forward-hook tables, DeviceMesh's flatten and
-unflatten, and DCP's nested-state traversal.
+over tensor or expert parallel gives), nn.Module's forward-hook tables and per-tensor walk, a view's base,
+DeviceMesh's flatten and unflatten, DCP's nested-state traversal, the grouped matmul and the multi-tensor
+(`_foreach_*`) kernels.
 
 Checked against torch 2.13.0 (`TORCH_CHECKED`); the pinned images run 2.11.0, where running
 tests/test_adapters.py in the image is the check.
-torch has no public getter for any of these: FSDP2 offers setters only (`set_reshard_after_forward`,
+torch has no public form of any of these: FSDP2 offers setters only (`set_reshard_after_forward`,
 `set_requires_gradient_sync`, ...) and no way to put its post-backward hook on a tensor its forward did not
 see. tests/test_adapters.py exercises every function here on the installed torch and fails naming this module
 when one stops behaving; update the functions here, never their callers.
@@ -79,3 +80,41 @@ def set_state_element(state: dict, path, value) -> None:
     from torch.distributed.checkpoint._traverse import set_element
 
     set_element(state, path, value)
+
+
+def apply_to_tensors(module: nn.Module, fn) -> nn.Module:
+    """`fn` over every parameter, gradient and buffer of `module`, each parameter staying the same object:
+    nn.Module's own walk, which `module.to` runs and FSDP2's units override to re-point their shards."""
+    return module._apply(fn)
+
+
+def is_view_of(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether `view` is `base` itself or a view made from it (works on meta tensors, which have no storage
+    to compare)."""
+    return view is base or view._base is base
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of `x` grouped by `offsets` (cumulative ends), each group times its own matrix of `w`
+    (groups, k, n): torch's grouped GEMM, one kernel for every expert."""
+    return torch._grouped_mm(x, w, offs=offsets)
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scalar) -> None:
+    """Every tensor times `scalar` (a number or a one-element tensor), in place, in one launch."""
+    torch._foreach_mul_(tensors, scalar)
+
+
+def foreach_add_(tensors: list[torch.Tensor], other) -> None:
+    """`other` (a number, or one tensor per entry) added to every tensor, in place, in one launch."""
+    torch._foreach_add_(tensors, other)
+
+
+def foreach_sub_(tensors: list[torch.Tensor], other) -> None:
+    """`other` (a number, or one tensor per entry) subtracted from every tensor, in place, in one launch."""
+    torch._foreach_sub_(tensors, other)
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float = 2, dtype=None) -> list[torch.Tensor]:
+    """The `ord`-norm of every tensor (one 0-d tensor each, accumulated in `dtype`), in one launch."""
+    return list(torch._foreach_norm(tensors, ord, dtype=dtype))
