@@ -20,6 +20,7 @@ from mlite.config.arch import ModelArch, arch_from_hf_config
 from mlite.config.catalog import PRESETS
 from mlite.config.schema import OptimizerConfig
 from mlite.plan.policy import expert_exchange
+from mlite.plan.rules import context_chunk_multiple
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.models import build_model
 from mlite.runtime.optim import LocalAdamW
@@ -258,7 +259,8 @@ def parallelize(model, mesh, job_sections=None):
     job = job_from_dict({"model": {"name": "tiny-qwen3-moe"}, **sections})
     moe = model.arch.moe
     exchange = expert_exchange(mesh.dims.ep, moe.top_k) if moe is not None and mesh.dims.ep > 1 else None
-    return parallelize_model(model, mesh, job, device().type, exchange)
+    return parallelize_model(model, mesh, job, device().type, exchange,
+                             context_chunk=context_chunk_multiple(model.arch))
 
 
 def build_layout(moe: bool, mesh, job_sections=None) -> dict:

@@ -122,22 +122,30 @@ def test_fsdp2_offloads_to_the_host_and_back_and_trains_on_as_if_it_never_left(o
 
 
 def test_each_backend_is_named_once_and_only_the_factory_asks():
-    """optimizer.backend becomes code in one place (mlite.runtime.backends.backend_type): no runtime,
-    trainer, integration or CLI module compares a `.backend` with a backend's name. (The rule book and the
-    planner, mlite.plan, and the schema's own checks, mlite.config, give torch-free verdicts on the name.)"""
+    """optimizer.backend becomes code in two tables: the runtime's classes (mlite.runtime.backends) and the
+    torch-free layers' record of each (mlite.config.backends: what the schema, the rule book, the estimate
+    and the bench read), over the schema's names. No other module compares a `.backend` with a backend's
+    name."""
+    from typing import get_args
+
+    from mlite.config.backends import BACKENDS as TRAITS
+    from mlite.config.schema import OptimizerConfig
+
     assert {name: cls.name for name, cls in BACKENDS.items()} == {"fsdp2": "fsdp2", "dist_opt": "dist_opt"}
+    assert {name: t.name for name, t in TRAITS.items()} == {"fsdp2": "fsdp2", "dist_opt": "dist_opt"}
+    assert set(get_args(OptimizerConfig.model_fields["backend"].annotation)) == set(BACKENDS)
     assert backend_type(make_job(False)) is Fsdp2Backend
     names = set(BACKENDS)
     root = Path(mlite.__file__).parent
     wrong = []
-    for folder in ("runtime", "trainers", "integrations", "cli"):
-        for path in sorted((root / folder).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if not isinstance(node, ast.Compare):
-                    continue
-                operands = [node.left, *node.comparators]
-                asks = any(isinstance(o, ast.Attribute) and o.attr == "backend" for o in operands)
-                if asks and any(isinstance(o, ast.Constant) and o.value in names for o in operands):
-                    wrong.append(f"{path.relative_to(root.parent)}:{node.lineno} {ast.unparse(node)}")
-    assert not wrong, "ask mlite.runtime.backends (the backend object, or backend_type(job)):\n" + "\n".join(
-        wrong)
+    tables = {root / "config" / "backends.py", root / "runtime" / "backends" / "__init__.py"}
+    for path in sorted(set(root.rglob("*.py")) - tables):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            operands = [node.left, *node.comparators]
+            asks = any(isinstance(o, ast.Attribute) and o.attr == "backend" for o in operands)
+            if asks and any(isinstance(o, ast.Constant) and o.value in names for o in operands):
+                wrong.append(f"{path.relative_to(root.parent)}:{node.lineno} {ast.unparse(node)}")
+    assert not wrong, ("ask the backend object (mlite.runtime.backends) or its record "
+                       "(mlite.config.backends.backend_traits):\n" + "\n".join(wrong))

@@ -163,6 +163,7 @@ def test_a_plan_is_frozen_and_prints_its_choices():
     assert choices["fsdp_unit_layers"] == plan.job.parallel.fsdp_unit_layers == plan.memory.fsdp_unit_layers
     assert choices["fsdp_grad_accumulation"] == plan.memory.fsdp_grad_accumulation == "unsharded"
     assert choices["expert_exchange"] == "all_gather" and choices["equal_micro_batch_lengths"]
+    assert choices["context_chunk"] is None  # no context parallel
     assert set(plan.resolved) == {"parallel.fsdp_unit_layers", "parallel.fsdp_reshard_after_forward",
                                   "parallel.fsdp_grad_accumulation"}  # the template sets grad_reduce
 
@@ -181,3 +182,17 @@ def test_a_planned_job_is_planned_anew_in_another_world():
         plan_job(job_from_dict(planned.model_dump(mode="json")), world=one)
     again = plan_job(job_from_dict(for_another_world(planned.model_dump(mode="json"))), world=one)
     assert again.resolved == () and again.job.parallel.fsdp_unit_layers == "auto"
+
+
+def test_a_context_parallel_plan_carries_the_chunk_multiple_its_runtime_pads_to():
+    """DeepSeek-V4 at cp4: the plan holds the rows each context-parallel chunk is a multiple of (its sliding
+    window and compression windows), which the runtime pads every share to; without cp it prints none."""
+    from mlite.plan.report import runs_line
+
+    plan = plan_job(load_job("deepseek_v4_flash_sft"), size_refused=True)
+    v4 = plan.arch.v4
+    assert plan.layout.cp == 4
+    rows = max(v4.sliding_window, *v4.compress_ratios)
+    assert plan.context_chunk == plan.choices()["context_chunk"] == rows
+    assert f"cp chunks of {plan.context_chunk}-row multiples" in runs_line(plan)
+    assert plan_job(load_job("qwen3_30b_a3b_sft")).context_chunk == 1

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mlite.config.arch import ModelArch
+from mlite.config.backends import backend_traits
 
 
 @dataclass
@@ -120,7 +121,7 @@ def case_precision(case: BenchCase, cuda: bool, one_gpu: bool = False) -> dict:
         return {"compute": "fp32", "master": "fp32"}
     if one_gpu and case.reference_master:
         return {"compute": "bf16", "master": case.reference_master}
-    return {"compute": "bf16", "master": "fp32" if case.backend == "dist_opt" else "bf16"}
+    return {"compute": "bf16", "master": backend_traits(case.backend).master_dtype}
 
 
 def case_job(case: BenchCase, device: str, one_gpu: bool = False, overrides: Sequence[str] = ()):

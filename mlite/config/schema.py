@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from mlite.config.backends import backend_traits
+
 
 class Section(BaseModel):
     # allow_inf_nan=False: YAML's .inf and .nan pass `gt=0`-style bounds (or have none to pass) and would
@@ -390,9 +392,10 @@ class JobConfig(Section):
         if self.trainer.device == "cuda" and self.cluster.gpu == "cpu":
             raise ValueError("trainer.device: cuda contradicts cluster.gpu: cpu; set cluster.gpu to the "
                              "GPU type (h100, h200, ...) or trainer.device to cpu")
-        if self.offload.params and self.optimizer.backend == "dist_opt":
+        backend = backend_traits(self.optimizer.backend)
+        if self.offload.params and not backend.params_to_host:
             raise ValueError(
-                "offload.params needs optimizer.backend: fsdp2 (Megatron-Core's distributed optimizer keeps "
-                "parameters on the GPU); switch the backend or turn params offload off"
+                f"offload.params needs optimizer.backend: fsdp2 ({backend.runs} "
+                "keeps parameters on the GPU); switch the backend or turn params offload off"
             )
         return self

@@ -22,7 +22,14 @@ from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
 from mlite.plan import policy
 from mlite.plan.memory import MemoryEstimate, estimate_memory
-from mlite.plan.rules import Layout, check_job, check_layout, check_runtime, split_chunks
+from mlite.plan.rules import (
+    Layout,
+    check_job,
+    check_layout,
+    check_runtime,
+    context_chunk_multiple,
+    split_chunks,
+)
 from mlite.plan.world import World, megatron_installed, planned_world
 
 __all__ = [
@@ -66,6 +73,7 @@ class Plan:
     grad_reduce: str  # the dtype gradients are reduced in across ranks (policy.grad_reduce_dtype)
     expert_exchange: str | None  # how routed tokens cross the ep ranks; None without expert parallel
     equal_micro_batch_lengths: bool  # each step pads its micro-batches to one length on every rank
+    context_chunk: int  # every context-parallel chunk's length is a multiple of it (context_chunk_multiple)
     refused: str | None = None  # the trainers' refusal of a valid layout (plan_job(size_refused=True))
 
     @property
@@ -87,6 +95,7 @@ class Plan:
             "fsdp_grad_accumulation": self.fsdp_grad_accumulation,
             "expert_exchange": self.expert_exchange,
             "equal_micro_batch_lengths": self.equal_micro_batch_lengths,
+            "context_chunk": self.context_chunk if self.layout.cp > 1 else None,
             "recompute": {"granularity": r.granularity, "method": r.method, "num_layers": r.num_layers},
             "resolved": list(self.resolved),
         }
@@ -120,6 +129,7 @@ def plan_job(job: JobConfig, arch: ModelArch | None = None, *, world: World | No
         compute_dtype=policy.compute_dtype(job, world.device_type), grad_reduce=policy.grad_reduce_dtype(job),
         expert_exchange=policy.expert_exchange(layout.ep, top_k) if layout.ep > 1 and top_k else None,
         equal_micro_batch_lengths=group and policy.equal_micro_batch_lengths(layout.ep, top_k, rows),
+        context_chunk=context_chunk_multiple(arch),
         refused=refused,
     )
 

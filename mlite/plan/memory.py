@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from mlite.config.arch import V4_CSA, V4_DENSE_ENTRIES_PER_PICK, V4_KEY_SET_LOGITS, ModelArch
+from mlite.config.backends import backend_traits
 from mlite.config.catalog import count_params, embedding_params, final_params, layer_params
 from mlite.config.schema import JobConfig
 from mlite.plan.policy import expert_exchange, fsdp_units, grad_reduce_dtype
@@ -254,13 +255,14 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
     the step's micro-batches into whole gradients."""
     sp = stage_params(arch, layout, stage, job.parallel.fsdp_unit_layers)
     ledger = _Ledger()
-    if job.optimizer.backend == "dist_opt":
-        _dist_opt_state(ledger, job, layout, sp)
-    else:
+    fsdp_units = backend_traits(job.optimizer.backend).fsdp_units
+    if fsdp_units:
         _fsdp2_state(ledger, job, arch, layout, stage, sp, unsharded_grads)
+    else:
+        _dist_opt_state(ledger, job, layout, sp)
     resident = list(ledger.items)
     _activation_items(ledger, job, arch, layout, stage)
-    if job.optimizer.backend == "fsdp2" and layout.micro_batches == 1 and not job.offload.grads:
+    if fsdp_units and layout.micro_batches == 1 and not job.offload.grads:
         _gradients_replace_activations(ledger.items, _shares(job, layout, sp)[2])
     cpu = job.cluster.gpu == "cpu"
     ledger.put("framework overhead", (CPU_OVERHEAD_GB if cpu else GPU_OVERHEAD_GB) * GIB,

@@ -12,6 +12,7 @@ the job with them once, so the runtime reads the choice from the plan instead of
 
 from __future__ import annotations
 
+from mlite.config.backends import backend_traits
 from mlite.config.schema import JobConfig
 
 
@@ -56,12 +57,13 @@ def equal_micro_batch_lengths(ep: int, top_k: int | None, embedding_rows: bool =
 def process_group(job: JobConfig, world_size: int) -> bool:
     """Whether the run has a process group and meshes: several ranks, FSDP2 over a mesh of one
     (parallel.fsdp_one_rank), or Megatron's DDP, which needs a group even on one rank."""
-    return world_size > 1 or job.parallel.fsdp_one_rank or job.optimizer.backend == "dist_opt"
+    one_rank_group = backend_traits(job.optimizer.backend).group_on_one_rank
+    return world_size > 1 or job.parallel.fsdp_one_rank or one_rank_group
 
 
 def fsdp_units(job: JobConfig, world_size: int) -> bool:
     """Whether this job's parameters live in FSDP2 units (several ranks, or one under fsdp_one_rank)."""
-    return job.optimizer.backend == "fsdp2" and (world_size > 1 or job.parallel.fsdp_one_rank)
+    return backend_traits(job.optimizer.backend).fsdp_units and (world_size > 1 or job.parallel.fsdp_one_rank)
 
 
 def compute_dtype(job: JobConfig, device_type: str) -> str:

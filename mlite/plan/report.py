@@ -91,6 +91,8 @@ def runs_line(plan: Plan) -> str:
         parts.append(f"ep {c['expert_exchange'].replace('_', '-')}{equal}")
     elif c["equal_micro_batch_lengths"]:
         parts.append("equal micro-batch lengths")
+    if c["context_chunk"] is not None:
+        parts.append(f"cp chunks of {c['context_chunk']}-row multiples")
     r = c["recompute"]
     recompute = r["granularity"] if r["granularity"] != "full" else f"full ({r['method']}, {r['num_layers']})"
     parts.append(f"recompute {recompute}")

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mlite.config.arch import V4_CSA, ModelArch
+from mlite.config.backends import backend_traits
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
 
@@ -603,7 +604,7 @@ def check_dist_opt_adapter(job: JobConfig, dims: Degrees) -> None:
 def check_backend_trained(job: JobConfig, device_type: str, has_megatron: bool) -> None:
     """dist_opt trains where Megatron-Core's DDP can run (CUDA GPUs, megatron-core installed) and only with
     what its adapter carries (the matrix's adapter column); fsdp2 everywhere."""
-    if job.optimizer.backend != "dist_opt":
+    if not backend_traits(job.optimizer.backend).needs_cuda_and_megatron:
         return
     check_dist_opt_adapter(job, job.parallel)
     lacks = {"CUDA GPUs": device_type != "cuda", "megatron-core": not has_megatron}
@@ -647,7 +648,7 @@ def check_fsdp_one_rank(job: JobConfig, world_size: int) -> None:
             f"parallel.fsdp_one_rank applies to one process, and this job has {world_size} ranks (which "
             "shard with FSDP2 already); remove parallel.fsdp_one_rank"
         )
-    if job.optimizer.backend != "fsdp2":
+    if not backend_traits(job.optimizer.backend).fsdp_units:
         raise MliteError(
             f"parallel.fsdp_one_rank shards with FSDP2, and optimizer.backend is {job.optimizer.backend}; "
             "use optimizer.backend fsdp2, or remove parallel.fsdp_one_rank"
@@ -673,7 +674,7 @@ def check_fsdp_units(job: JobConfig, world_size: int) -> None:
         if value in defaults:
             continue
         shown = str(value).lower() if isinstance(value, bool) else value
-        if job.optimizer.backend != "fsdp2":
+        if not backend_traits(job.optimizer.backend).fsdp_units:
             raise MliteError(
                 f"parallel.{key}: {shown} {does}, and optimizer.backend is {job.optimizer.backend} (Megatron "
                 f"DDP has none); use optimizer.backend fsdp2, or remove parallel.{key}"
@@ -720,7 +721,7 @@ def check_overlaps(job: JobConfig) -> None:
     reduce-scatters each unit as its backward ends and prefetches the next unit's all-gather, always."""
     for key, what in (("overlap_grad_reduce", "reduce-scatter always overlaps the backward"),
                       ("overlap_param_gather", "all-gather always overlaps the forward")):
-        if not getattr(job.optimizer, key) and job.optimizer.backend != "dist_opt":
+        if not getattr(job.optimizer, key) and not backend_traits(job.optimizer.backend).switchable_overlaps:
             raise MliteError(
                 f"optimizer.{key}: false turns off dist_opt's overlap, and optimizer.backend is "
                 f"{job.optimizer.backend}, whose {what}; remove optimizer.{key}, or use optimizer.backend "

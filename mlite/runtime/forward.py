@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from mlite.config.arch import ModelArch
-from mlite.plan.rules import context_chunk_multiple
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.loss import token_logprobs
 from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
@@ -79,7 +78,7 @@ def forward_backward(
     padded = fulls  # outputs are the micro-batches' own tokens (`fulls`); padding is computed, then dropped
     if rt.placement.equal_lengths:
         padded = equal_lengths(fulls, rt.placement.host_group)
-    shares = [local_share(b, rt.mesh, context_chunk_multiple(rt.arch)) for b in padded]
+    shares = [local_share(b, rt.mesh, rt.plan.context_chunk) for b in padded]
     aux_weight = 1.0 / (len(fulls) * rt.dims.dp)
     with torch.set_grad_enabled(not forward_only), _autocast(rt), _vocab_parallel(rt):
         if rt.pipeline is not None:

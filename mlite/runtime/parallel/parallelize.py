@@ -295,18 +295,19 @@ def host_offloaded(model: nn.Module) -> set[int]:
 
 
 def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, device_type: str,
-                      exchange: str | None = None, fsdp_units: bool = True) -> nn.Module:
+                      exchange: str | None = None, fsdp_units: bool = True,
+                      context_chunk: int = 1) -> nn.Module:
     """The whole layout for the runtime, in its fixed order: TP+SP, attention core (CP + recompute), EP,
     FSDP2 where `fsdp_units` (the plan's: not under optimizer.backend dist_opt, whose backend,
     mlite.runtime.backends.dist_opt, wraps the result in Megatron's DDP). Built
     from the plan (mlite.plan.plan_job has accepted the layout before any of this runs): `job` is the plan's
-    job, its `auto`s resolved (FSDP2's units, the reduction dtype), and `exchange` its expert exchange
-    (None without expert parallel)."""
+    job, its `auto`s resolved (FSDP2's units, the reduction dtype), `exchange` its expert exchange (None
+    without expert parallel) and `context_chunk` the multiple of its context-parallel chunks."""
     apply_tensor_parallel(model, mesh)
     rc = job.recompute
     cp_group = mesh.group("cp") if mesh.dims.cp > 1 else None
     if cp_group is not None and hasattr(model, "set_geometry"):  # DeepSeek-V4: boundary rows, not all K/V
-        apply_v4_context_parallel(model, cp_group)
+        apply_v4_context_parallel(model, cp_group, context_chunk)
         cp_group = None
     apply_recompute(model, rc.granularity, rc.method, rc.num_layers, cp_group,
                     compile_blocks=job.model.compile)
@@ -408,14 +409,14 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor()
 
 
-def apply_v4_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup) -> None:
+def apply_v4_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup, context_chunk: int) -> None:
     """DeepSeek-V4 under cp: its geometry becomes this rank's zigzag share with the boundary rows before each
-    chunk, and the compressed entries of every rank (mlite.runtime.parallel.context.context_geometry)."""
-    from mlite.plan.rules import context_chunk_multiple
-
-    arch = model.arch
-    model.set_geometry(functools.partial(context_geometry, window=arch.v4.sliding_window, ratios=model.ratios,
-                                         halo=context_chunk_multiple(arch), group=cp_group))
+    chunk (`context_chunk` of them: the plan's), and the compressed entries of every rank
+    (mlite.runtime.parallel.context.context_geometry)."""
+    if context_chunk <= 1:
+        raise ValueError("DeepSeek-V4 under context parallel needs the plan's context_chunk (boundary rows)")
+    model.set_geometry(functools.partial(context_geometry, window=model.arch.v4.sliding_window,
+                                         ratios=model.ratios, halo=context_chunk, group=cp_group))
 
 
 def local_shard(tensor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
