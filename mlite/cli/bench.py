@@ -25,10 +25,9 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from mlite.bench.cases import CASES, LAYOUT_KEYS
+    from mlite.bench.cases import CASES
     from mlite.bench.report import detect_gpu, environment, render_table, write_results
     from mlite.bench.run import run_case, run_parallel_cases
-    from mlite.errors import MliteError
 
     console = Console()
     if args.list:
@@ -36,34 +35,13 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"{case.name:28s} {case.model:16s} seq {case.seq_len:6d} {case.packing:5s} "
                           f"gpus {case.gpus}")
         return 0
-    names = args.cases or [c.name for c in CASES.values() if c.gpus == 1 and c.name != "tiny-cpu"]
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        raise MliteError(f"unknown bench case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
-    import torch
-
+    names = _case_names(args)
     from mlite.cli.training import launcher_env
 
     multi = [n for n in names if CASES[n].gpus > 1]
-    fixed = [o for o in args.overrides if o.split("=", 1)[0].strip() in LAYOUT_KEYS]
-    if multi and fixed:
-        raise MliteError(f"--set {fixed[0]}: a multi-GPU case's name fixes its layout; pick the case of that "
-                         "layout (mlite bench --list), --set takes other keys")
-    if multi and len(multi) != len(names):
-        raise MliteError("multi-GPU and one-GPU bench cases run in separate launches; "
-                         "name one kind at a time")
     launch = launcher_env()
     world = launch["WORLD_SIZE"]
-    if multi and world == 1:
-        gpus = CASES[multi[0]].gpus
-        raise MliteError(f"case(s) {', '.join(multi)} run on several ranks: "
-                         f"torchrun --nproc-per-node {gpus} -m mlite bench {' '.join(multi)}")
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise MliteError("--device cuda but no CUDA GPU is visible; use --device cpu for the tiny case")
-    if multi and device == "cuda":
-        device = f"cuda:{launch['LOCAL_RANK']}"
-        torch.cuda.set_device(device)
+    device = _bench_device(args.device, multi, launch)
     rank0 = launch["RANK"] == 0
     if not rank0:
         console.quiet = True
@@ -92,3 +70,46 @@ def run(args: argparse.Namespace) -> int:
     write_results(results, Path(args.out), environment(device))
     console.print(f"results: {args.out}")
     return 0
+
+
+def _case_names(args: argparse.Namespace) -> list[str]:
+    """The cases to run (default: the single-GPU ones), refused before anything is built when one is
+    unknown, when --set would change a multi-GPU case's layout, or when one- and multi-GPU cases are mixed
+    (they run under different launches)."""
+    from mlite.bench.cases import CASES, LAYOUT_KEYS
+    from mlite.errors import MliteError
+
+    names = args.cases or [c.name for c in CASES.values() if c.gpus == 1 and c.name != "tiny-cpu"]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise MliteError(f"unknown bench case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
+    multi = [n for n in names if CASES[n].gpus > 1]
+    fixed = [o for o in args.overrides if o.split("=", 1)[0].strip() in LAYOUT_KEYS]
+    if multi and fixed:
+        raise MliteError(f"--set {fixed[0]}: a multi-GPU case's name fixes its layout; pick the case of that "
+                         "layout (mlite bench --list), --set takes other keys")
+    if multi and len(multi) != len(names):
+        raise MliteError("multi-GPU and one-GPU bench cases run in separate launches; "
+                         "name one kind at a time")
+    return names
+
+
+def _bench_device(requested: str, multi: list[str], launch: dict[str, int]) -> str:
+    """The device this rank benchmarks on (`--device`, auto: CUDA when visible): under a launch of several
+    ranks, each on its local GPU; multi-GPU cases refused outside such a launch."""
+    import torch
+
+    from mlite.bench.cases import CASES
+    from mlite.errors import MliteError
+
+    if multi and launch["WORLD_SIZE"] == 1:
+        gpus = CASES[multi[0]].gpus
+        raise MliteError(f"case(s) {', '.join(multi)} run on several ranks: "
+                         f"torchrun --nproc-per-node {gpus} -m mlite bench {' '.join(multi)}")
+    device = requested if requested != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MliteError("--device cuda but no CUDA GPU is visible; use --device cpu for the tiny case")
+    if multi and device == "cuda":
+        device = f"cuda:{launch['LOCAL_RANK']}"
+        torch.cuda.set_device(device)
+    return device

@@ -145,46 +145,8 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelArch:
         hidden = int(cfg["hidden_size"])
         rope = cfg.get("rope_parameters") or {}  # transformers >= 5 keeps rope_theta/scaling here
         heads = int(cfg["num_attention_heads"])
-        moe = None
-        if model_type in ("qwen3_moe", "qwen2_moe"):
-            moe = MoEArch(
-                num_experts=int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]),
-                top_k=int(cfg["num_experts_per_tok"]),
-                expert_ffn=int(cfg["moe_intermediate_size"]),
-                shared_experts=1 if cfg.get("shared_expert_intermediate_size") else 0,
-                shared_expert_ffn=int(cfg.get("shared_expert_intermediate_size") or 0),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "qwen3_moe")),
-                router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)),
-                dense_layers=tuple(cfg.get("mlp_only_layers") or ()),
-                layer_freq=int(cfg.get("decoder_sparse_step", 1)),
-                shared_expert_gate=model_type == "qwen2_moe",
-            )
-        elif model_type in ("deepseek_v3", "deepseek_v4"):
-            moe = MoEArch(
-                num_experts=int(cfg["n_routed_experts"]),
-                top_k=int(cfg["num_experts_per_tok"]),
-                expert_ffn=int(cfg["moe_intermediate_size"]),
-                shared_experts=int(cfg.get("n_shared_experts", 1)),
-                shared_expert_ffn=int(cfg.get("n_shared_experts", 1)) * int(cfg["moe_intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                router_aux_loss_coef=float(cfg["router_aux_loss_coef"] if model_type == "deepseek_v4"
-                                           and "router_aux_loss_coef" in cfg
-                                           else cfg.get("aux_loss_alpha", 0.0001)),
-                # V4 has no dense prefix (its first layers are hash-routed MoE), whatever
-                # first_k_dense_replace says
-                first_dense_layers=(0 if model_type == "deepseek_v4"
-                                    else int(cfg.get("first_k_dense_replace", 0))),
-                layer_freq=int(cfg.get("moe_layer_freq", 1)),
-            )
-        mla = None
-        if model_type == "deepseek_v3":
-            mla = MLAArch(
-                q_lora_rank=cfg.get("q_lora_rank"),
-                kv_lora_rank=int(cfg["kv_lora_rank"]),
-                qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
-                qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-                v_head_dim=int(cfg["v_head_dim"]),
-            )
+        moe = _moe_from_hf_config(cfg, model_type)
+        mla = _mla_from_hf_config(cfg) if model_type == "deepseek_v3" else None
         v4 = _v4_from_hf_config(cfg) if model_type == "deepseek_v4" else None
         known = {f.name for f in fields(ModelArch)}
         return ModelArch(
@@ -217,6 +179,53 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelArch:
         )
     except KeyError as err:
         raise MliteError(f"HF config ({model_type}) lacks key {err}; is it a complete config.json?") from None
+
+
+def _moe_from_hf_config(cfg: dict[str, Any], model_type: str) -> MoEArch | None:
+    """The routed experts of an HF config, as each MoE family names them; None for a dense model. Its
+    KeyErrors are `arch_from_hf_config`'s to report."""
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        return MoEArch(
+            num_experts=int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]),
+            top_k=int(cfg["num_experts_per_tok"]),
+            expert_ffn=int(cfg["moe_intermediate_size"]),
+            shared_experts=1 if cfg.get("shared_expert_intermediate_size") else 0,
+            shared_expert_ffn=int(cfg.get("shared_expert_intermediate_size") or 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "qwen3_moe")),
+            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)),
+            dense_layers=tuple(cfg.get("mlp_only_layers") or ()),
+            layer_freq=int(cfg.get("decoder_sparse_step", 1)),
+            shared_expert_gate=model_type == "qwen2_moe",
+        )
+    if model_type in ("deepseek_v3", "deepseek_v4"):
+        return MoEArch(
+            num_experts=int(cfg["n_routed_experts"]),
+            top_k=int(cfg["num_experts_per_tok"]),
+            expert_ffn=int(cfg["moe_intermediate_size"]),
+            shared_experts=int(cfg.get("n_shared_experts", 1)),
+            shared_expert_ffn=int(cfg.get("n_shared_experts", 1)) * int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            router_aux_loss_coef=float(cfg["router_aux_loss_coef"] if model_type == "deepseek_v4"
+                                       and "router_aux_loss_coef" in cfg
+                                       else cfg.get("aux_loss_alpha", 0.0001)),
+            # V4 has no dense prefix (its first layers are hash-routed MoE), whatever
+            # first_k_dense_replace says
+            first_dense_layers=(0 if model_type == "deepseek_v4"
+                                else int(cfg.get("first_k_dense_replace", 0))),
+            layer_freq=int(cfg.get("moe_layer_freq", 1)),
+        )
+    return None
+
+
+def _mla_from_hf_config(cfg: dict[str, Any]) -> MLAArch:
+    """DeepSeek-V3's multi-head latent attention: the low-rank q and kv projections and the head split."""
+    return MLAArch(
+        q_lora_rank=cfg.get("q_lora_rank"),
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+    )
 
 
 def _v4_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV4Arch:

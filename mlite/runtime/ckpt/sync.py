@@ -299,6 +299,50 @@ def gather_hf_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtyp
             yield name, whole
 
 
+def _overlap(offsets, size, slab) -> tuple[slice, ...] | None:
+    """The part of a piece (a box of the whole tensor) inside a consumer's slab, in whole-tensor
+    coordinates; None if they do not meet."""
+    box = [slice(o, o + n) for o, n in zip(offsets, size)]
+    if slab is not None:
+        dim, lo, hi = slab
+        a, b = max(lo, offsets[dim]), min(hi, offsets[dim] + size[dim])
+        if a >= b:
+            return None
+        box[dim] = slice(a, b)
+    return tuple(box)
+
+
+def _slab_transfers(plan: SyncPlan, tensors: dict[str, torch.Tensor], name: str, slabs: list, me: int,
+                    world: int, whole: torch.Tensor, dtype: torch.dtype | None
+                    ) -> tuple[list, list[tuple[tuple[slice, ...], torch.Tensor]]]:
+    """This rank's part in filling every rank's slab of HF tensor `name` (`slabs`, by rank): what it holds
+    of its own slab it copies into `whole` at once; it returns the sends of its pieces' parts to other
+    ranks' slabs and the receives of other ranks' parts of its own, as (point-to-point ops, (where in
+    `whole`, receive buffer) pairs)."""
+    device, out_dtype = whole.device, whole.dtype
+    ops, received = [], []
+    for sender, offsets, size in plan.pieces[name]:
+        holders = plan.holders[name, offsets, size]
+        piece = None  # this rank's copy, cut when first needed
+        for rank in range(world):
+            where = _overlap(offsets, size, slabs[rank])
+            if where is None or me not in (sender, rank) or (rank in holders and rank != me):
+                continue  # a rank that holds the piece itself (replicated over tp or dp) copies it
+            inside = tuple(slice(w.start - o, w.stop - o) for w, o in zip(where, offsets))
+            if me in holders and piece is None:
+                held = plan.held[name, offsets, size]
+                piece = _cut(held, tensors[held.param], dtype).tensor.to(device)
+            if rank == me and me in holders:
+                whole[where] = piece[inside]
+            elif sender == me:
+                ops.append(dist.P2POp(dist.isend, piece[inside].contiguous(), rank))
+            else:
+                buffer = torch.empty([w.stop - w.start for w in where], dtype=out_dtype, device=device)
+                ops.append(dist.P2POp(dist.irecv, buffer, sender))
+                received.append((where, buffer))
+    return ops, received
+
+
 def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype | None, tp_size: int,
                      kv_heads: int | None = None, stats: dict | None = None,
                      device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -324,44 +368,12 @@ def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype
     stats = {} if stats is None else stats
     for key in ("tensors", "bytes", "received_bytes"):
         stats.setdefault(key, 0)
-
-    def overlap(offsets, size, slab) -> tuple[slice, ...] | None:
-        """The part of a piece (a box of the whole tensor) inside a consumer's slab, in whole-tensor
-        coordinates; None if they do not meet."""
-        box = [slice(o, o + n) for o, n in zip(offsets, size)]
-        if slab is not None:
-            dim, lo, hi = slab
-            a, b = max(lo, offsets[dim]), min(hi, offsets[dim] + size[dim])
-            if a >= b:
-                return None
-            box[dim] = slice(a, b)
-        return tuple(box)
-
     for name, (shape, native) in plan.tensors.items():
         out_dtype = _out_dtype(native, dtype)
         slabs = [consumer_slab(name, shape, tp_size, rank % tp_size, kv_heads) for rank in range(world)]
         fill = float("nan") if out_dtype.is_floating_point else 0
         whole = torch.full(shape, fill, dtype=out_dtype, device=device)
-        ops, received = [], []
-        for sender, offsets, size in plan.pieces[name]:
-            holders = plan.holders[name, offsets, size]
-            piece = None  # this rank's copy, cut when first needed
-            for rank in range(world):
-                where = overlap(offsets, size, slabs[rank])
-                if where is None or me not in (sender, rank) or (rank in holders and rank != me):
-                    continue  # a rank that holds the piece itself (replicated over tp or dp) copies it
-                inside = tuple(slice(w.start - o, w.stop - o) for w, o in zip(where, offsets))
-                if me in holders and piece is None:
-                    held = plan.held[name, offsets, size]
-                    piece = _cut(held, tensors[held.param], dtype).tensor.to(device)
-                if rank == me and me in holders:
-                    whole[where] = piece[inside]
-                elif sender == me:
-                    ops.append(dist.P2POp(dist.isend, piece[inside].contiguous(), rank))
-                else:
-                    buffer = torch.empty([w.stop - w.start for w in where], dtype=out_dtype, device=device)
-                    ops.append(dist.P2POp(dist.irecv, buffer, sender))
-                    received.append((where, buffer))
+        ops, received = _slab_transfers(plan, tensors, name, slabs, me, world, whole, dtype)
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()

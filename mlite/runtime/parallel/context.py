@@ -121,6 +121,39 @@ def _gather_ints(t: torch.Tensor, group) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ DeepSeek-V4 under cp
+def _window_mask(seq: torch.Tensor, segment: int, window: int) -> torch.Tensor:
+    """The sliding-window mask over a rank's extended rows (two segments of `segment` rows; `seq`: each
+    row's sequence, -1 in the zero halo): each row sees the `window` rows up to itself within its run (its
+    sequence's rows in one segment), over the keys of its window-sized block and the one before
+    ([rows, 2 window])."""
+    device = seq.device
+    rows = torch.arange(2 * segment, device=device)
+    run = seq * 2 + rows // segment  # a sequence's rows within one segment; the zero halo is its own run
+    new_run = torch.ones_like(run, dtype=torch.bool)
+    new_run[1:] = run[1:] != run[:-1]
+    run_start = torch.cummax(torch.where(new_run, rows, 0), 0).values
+    key = (rows[:, None] // window - 1) * window + torch.arange(2 * window, device=device)
+    return (key <= rows[:, None]) & (key > rows[:, None] - window) & (key >= run_start[:, None])
+
+
+def _compressed_entries(lens: torch.Tensor, starts: torch.Tensor, ratio: int, chunk: int, cp: int):
+    """The micro-batch's compressed entries at `ratio` (one per whole window of a sequence, in (sequence,
+    window) order), the same on every rank: (each sequence's first entry, each entry's index in its
+    sequence, its window's first stream index, the chunk holding the window's last token and that chunk's
+    rank, which computes the entry)."""
+    device = lens.device
+    count = lens // ratio
+    first = torch.cumsum(count, 0) - count
+    entries = int(count.sum())
+    entry_seq = torch.repeat_interleave(torch.arange(lens.numel(), device=device), count,
+                                        output_size=entries)
+    index_in_seq = torch.arange(entries, device=device) - first[entry_seq]
+    window_start = starts[entry_seq] + index_in_seq * ratio
+    owner_chunk = (window_start + ratio - 1) // chunk  # the chunk holding the window's last token
+    owner = torch.where(owner_chunk < cp, owner_chunk, 2 * cp - 1 - owner_chunk)
+    return first, index_in_seq, window_start, owner_chunk, owner
+
+
 def context_geometry(batch: PackedBatch, window: int, ratios, halo: int, group: dist.ProcessGroup):
     """DeepSeek-V4's `Geometry` of this rank's zigzag share (its chunks a = rank and b = 2cp-1-rank).
 
@@ -149,26 +182,14 @@ def context_geometry(batch: PackedBatch, window: int, ratios, halo: int, group: 
     seq_of = torch.repeat_interleave(torch.arange(lens.numel(), device=device), lens, output_size=total)
     seq = torch.where(valid, seq_of[stream.clamp(min=0)], -1)
     positions = torch.where(valid, stream - starts[seq.clamp(min=0)], 0)
-    rows = torch.arange(2 * segment, device=device)
-    run = seq * 2 + rows // segment  # a sequence's rows within one segment; the zero halo is its own run
-    new_run = torch.ones_like(run, dtype=torch.bool)
-    new_run[1:] = run[1:] != run[:-1]
-    run_start = torch.cummax(torch.where(new_run, rows, 0), 0).values
-    key = (rows[:, None] // window - 1) * window + torch.arange(2 * window, device=device)
-    window_mask = (key <= rows[:, None]) & (key > rows[:, None] - window) & (key >= run_start[:, None])
+    window_mask = _window_mask(seq, segment, window)
 
     compressed, layouts = {}, {}
     longest = batch.max_seqlen or int(lens.max())
     for ratio in set(ratios):
-        count = lens // ratio
-        first = torch.cumsum(count, 0) - count
-        entries = int(count.sum())
-        entry_seq = torch.repeat_interleave(torch.arange(lens.numel(), device=device), count,
-                                            output_size=entries)
-        index_in_seq = torch.arange(entries, device=device) - first[entry_seq]
-        window_start = starts[entry_seq] + index_in_seq * ratio
-        owner_chunk = (window_start + ratio - 1) // chunk  # the chunk holding the window's last token
-        owner = torch.where(owner_chunk < cp, owner_chunk, 2 * cp - 1 - owner_chunk)
+        first, index_in_seq, window_start, owner_chunk, owner = _compressed_entries(
+            lens, starts, ratio, chunk, cp)
+        entries = index_in_seq.numel()
         slots = max(int(torch.bincount(owner, minlength=cp).max()) if entries else 0, 1)
         slot = (F.one_hot(owner, cp).cumsum(0) - 1).gather(1, owner[:, None]).squeeze(1)
         layouts[ratio] = (slots, owner * slots + slot)

@@ -230,27 +230,35 @@ class PipelineRunner:
                 pending_backwards[c] -= 1
                 if before_backward is not None:
                     before_backward(c, pending_backwards[c] == 0)
-                hidden, out, totals, prob_sum, shards, own = saved.pop((c, m))
-                grad = None
-                if c != last:
-                    grad, totals = self._recv(c + 1, self._tag(c + 1, m, True), dtype)
-                term = self._balance_term(totals, prob_sum, shards)
-                if own is not None and own.requires_grad:  # this chunk's own losses (indexer, MTP)
-                    term = own if term is None else term + own
-                tensors, grads = [out], [grad]
-                if term is not None:
-                    term = term * aux_weight
-                    aux[m] = aux.get(m, 0.0) + term.detach()
-                    tensors, grads = [out, term], [grad, None]
-                torch.autograd.backward(
-                    tensors, [g if g is not None else torch.ones_like(t) for t, g in zip(tensors, grads)]
-                )
-                if hidden is not None:
-                    self._send(hidden.grad, totals, c - 1, self._tag(c, m, True))
+                self._backward(c, m, saved.pop((c, m)), dtype, aux_weight, aux)
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
         return {"loss": loss_sum, "aux": aux, "outputs": results}
+
+    def _backward(self, c: int, m: int, saved: tuple, dtype: torch.dtype, aux_weight: float,
+                  aux: dict) -> None:
+        """One backward action: chunk `c`'s output gradient from the next chunk (on the last chunk, the loss
+        itself), with the pooled router totals, its balance-loss term and own losses (times `aux_weight`,
+        added into `aux[m]`), then its input's gradient and the totals to the previous chunk. `saved`: what
+        the forward kept."""
+        hidden, out, totals, prob_sum, shards, own = saved
+        grad = None
+        if c != self.num_chunks - 1:
+            grad, totals = self._recv(c + 1, self._tag(c + 1, m, True), dtype)
+        term = self._balance_term(totals, prob_sum, shards)
+        if own is not None and own.requires_grad:  # this chunk's own losses (indexer, MTP)
+            term = own if term is None else term + own
+        tensors, grads = [out], [grad]
+        if term is not None:
+            term = term * aux_weight
+            aux[m] = aux.get(m, 0.0) + term.detach()
+            tensors, grads = [out, term], [grad, None]
+        torch.autograd.backward(
+            tensors, [g if g is not None else torch.ones_like(t) for t, g in zip(tensors, grads)]
+        )
+        if hidden is not None:
+            self._send(hidden.grad, totals, c - 1, self._tag(c, m, True))
 
 
 def stage_view(chunks: dict[int, nn.Module]) -> nn.Module:

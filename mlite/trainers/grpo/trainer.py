@@ -238,14 +238,7 @@ class GRPOTrainer:
         """`ppo_epochs` x `mini_batches` optimizer updates over this step's responses (`is_weights`: the
         rollout's per-token importance weights, when corrected)."""
         n = len(ro.sequences)
-        extras = {
-            "old_logprobs": old,
-            "advantages": [torch.full((len(s),), float(a)) for s, a in zip(ro.sequences, adv)],
-        }
-        if ref is not None and self.loss_cfg.kl_coef > 0:
-            extras["ref_logprobs"] = ref
-        if is_weights is not None:
-            extras["is_weights"] = is_weights
+        extras = self._loss_extras(ro, old, ref, adv, is_weights)
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}
         grad_norms = []
@@ -262,52 +255,89 @@ class GRPOTrainer:
                 packed = pack_micro_batches(seqs, masks, mini_extras, self.max_tokens,
                                             self.runtime.dp_size, self.runtime.dp_rank)
                 micro = [b for _, b in packed]
-                mine = [masks[i] for chosen, _ in packed for i in chosen]
-                # global counts: summed over the loss group (dp_cp), whose cp ranks each hold this dp
-                # rank's whole share (the runtime splits every micro-batch over cp), so divided by cp
-                cp = self.runtime.dims.cp
-                norm = LossNorm(
-                    num_tokens=int(self.runtime.global_sum(sum(sum(m) for m in mine))) // cp,
-                    num_sequences=int(self.runtime.global_sum(sum(1 for m in mine if any(m)))) // cp,
-                    horizon=self.rollout_cfg.max_response_length,
-                )
-
-                def loss_fn(batch: PackedBatch, logprobs, entropy, aux_loss, norm=norm):
-                    mask = batch.labels != IGNORE
-                    loss, metrics = grpo_loss(
-                        self.loss_cfg,
-                        logprobs,
-                        batch.extras["old_logprobs"],
-                        batch.extras["advantages"],
-                        mask,
-                        batch.sequence_ids(),
-                        batch.num_sequences,
-                        norm,
-                        entropy,
-                        batch.extras.get("ref_logprobs"),
-                        batch.extras.get("is_weights"),
-                    )
-                    metrics["tokens"] = mask.sum()
-                    return loss + aux_loss, metrics  # the runtime's share of the MoE balance loss
-
+                norm = self._mini_batch_norm([masks[i] for chosen, _ in packed for i in chosen])
                 self.runtime.zero_grad()
                 outs = self.runtime.forward_backward(
-                    micro, loss_fn, with_entropy=True, temperature=self.temperature
+                    micro, self._loss_fn(norm), with_entropy=True, temperature=self.temperature
                 )
                 grad_norm, _skipped = self.runtime.optimizer_step()
                 grad_norms.append(float(grad_norm))
-                for out in outs:  # read on the host here: a GRPO step waits on its rollout anyway
-                    values = {key: float(value) for key, value in out["metrics"].items()}
-                    tokens = values.pop("tokens")
-                    for key, value in values.items():
-                        if key == "actor/pg_loss":  # micro-batch shares add up to the mini-batch loss
-                            totals[key] = totals.get(key, 0.0) + value / (
-                                self.cfg.ppo_epochs * self.cfg.mini_batches
-                            )
-                            weights[key] = 1.0
-                        else:
-                            totals[key] = totals.get(key, 0.0) + value * tokens
-                            weights[key] = weights.get(key, 0.0) + tokens
+                self._add_metrics(outs, totals, weights)
+        metrics = self._step_metrics(totals, weights)
+        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["actor/lr"] = self.runtime.lr
+        self.runtime.lr_scheduler_step()
+        return metrics
+
+    def _loss_extras(self, ro: RolloutBatch, old, ref, adv: torch.Tensor,
+                     is_weights: list[torch.Tensor] | None) -> dict[str, list[torch.Tensor]]:
+        """What the loss reads beside the new log-probs, per sequence and token, packed with the batches:
+        the old log-probs, each response's advantage spread over its tokens, and when they count, the
+        reference's log-probs and the importance weights."""
+        extras = {
+            "old_logprobs": old,
+            "advantages": [torch.full((len(s),), float(a)) for s, a in zip(ro.sequences, adv)],
+        }
+        if ref is not None and self.loss_cfg.kl_coef > 0:
+            extras["ref_logprobs"] = ref
+        if is_weights is not None:
+            extras["is_weights"] = is_weights
+        return extras
+
+    def _mini_batch_norm(self, mine: list[list[int]]) -> LossNorm:
+        """The mini-batch's global token and sequence counts, which every rank's loss divides by (`mine`:
+        the loss masks of this dp rank's share)."""
+        # global counts: summed over the loss group (dp_cp), whose cp ranks each hold this dp
+        # rank's whole share (the runtime splits every micro-batch over cp), so divided by cp
+        cp = self.runtime.dims.cp
+        return LossNorm(
+            num_tokens=int(self.runtime.global_sum(sum(sum(m) for m in mine))) // cp,
+            num_sequences=int(self.runtime.global_sum(sum(1 for m in mine if any(m)))) // cp,
+            horizon=self.rollout_cfg.max_response_length,
+        )
+
+    def _loss_fn(self, norm: LossNorm) -> Callable:
+        """The runtime's loss callback for one mini-batch (mlite.runtime.forward): GRPO's loss of a
+        micro-batch under the mini-batch's `norm`, plus the runtime's share of the MoE balance loss."""
+
+        def loss_fn(batch: PackedBatch, logprobs, entropy, aux_loss):
+            mask = batch.labels != IGNORE
+            loss, metrics = grpo_loss(
+                self.loss_cfg,
+                logprobs,
+                batch.extras["old_logprobs"],
+                batch.extras["advantages"],
+                mask,
+                batch.sequence_ids(),
+                batch.num_sequences,
+                norm,
+                entropy,
+                batch.extras.get("ref_logprobs"),
+                batch.extras.get("is_weights"),
+            )
+            metrics["tokens"] = mask.sum()
+            return loss + aux_loss, metrics  # the runtime's share of the MoE balance loss
+
+        return loss_fn
+
+    def _add_metrics(self, outs: list[dict], totals: dict[str, float], weights: dict[str, float]) -> None:
+        """Add a mini-batch's micro-batch metrics into this rank's running `totals` and their `weights`:
+        token-weighted, but pg_loss, whose micro-batch shares already add up to the mini-batch loss."""
+        for out in outs:  # read on the host here: a GRPO step waits on its rollout anyway
+            values = {key: float(value) for key, value in out["metrics"].items()}
+            tokens = values.pop("tokens")
+            for key, value in values.items():
+                if key == "actor/pg_loss":  # micro-batch shares add up to the mini-batch loss
+                    totals[key] = totals.get(key, 0.0) + value / (
+                        self.cfg.ppo_epochs * self.cfg.mini_batches
+                    )
+                    weights[key] = 1.0
+                else:
+                    totals[key] = totals.get(key, 0.0) + value * tokens
+                    weights[key] = weights.get(key, 0.0) + tokens
+
+    def _step_metrics(self, totals: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
+        """The step's metrics from every rank's `totals` and `weights` (collective over the loss group)."""
         # each rank's figures cover its share of the tokens (a cp share of its dp share of the step's
         # responses, the pg_loss shares normalised by the global counts): summed over the loss group they
         # are the step's, as SFT's loss is (one process: the sums are the values)
@@ -317,9 +347,6 @@ class GRPOTrainer:
             weight = weights[key] if key == "actor/pg_loss" else self.runtime.global_sum(weights[key])
             if weight:
                 metrics[key] = total / weight
-        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        metrics["actor/lr"] = self.runtime.lr
-        self.runtime.lr_scheduler_step()
         return metrics
 
     def train_step(self, step: int) -> tuple[dict[str, float], RolloutBatch]:
