@@ -1,5 +1,7 @@
 # shellcheck shell=bash
-# Functions shared by launchers/sft.sh and launchers/grpo.sh. Sourced after the launcher's knobs are set.
+# Functions shared by the launchers: first those of launchers/sft.sh and launchers/grpo.sh (mlite's
+# trainers), at the end those of launchers/verl_sft.sh and launchers/verl_grpo.sh (verl's trainers with the
+# mlite engine). Sourced after the launcher's knobs are set.
 
 die() { echo "$(basename "$0"): error: $*" >&2; exit 2; }
 
@@ -71,6 +73,21 @@ PY
   ) || die "cannot read the cluster size from $CONFIG (message above)"
   NNODES=${NNODES:-${sizes% *}}
   GPUS_PER_NODE=${GPUS_PER_NODE:-${sizes#* }}
+}
+
+# torchrun_command ROLE NODE_RANK MASTER_ADDR: TORCHRUN is the torchrun command that runs `mlite ROLE` with the
+# job config and the overrides on this node's ranks (LAUNCHER=ray: NODE_RANK and MASTER_ADDR are the
+# placeholders {node_rank} and {master_addr}, which launchers/ray_nodes.py fills in per node).
+# shellcheck disable=SC2034  # TORCHRUN is the launcher's
+torchrun_command() {
+  local role=$1 rank=$2 addr=$3 set_args=() item
+  for item in "${OVERRIDES[@]}"; do set_args+=(--set "$item"); done
+  TORCHRUN=(
+    "$PYTHON" -m torch.distributed.run
+    --nnodes "$NNODES" --node-rank "$rank" --nproc-per-node "$GPUS_PER_NODE"
+    --master-addr "$addr" --master-port "$MASTER_PORT" --rdzv-conf "timeout=$RDZV_TIMEOUT_S"
+    -m mlite "$role" "$CONFIG" "${set_args[@]}"
+  )
 }
 
 # The planner checks the resolved layout before anything starts: exit 2 (invalid) or 3 (does not fit)
@@ -154,4 +171,37 @@ launch() {
   fi
   echo "launcher: node $NODE_RANK/$NNODES: $file" >&2
   run_forwarding_signals "$@"
+}
+
+# ----------------------------------------------------------------------------- verl_sft.sh, verl_grpo.sh
+# check_verl_knobs WHAT: MODEL_PATH and TRAIN_FILES (parquet files WHAT) are set unless DRY_RUN=1, and DEVICE
+# is cuda or cpu.
+check_verl_knobs() {
+  [[ $DRY_RUN == 1 || -n $MODEL_PATH ]] || die "set MODEL_PATH to an HF checkpoint dir"
+  [[ $DRY_RUN == 1 || -n $TRAIN_FILES ]] || die "set TRAIN_FILES to parquet files $1"
+  [[ $DEVICE == cuda || $DEVICE == cpu ]] || die "DEVICE=$DEVICE; use cuda or cpu"
+}
+
+# verl_entry MODULE: ENTRY is verl's trainer module verl.trainer.MODULE, or on the CPU mlite's
+# mlite.integrations.verl.MODULE with VERL_PLATFORM=cpu exported: verl's own entry joins
+# "cpu:gloo,<device>:<backend>", which torch refuses for the CPU; ours joins gloo.
+# shellcheck disable=SC2034  # ENTRY is the launcher's
+verl_entry() {
+  ENTRY=verl.trainer.$1
+  if [[ $DEVICE == cpu ]]; then
+    export VERL_PLATFORM=cpu
+    ENTRY=mlite.integrations.verl.$1
+  fi
+}
+
+# run_verl COMMAND...: DRY_RUN=1 prints the command (VERL_PLATFORM=cpu first on the CPU) and exits, otherwise
+# the command replaces this shell.
+run_verl() {
+  if [[ $DRY_RUN == 1 ]]; then
+    [[ $DEVICE != cpu ]] || echo "VERL_PLATFORM=cpu \\"
+    printf '%q ' "$@"
+    echo
+    exit 0
+  fi
+  exec "$@"
 }

@@ -2,11 +2,14 @@
 # GRPO with verl's PPO trainer (verl.trainer.main_ppo) and mlite as the training engine of the actor and the
 # reference policy (model_engine=mlite). verl's driver runs here and places every rank through Ray: start a
 # Ray cluster over the nodes first (or let verl start a local one), then run this once, on the head node.
+# Knobs: the environment variables below; those shared with verl_sft.sh are in launchers/verl_knobs.sh.
 #
 #   MODEL_PATH=/ckpt/qwen3-8b TRAIN_FILES=/data/gsm8k.parquet launchers/verl_grpo.sh
 #   DRY_RUN=1 launchers/verl_grpo.sh                      # print the resolved command, start nothing
 #   DEVICE=cpu GPUS_PER_NODE=1 ... launchers/verl_grpo.sh # gloo on CPU (verl gets mlite's cpu platform)
 set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 # --- model and data
 MODEL_PATH=${MODEL_PATH:-}                # HF checkpoint dir (config, tokenizer, safetensors)
@@ -17,14 +20,6 @@ MAX_PROMPT_LEN=${MAX_PROMPT_LEN:-1024}    # tokens
 MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-1024}  # tokens
 REWARD_FILE=${REWARD_FILE:-}              # verl custom reward file (empty: mlite's, data_source names the reward)
 REWARD_NAME=${REWARD_NAME:-compute_score} # function in REWARD_FILE
-# --- layout (mlite engine knobs; dp is what is left of the world size)
-TP=${TP:-1}                               # tensor parallel
-PP=${PP:-1}                               # pipeline stages
-CP=${CP:-1}                               # context parallel
-EP=${EP:-1}                               # expert parallel
-DTYPE=${DTYPE:-bfloat16}                  # compute dtype (master weights stay fp32)
-OFFLOAD_PARAMS=${OFFLOAD_PARAMS:-false}   # parameters on the host between phases
-OFFLOAD_OPTIMIZER=${OFFLOAD_OPTIMIZER:-false}  # optimizer state on the host between phases
 # --- rollout
 ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-builtin} # builtin (mlite's sampler, rollout.name=mlite) | vllm | sglang
 ROLLOUT_N=${ROLLOUT_N:-8}                 # responses per prompt (the group)
@@ -49,18 +44,17 @@ LOGGER=${LOGGER:-console}                 # verl loggers, e.g. console or [conso
 DEVICE=${DEVICE:-cuda}                    # cuda | cpu (cpu: gloo, mlite's entry point and cpu platform)
 NNODES=${NNODES:-1}                       # nodes in the Ray cluster
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}         # training ranks per node
-PYTHON=${PYTHON:-python}                  # interpreter with mlite[verl] installed
-EXTRA_ARGS=${EXTRA_ARGS:-}                # more Hydra overrides, space-separated
-DRY_RUN=${DRY_RUN:-0}                     # 1: print the resolved command, start nothing
+# --- layout (TP, PP, CP, EP, DTYPE, offload) and launcher behaviour (PYTHON, EXTRA_ARGS, DRY_RUN),
+# shared with verl_sft.sh: launchers/verl_knobs.sh
+# shellcheck source=launchers/verl_knobs.sh
+source "$HERE/verl_knobs.sh"
 
-HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=launchers/env.sh
 source "$HERE/env.sh"
+# shellcheck source=launchers/lib.sh
+source "$HERE/lib.sh"
 
-die() { echo "verl_grpo.sh: error: $*" >&2; exit 2; }
-[[ $DRY_RUN == 1 || -n $MODEL_PATH ]] || die "set MODEL_PATH to an HF checkpoint dir"
-[[ $DRY_RUN == 1 || -n $TRAIN_FILES ]] || die "set TRAIN_FILES to parquet files in verl's RL format"
-[[ $DEVICE == cuda || $DEVICE == cpu ]] || die "DEVICE=$DEVICE; use cuda or cpu"
+check_verl_knobs "in verl's RL format"
 case $ROLLOUT_ENGINE in
   builtin) ROLLOUT_NAME=mlite
     [[ $ROLLOUT_TP == 1 ]] || die "ROLLOUT_TP=$ROLLOUT_TP with ROLLOUT_ENGINE=builtin: the built-in rollout decodes a whole model per rank; set ROLLOUT_TP=1 or ROLLOUT_ENGINE=vllm" ;;
@@ -76,12 +70,7 @@ VAL_FILES=${VAL_FILES:-$TRAIN_FILES}
 USE_KL=true
 [[ $KL_COEF != 0 && $KL_COEF != 0.0 ]] || USE_KL=false
 
-# verl's own entry joins "cpu:gloo,<device>:<backend>", which torch refuses for the CPU: ours joins gloo
-ENTRY=verl.trainer.main_ppo
-if [[ $DEVICE == cpu ]]; then
-  export VERL_PLATFORM=cpu
-  ENTRY=mlite.integrations.verl.main_ppo
-fi
+verl_entry main_ppo
 
 ARGS=(
   "hydra.searchpath=[pkg://mlite.integrations.verl.config]" model_engine=mlite algorithm.adv_estimator=grpo
@@ -121,10 +110,4 @@ read -r -a EXTRA <<<"$EXTRA_ARGS"
 ARGS+=("${EXTRA[@]}")
 
 COMMAND=("$PYTHON" -m "$ENTRY" "${ARGS[@]}")
-if [[ $DRY_RUN == 1 ]]; then
-  [[ $DEVICE != cpu ]] || echo "VERL_PLATFORM=cpu \\"
-  printf '%q ' "${COMMAND[@]}"
-  echo
-  exit 0
-fi
-exec "${COMMAND[@]}"
+run_verl "${COMMAND[@]}"

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # SFT with verl's trainer (verl.trainer.sft_trainer) and mlite as its training engine (engine=mlite).
 # One node's share: torchrun starts this node's ranks; run it on every node (Slurm: one task per node).
+# Knobs: the environment variables below; those shared with verl_grpo.sh are in launchers/verl_knobs.sh.
 #
 #   MODEL_PATH=/ckpt/qwen3-8b TRAIN_FILES=/data/sft.parquet launchers/verl_sft.sh
 #   DRY_RUN=1 launchers/verl_sft.sh                       # print the resolved command, start nothing
 #   DEVICE=cpu NPROC=2 ... launchers/verl_sft.sh          # gloo on CPU (verl gets mlite's cpu platform)
 set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 # --- model and data
 MODEL_PATH=${MODEL_PATH:-}                # HF checkpoint dir (config, tokenizer, safetensors)
@@ -13,14 +16,6 @@ TRAIN_FILES=${TRAIN_FILES:-}              # comma-separated parquet files with a
 VAL_FILES=${VAL_FILES:-}                  # comma-separated validation files (empty: none)
 MESSAGES_KEY=${MESSAGES_KEY:-messages}    # column holding the conversation
 MAX_LENGTH=${MAX_LENGTH:-4096}            # longest sample in tokens
-# --- layout (mlite engine knobs; dp is what is left of the world size)
-TP=${TP:-1}                               # tensor parallel
-PP=${PP:-1}                               # pipeline stages
-CP=${CP:-1}                               # context parallel
-EP=${EP:-1}                               # expert parallel
-DTYPE=${DTYPE:-bfloat16}                  # compute dtype (master weights stay fp32)
-OFFLOAD_PARAMS=${OFFLOAD_PARAMS:-false}   # parameters on the host between phases
-OFFLOAD_OPTIMIZER=${OFFLOAD_OPTIMIZER:-false}  # optimizer state on the host between phases
 # --- batch and optimizer
 GLOBAL_BATCH=${GLOBAL_BATCH:-256}         # sequences per optimizer step
 MICRO_BATCH=${MICRO_BATCH:-4}             # sequences per micro-batch (when DYNAMIC_BSZ=false)
@@ -42,24 +37,18 @@ NODE_RANK=${NODE_RANK:-0}                 # this node, 0..NNODES-1
 NPROC=${NPROC:-8}                         # ranks on this node
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}     # the first node's address
 MASTER_PORT=${MASTER_PORT:-29500}         # rendezvous port on the first node
-PYTHON=${PYTHON:-python}                  # interpreter with mlite[verl] installed
-EXTRA_ARGS=${EXTRA_ARGS:-}                # more Hydra overrides, space-separated
-DRY_RUN=${DRY_RUN:-0}                     # 1: print the resolved command, start nothing
+# --- layout (TP, PP, CP, EP, DTYPE, offload) and launcher behaviour (PYTHON, EXTRA_ARGS, DRY_RUN),
+# shared with verl_grpo.sh: launchers/verl_knobs.sh
+# shellcheck source=launchers/verl_knobs.sh
+source "$HERE/verl_knobs.sh"
 
-HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=launchers/env.sh
 source "$HERE/env.sh"
+# shellcheck source=launchers/lib.sh
+source "$HERE/lib.sh"
 
-die() { echo "verl_sft.sh: error: $*" >&2; exit 2; }
-[[ $DRY_RUN == 1 || -n $MODEL_PATH ]] || die "set MODEL_PATH to an HF checkpoint dir"
-[[ $DRY_RUN == 1 || -n $TRAIN_FILES ]] || die "set TRAIN_FILES to parquet files with a '$MESSAGES_KEY' column"
-[[ $DEVICE == cuda || $DEVICE == cpu ]] || die "DEVICE=$DEVICE; use cuda or cpu"
-# verl's own entry joins "cpu:gloo,<device>:<backend>", which torch refuses for the CPU: ours joins gloo
-ENTRY=verl.trainer.sft_trainer
-if [[ $DEVICE == cpu ]]; then
-  export VERL_PLATFORM=cpu
-  ENTRY=mlite.integrations.verl.sft_trainer
-fi
+check_verl_knobs "with a '$MESSAGES_KEY' column"
+verl_entry sft_trainer
 
 ARGS=(
   "hydra.searchpath=[pkg://mlite.integrations.verl.config]" engine=mlite
@@ -85,10 +74,4 @@ COMMAND=(
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
   -m "$ENTRY" "${ARGS[@]}"
 )
-if [[ $DRY_RUN == 1 ]]; then
-  [[ $DEVICE != cpu ]] || echo "VERL_PLATFORM=cpu \\"
-  printf '%q ' "${COMMAND[@]}"
-  echo
-  exit 0
-fi
-exec "${COMMAND[@]}"
+run_verl "${COMMAND[@]}"

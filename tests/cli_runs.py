@@ -31,6 +31,9 @@ MODEL_COMMON = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads"
 MOE = {"model_type": "qwen3_moe", "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
        "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
        "router_aux_loss_coef": 0.1}
+# one layer of half the width: a step takes milliseconds
+ONE_LAYER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 1}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -44,26 +47,43 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def write_model_config(folder: Path, vocab_size: int, moe: bool, tied: bool = False) -> Path:
+def write_model_config(folder: Path, vocab_size: int, moe: bool, tied: bool = False, **sizes) -> Path:
     """A tiny Qwen3 (dense) or Qwen3-MoE config.json, untied unless `tied` (pipeline stages hold the
-    embedding and the LM head apart: a tied matrix is refused under pp)."""
+    embedding and the LM head apart: a tied matrix is refused under pp); `sizes` replace config keys
+    (ONE_LAYER)."""
     config = {"vocab_size": vocab_size, **MODEL_COMMON, "tie_word_embeddings": tied,
-              **(MOE if moe else {"model_type": "qwen3", "intermediate_size": 128})}
+              **(MOE if moe else {"model_type": "qwen3", "intermediate_size": 128}), **sizes}
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
 
-def layout_assets(root: Path) -> dict:
-    """Demo data, a tokenizer trained on it, and the tiny dense, MoE and tied dense configs sized to the
-    tokenizer."""
+def demo_assets(root: Path, train: int, val: int, seed: int, rows: int) -> tuple[dict[str, Path], int]:
+    """Demo data under root/data and the demo tokenizer trained on `rows` of it under root/tokenizer: the
+    data files (write_demo_data's) and the tokenizer's vocabulary size."""
     from mlite.runtime.data.demo import write_demo_data
     from mlite.runtime.data.tokenizer import train_demo_tokenizer
 
-    files = write_demo_data(root / "data", train=64, val=8, seed=2)
-    tokenizer = train_demo_tokenizer(root / "tokenizer", seed=2, vocab_size=256, rows=200)
+    files = write_demo_data(root / "data", train=train, val=val, seed=seed)
+    tokenizer = train_demo_tokenizer(root / "tokenizer", seed=seed, vocab_size=256, rows=rows)
+    return files, len(tokenizer)
+
+
+def sft_assets(root: Path, train: int, val: int, seed: int, rows: int, **sizes) -> dict:
+    """demo_assets and a tiny tied dense Qwen3 config sized to the tokenizer under root/model (`sizes`
+    replace config keys: ONE_LAYER), as paths: train (JSONL), val (parquet), tokenizer, model, and root."""
+    files, vocab_size = demo_assets(root, train, val, seed, rows)
+    write_model_config(root / "model", vocab_size, moe=False, tied=True, **sizes)
+    return {"train": str(files["train.jsonl"]), "val": str(files["val.parquet"]),
+            "tokenizer": str(root / "tokenizer"), "model": str(root / "model"), "root": root}
+
+
+def layout_assets(root: Path) -> dict:
+    """Demo data, a tokenizer trained on it, and the tiny dense, MoE and tied dense configs sized to the
+    tokenizer."""
+    files, vocab_size = demo_assets(root, train=64, val=8, seed=2, rows=200)
     for name in ("dense", "moe", "tied"):
-        write_model_config(root / name, len(tokenizer), moe=name == "moe", tied=name == "tied")
+        write_model_config(root / name, vocab_size, moe=name == "moe", tied=name == "tied")
     return {"train": str(files["train.jsonl"]), "val": str(files["val.jsonl"]),
             "tokenizer": str(root / "tokenizer"), "root": root}
 

@@ -66,15 +66,17 @@ def tiny_hf_qwen3(folder: Path, tokenizer=None, **sizes) -> Path:
 VLLM_SIZES = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
 
 
-def grpo_job(tmp_path: Path, **sections):
-    base = {
+def grpo_job_dict(output_dir: Path, **sections) -> dict:
+    """A tiny GRPO job on the CPU (tiny-qwen3, fp32, 4 steps of 2 prompts x 4 responses, text_reward),
+    writing to `output_dir`; `sections` update the job's sections key by key."""
+    job = {
         "job": "grpo",
         "model": {"name": "tiny-qwen3", "attention_backend": "torch"},
         "cluster": {"gpus_per_node": 1, "gpu": "cpu", "host_memory_gb": 8},
         "precision": {"compute": "fp32"},
         "optimizer": {"lr": 1e-3, "schedule": "constant"},
         "data": {"seq_len": 64, "max_tokens_per_micro_batch": 64},
-        "trainer": {"steps": 4, "device": "cpu", "output_dir": str(tmp_path / "run"), "seed": 3},
+        "trainer": {"steps": 4, "device": "cpu", "output_dir": str(output_dir), "seed": 3},
         "rollout": {
             "n": 4,
             "prompts_per_step": 2,
@@ -85,8 +87,13 @@ def grpo_job(tmp_path: Path, **sections):
         "grpo": {"reward": "grpo_helpers:text_reward"},
     }
     for name, values in sections.items():
-        base[name] = {**base.get(name, {}), **values}
-    return job_from_dict(base)
+        job[name] = {**job.get(name, {}), **values}
+    return job
+
+
+def grpo_job(tmp_path: Path, **sections):
+    """grpo_job_dict's job, writing to tmp_path/run, as a JobConfig."""
+    return job_from_dict(grpo_job_dict(tmp_path / "run", **sections))
 
 
 def text_reward(response: str, sample) -> float:

@@ -1,10 +1,12 @@
 """Tiny HF checkpoints made here with transformers (random weights, save_pretrained to safetensors), one per
-family the native models cover, shared by tests/test_models.py and tests/test_hf_io.py."""
+family the native models cover, shared by tests/test_models.py and tests/test_hf_io.py; and the demo
+tokenizer as the module fixtures `tokenizer_dir` and `tokenizer` (tests of the tokenizer and the SFT data)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
@@ -66,3 +68,20 @@ def save_hf_model(family: str, directory: Path, seed: int = 0, **save_kwargs) ->
     model = make_hf_model(family, seed)
     model.save_pretrained(directory, **save_kwargs)
     return directory
+
+
+@pytest.fixture(scope="module", name="tokenizer_dir")
+def demo_tokenizer_dir(tmp_path_factory) -> Path:
+    """Fixture `tokenizer_dir`: the demo tokenizer (seed 0) trained once per test module, which imports this
+    function to use it."""
+    from mlite.runtime.data.tokenizer import train_demo_tokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    train_demo_tokenizer(path, seed=0)
+    return path
+
+
+@pytest.fixture(scope="module", name="tokenizer")
+def demo_tokenizer(tokenizer_dir: Path):
+    """Fixture `tokenizer`: the demo tokenizer loaded with AutoTokenizer."""
+    return transformers.AutoTokenizer.from_pretrained(tokenizer_dir)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_runs import ONE_LAYER, sft_assets
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -118,29 +119,16 @@ def test_a_launcher_variable_that_is_not_a_number_is_one_line(tmp_path, name):
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A tokenizer trained on demo data and a tiny Qwen3 config sized to it."""
-    from mlite.runtime.data.demo import write_demo_data
-    from mlite.runtime.data.tokenizer import train_demo_tokenizer
-
-    root = tmp_path_factory.mktemp("bad_inputs")
-    write_demo_data(root / "data", train=32, val=4, seed=3)
-    tokenizer = train_demo_tokenizer(root / "tokenizer", seed=3, vocab_size=256, rows=100)
-    (root / "model").mkdir()
-    (root / "model" / "config.json").write_text(json.dumps({
-        "model_type": "qwen3", "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
-        "max_position_embeddings": 256,
-    }))
-    return root
+    return sft_assets(tmp_path_factory.mktemp("bad_inputs"), train=32, val=4, seed=3, rows=100, **ONE_LAYER)
 
 
-def sft_on(assets: Path, tmp_path: Path, train: Path) -> subprocess.CompletedProcess:
+def sft_on(assets: dict, tmp_path: Path, train: Path) -> subprocess.CompletedProcess:
     job = write_job(tmp_path / "job.yaml", {
         "job": "sft",
-        "model": {"path": str(assets / "model"), "load_weights": False},
+        "model": {"path": assets["model"], "load_weights": False},
         "cluster": {"gpu": "cpu", "gpus_per_node": 1},
         "precision": {"compute": "fp32"},
-        "data": {"train_files": [str(train)], "tokenizer": str(assets / "tokenizer"), "seq_len": 128,
+        "data": {"train_files": [str(train)], "tokenizer": assets["tokenizer"], "seq_len": 128,
                  "global_batch_size": 2, "max_tokens_per_micro_batch": 256},
         "trainer": {"steps": 1, "device": "cpu", "output_dir": str(tmp_path / "run"), "tensorboard": False},
     })

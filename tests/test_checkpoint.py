@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from cli_runs import one_thread  # noqa: F401 (autouse: one intra-op thread)
 
 from mlite.config import job_from_dict
 from mlite.errors import MliteError
@@ -16,16 +17,6 @@ from mlite.runtime.ckpt.checkpoint import CheckpointManager, resolve_checkpoint,
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.engine import Runtime
 from mlite.runtime.loss import sft_loss
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: the CPU suite runs two pytest workers on two cores, and oversubscribed torch
-    threads spin-wait (tiny matmuls get ~20x slower). Subprocesses get OMP_NUM_THREADS=1 to match."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_job(model="tiny-qwen3"):

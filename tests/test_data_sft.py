@@ -10,27 +10,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hf_tiny import demo_tokenizer, demo_tokenizer_dir  # noqa: F401 (fixtures tokenizer, tokenizer_dir)
 
 from mlite.config import load_job
 from mlite.errors import MliteError
 from mlite.runtime.data.demo import demo_rows, write_demo_data, write_rows
 from mlite.runtime.data.packed import IGNORE
 from mlite.runtime.data.sft import build_sft_data, check_assistant_mask, load_samples, render
-from mlite.runtime.data.tokenizer import CHAT_TEMPLATE, IM_END, train_demo_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    train_demo_tokenizer(path, seed=0)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
+from mlite.runtime.data.tokenizer import CHAT_TEMPLATE, IM_END
 
 
 def masked_spans(tokenizer, sample) -> list[str]:

@@ -9,24 +9,10 @@ import string
 import subprocess
 import sys
 
-import pytest
+from hf_tiny import demo_tokenizer, demo_tokenizer_dir  # noqa: F401 (fixtures tokenizer, tokenizer_dir)
 
 from mlite.runtime.data.demo import demo_rows
 from mlite.runtime.data.tokenizer import ENDOFTEXT, IM_END, IM_START, train_demo_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    train_demo_tokenizer(path, seed=0)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def test_same_seed_writes_the_same_files(tokenizer_dir, tmp_path):

@@ -20,21 +20,11 @@ from pathlib import Path
 import pytest
 
 from mlite.images.build import resolve_command
-from mlite.images.stacks import list_stacks, load_stack
+from mlite.images.stacks import OVERRIDE_WHEELS, RESOLVED_WHEELS, list_stacks, load_stack
 
-# What a resolver run must land on exactly (the rest of the layer follows from these).
-MUST_MATCH = (
-    "torch",
-    "vllm",
-    "verl",
-    "megatron-core",
-    "transformers",
-    "ray",
-    "nvidia-cudnn-frontend",
-    "nvidia-cutlass-dsl",
-    "nvidia-nccl-cu13",
-    "nvidia-nvshmem-cu13",
-)
+# What a resolver run must land on exactly: the wheels it resolves and the ones it forces (the rest of the
+# layer follows from these).
+MUST_MATCH = (*RESOLVED_WHEELS, *OVERRIDE_WHEELS)
 
 
 def uv_binary() -> str:

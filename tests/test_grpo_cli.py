@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cli_runs import stable
-from grpo_helpers import char_tokenizer
+from grpo_helpers import char_tokenizer, grpo_job_dict
 
 from mlite.trainers.metrics import read_metrics
 
@@ -32,30 +32,15 @@ def workdir(tmp_path_factory):
 
 
 def write_job(workdir: Path, out: Path, **changes) -> Path:
-    job = {
-        "job": "grpo",
-        "model": {"name": "tiny-qwen3", "attention_backend": "torch"},
-        "cluster": {"gpus_per_node": 1, "gpu": "cpu", "host_memory_gb": 8},
-        "precision": {"compute": "fp32"},
-        "optimizer": {"lr": 1e-3, "schedule": "constant"},
-        "data": {
-            "train_files": [str(workdir / "train.jsonl")],
-            "val_files": [str(workdir / "val.jsonl")],
-            "tokenizer": str(workdir / "tok"),
-            "seq_len": 64,
-            "max_tokens_per_micro_batch": 64,
-        },
-        "trainer": {
-            "steps": 4,
-            "save_every": 2,
-            "keep_last": 3,
-            "device": "cpu",
-            "output_dir": str(out),
-            "seed": 5,
-        },
-        "rollout": {"n": 4, "prompts_per_step": 2, "max_prompt_length": 48, "max_response_length": 6},
-        "grpo": {"reward": "grpo_helpers:text_reward", "mini_batches": 2},
-    }
+    """grpo_helpers' tiny job on the workdir's prompts, with held-out eval and checkpoints every 2 steps, as
+    the YAML file next to `out`; `changes` update its sections key by key."""
+    job = grpo_job_dict(
+        out,
+        data={"train_files": [str(workdir / "train.jsonl")], "val_files": [str(workdir / "val.jsonl")],
+              "tokenizer": str(workdir / "tok")},
+        trainer={"save_every": 2, "keep_last": 3, "seed": 5},
+        grpo={"mini_batches": 2},
+    )
     for section, values in changes.items():
         job[section] = {**job.get(section, {}), **values}
     path = out.parent / f"{out.name}.yaml"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from cli_runs import one_thread  # noqa: F401 (autouse: one intra-op thread)
+from cli_runs import ONE_LAYER, one_thread, sft_assets  # noqa: F401 (one_thread: autouse)
 
 from mlite.config import job_from_dict
 from mlite.errors import MliteError
@@ -34,21 +34,8 @@ EXACT = ("step", "loss", "grad_norm", "lr", "tokens", "target_tokens")
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """Demo data, a tokenizer trained on it and a one-layer Qwen3 sized to it: a step takes milliseconds."""
-    from mlite.runtime.data.demo import write_demo_data
-    from mlite.runtime.data.tokenizer import train_demo_tokenizer
-
-    root = tmp_path_factory.mktemp("run_folder_assets")
-    files = write_demo_data(root / "data", train=64, val=8, seed=1)
-    tokenizer = train_demo_tokenizer(root / "tokenizer", seed=1, vocab_size=256, rows=200)
-    (root / "model").mkdir()
-    (root / "model" / "config.json").write_text(json.dumps({
-        "model_type": "qwen3", "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
-        "max_position_embeddings": 256,
-    }))
-    return {"train": str(files["train.jsonl"]), "tokenizer": str(root / "tokenizer"),
-            "model": str(root / "model")}
+    return sft_assets(tmp_path_factory.mktemp("run_folder_assets"), train=64, val=8, seed=1, rows=200,
+                      **ONE_LAYER)
 
 
 def job_dict(assets, out: Path, **trainer) -> dict:

@@ -3,7 +3,6 @@ SIGTERM/SIGUSR1, refusing a corrupt checkpoint, epochs, held-out evaluation; a G
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from cli_runs import mlite_cli, one_thread, sft_assets  # noqa: F401 (one_thread: autouse)
 
 from mlite.config import job_from_dict
 from mlite.runtime.ckpt.checkpoint import CheckpointManager
@@ -26,34 +26,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # as in-process (one_thread): same
 EXACT_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "target_tokens", "epoch", "skipped_steps")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: the CPU suite runs two pytest workers on two cores, and oversubscribed torch
-    threads spin-wait (tiny matmuls get ~20x slower). Subprocesses get OMP_NUM_THREADS=1 to match."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """Demo data, a tokenizer trained on it and a tiny Qwen3 config sized to the tokenizer."""
-    from mlite.runtime.data.demo import write_demo_data
-    from mlite.runtime.data.tokenizer import train_demo_tokenizer
-
-    root = tmp_path_factory.mktemp("sft_assets")
-    files = write_demo_data(root / "data", train=320, val=48, seed=1)
-    tokenizer = train_demo_tokenizer(root / "tokenizer", seed=1, vocab_size=256, rows=400)
-    (root / "model").mkdir()
-    (root / "model" / "config.json").write_text(json.dumps({
-        "model_type": "qwen3", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
-        "max_position_embeddings": 256,
-    }))
-    return {"train": str(files["train.jsonl"]), "val": str(files["val.parquet"]),
-            "tokenizer": str(root / "tokenizer"), "model": str(root / "model")}
+    return sft_assets(tmp_path_factory.mktemp("sft_assets"), train=320, val=48, seed=1, rows=400)
 
 
 def job_dict(assets, out: Path, **trainer) -> dict:
@@ -282,11 +258,7 @@ def test_two_data_parallel_ranks_match_one_process(assets, reference, tmp_path):
     """torchrun with 2 gloo ranks: each trains on half of every global batch; the summed gradients make the
     same steps as the one-process reference (to float rounding: the sums run in another order)."""
     out = tmp_path / "dp2"
-    config = write_job(tmp_path / "job.yaml", job_dict(assets, out))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "-m", "mlite", "sft", str(config), "--no-progress"],
-                          cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300, check=False)
+    done = mlite_cli(tmp_path, job_dict(assets, out), 2)
     assert done.returncode == 0, done.stderr[-3000:]
     records = exact(read_metrics(out / "metrics.jsonl"))
     assert [r["step"] for r in records] == list(range(1, 31))  # one writer (rank 0), every step
@@ -302,11 +274,7 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks(assets, reference, tmp_pa
     """Checkpoints are layout-independent: step 25 of the one-process run continues data parallel."""
     mid = CheckpointManager(reference[0].output_dir).path_for(25)
     out = tmp_path / "dp2"
-    config = write_job(tmp_path / "job.yaml", job_dict(assets, out, resume=str(mid)))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "-m", "mlite", "sft", str(config), "--no-progress"],
-                          cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300, check=False)
+    done = mlite_cli(tmp_path, job_dict(assets, out, resume=str(mid)), 2)
     assert done.returncode == 0, done.stderr[-3000:]
     records = exact(read_metrics(out / "metrics.jsonl"))
     assert [r["step"] for r in records] == [26, 27, 28, 29, 30]

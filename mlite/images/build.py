@@ -9,6 +9,7 @@ Config layer: no torch.
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import shutil
@@ -139,12 +140,9 @@ def build_command(
     return cmd
 
 
-def push_command(tag: str) -> list[str]:
-    return ["docker", "push", tag]
-
-
-def pull_command(tag: str) -> list[str]:
-    return ["docker", "pull", tag]
+def registry_command(verb: str, tag: str) -> list[str]:
+    """`docker push TAG` or `docker pull TAG`."""
+    return ["docker", verb, tag]
 
 
 def shell_command(tag: str, repo: Path = REPO, command: str = "bash", tty: bool = True) -> list[str]:
@@ -211,24 +209,16 @@ def build(
     return execute(build_command(load_stack(stack), arch, target, push, image, cache_ref), dry_run)
 
 
-def push(
+def transfer(
+    verb: str,
     arch: str,
     stack: str | None = None,
     target: str = "runtime",
     dry_run: bool = False,
     image: str | None = None,
 ) -> int:
-    return execute(push_command(image_tag(load_stack(stack), arch, target, image)), dry_run)
-
-
-def pull(
-    arch: str,
-    stack: str | None = None,
-    target: str = "runtime",
-    dry_run: bool = False,
-    image: str | None = None,
-) -> int:
-    return execute(pull_command(image_tag(load_stack(stack), arch, target, image)), dry_run)
+    """`docker push` or `docker pull` (the verb) of the image tagged for this arch, stack and target."""
+    return execute(registry_command(verb, image_tag(load_stack(stack), arch, target, image)), dry_run)
 
 
 def shell(
@@ -246,7 +236,12 @@ def shell(
 
 def main(action: str, **kwargs) -> int:
     """Run one action (build/push/pull/shell); a user error prints one line and returns 2."""
-    actions = {"build": build, "push": push, "pull": pull, "shell": shell}
+    actions = {
+        "build": build,
+        "push": functools.partial(transfer, "push"),
+        "pull": functools.partial(transfer, "pull"),
+        "shell": shell,
+    }
     try:
         return actions[action](**kwargs)
     except MliteError as err:

@@ -29,6 +29,7 @@ from pathlib import Path
 from mlite.images.stacks import (
     MIN_VERSIONS,
     REQUIRED_CAPABILITIES,
+    REQUIRED_WHEELS,
     STACK_ENV,
     WRONG_PYPI,
     Stack,
@@ -38,21 +39,8 @@ from mlite.images.stacks import (
 
 ARCH_ENV = "MLITE_IMAGE_ARCH"
 OK, MISSING, WRONG, NOTE = "ok", "missing", "wrong", "note"
-# Wheels checked against their pins; `uv` is only the image's installer.
-CHECKED_WHEELS = (
-    "torch",
-    "vllm",
-    "verl",
-    "megatron-core",
-    "transformers",
-    "ray",
-    "transformer-engine",
-    "flash-attn",
-    "nvidia-cudnn-frontend",
-    "nvidia-cutlass-dsl",
-    "nvidia-nccl-cu13",
-    "nvidia-nvshmem-cu13",
-)
+# Wheels checked against their pins: every required one but `uv`, which is only the image's installer.
+CHECKED_WHEELS = tuple(name for name in REQUIRED_WHEELS if name != "uv")
 # What must import in a healthy image (module -> the distribution that provides it).
 IMPORTS = {
     "torch": "torch",

@@ -305,11 +305,7 @@ def _validate_wheels(stack: Stack) -> None:
             "if flash-attn 2's copy wins, megatron.core fails to import "
             "('No module named cutlass.utils.ampere_helpers'); keep one of them"
         )
-    for name in REQUIRED_WHEELS:
-        if name not in stack.wheels:
-            raise MliteError(
-                f"{where}: wheels.{name} is missing ({REQUIRED_WHEELS[name]}); pin an exact version"
-            )
+    _require_pinned(stack, "wheels", REQUIRED_WHEELS, "pin an exact version")
     for name, version in stack.wheels.items():
         if not EXACT_VERSION.match(version):
             raise MliteError(
@@ -329,9 +325,7 @@ def _validate_wheels(stack: Stack) -> None:
 def _validate_git(stack: Stack) -> None:
     """Every required git dependency pinned at a full commit of an https clone URL."""
     where = stack.path
-    for name in REQUIRED_GIT:
-        if name not in stack.git:
-            raise MliteError(f"{where}: git.{name} is missing ({REQUIRED_GIT[name]}); pin it at a commit")
+    _require_pinned(stack, "git", REQUIRED_GIT, "pin it at a commit")
     for name, pin in stack.git.items():
         if not COMMIT.match(pin.commit):
             raise MliteError(
@@ -340,6 +334,14 @@ def _validate_git(stack: Stack) -> None:
             )
         if not pin.url.startswith("https://"):
             raise MliteError(f"{where}: git.{name}.url must be an https:// clone URL")
+
+
+def _require_pinned(stack: Stack, section: str, required: dict[str, str], fix: str) -> None:
+    """Every name of `required` (name -> what it is for) pinned in the stack's [wheels] or [git] section."""
+    pinned = getattr(stack, section)
+    for name, what in required.items():
+        if name not in pinned:
+            raise MliteError(f"{stack.path}: {section}.{name} is missing ({what}); {fix}")
 
 
 def _validate_base_and_build(stack: Stack) -> None:

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from mlite.config.catalog import PRESETS, count_params, preset_arch
 from mlite.plan import Plan
+from mlite.plan.memory import MemoryItem
 from mlite.plan.recommend import Candidate
 
 
@@ -41,30 +42,12 @@ def render_plan(console: Console, plan: Plan) -> None:
                   f"{lay.micro_batches} micro-batches/step "
                   f"of {lay.tokens_per_micro_batch} tokens  {plan.job.optimizer.backend}")
     console.print(f"runs: {runs_line(plan)}", highlight=False)
-    table = Table(title=f"memory per GPU (pipeline stage {mem.stage}, the fullest)")
-    table.add_column("item")
-    table.add_column("GB", justify="right")
-    table.add_column("how")
-    for item in mem.items:
-        table.add_row(item.name, f"{item.gb:.2f}", item.note)
-    table.add_row("[bold]total (training step)[/]", f"[bold]{mem.train_gb:.2f}[/]", "")
-    console.print(table)
+    console.print(memory_table(f"memory per GPU (pipeline stage {mem.stage}, the fullest)", mem.items, 2,
+                               total=("total (training step)", mem.train_gb)))
     if mem.rollout_items:
-        rollout = Table(title="memory per GPU during rollout (GRPO)")
-        rollout.add_column("item")
-        rollout.add_column("GB", justify="right")
-        rollout.add_column("how")
-        for item in mem.rollout_items:
-            rollout.add_row(item.name, f"{item.gb:.2f}", item.note)
-        rollout.add_row("[bold]total (rollout)[/]", f"[bold]{mem.rollout_gb:.2f}[/]", "")
-        console.print(rollout)
-    host = Table(title="host memory per node")
-    host.add_column("item")
-    host.add_column("GB", justify="right")
-    host.add_column("how")
-    for item in mem.host_items:
-        host.add_row(item.name, f"{item.gb:.1f}", item.note)
-    console.print(host)
+        console.print(memory_table("memory per GPU during rollout (GRPO)", mem.rollout_items, 2,
+                                   total=("total (rollout)", mem.rollout_gb)))
+    console.print(memory_table("host memory per node", mem.host_items, 1))
     for note in mem.notes:
         console.print(f"note: {note}")
     verdict = "[green]FITS[/]" if mem.fits else "[red]DOES NOT FIT[/]"
@@ -74,6 +57,22 @@ def render_plan(console: Console, plan: Plan) -> None:
     console.print(f"{verdict}: {mem.total_gb:.1f} GB of {mem.usable_gb:.1f} GB usable per GPU "
                   f"({mem.capacity_gb:.1f} GB x headroom); host {mem.host_total_gb:.0f} of "
                   f"{mem.host_capacity_gb:.0f} GB per node")
+
+
+def memory_table(title: str, items: list[MemoryItem], decimals: int,
+                 total: tuple[str, float] | None = None) -> Table:
+    """One memory table of the plan: a row per item (name, GB to `decimals` places, how it is counted),
+    then the total in bold when one is given."""
+    table = Table(title=title)
+    table.add_column("item")
+    table.add_column("GB", justify="right")
+    table.add_column("how")
+    for item in items:
+        table.add_row(item.name, f"{item.gb:.{decimals}f}", item.note)
+    if total is not None:
+        label, gb = total
+        table.add_row(f"[bold]{label}[/]", f"[bold]{gb:.{decimals}f}[/]", "")
+    return table
 
 
 def runs_line(plan: Plan) -> str:
