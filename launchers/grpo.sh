@@ -22,6 +22,8 @@ ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-}        # builtin | vllm
 ROLLOUT_N=${ROLLOUT_N:-}                  # responses per prompt (the group)
 ROLLOUT_TP=${ROLLOUT_TP:-}                # rollout engine tensor parallel
 ROLLOUT_GPU_MEMORY=${ROLLOUT_GPU_MEMORY:-} # vLLM: its share of each GPU while it rolls out (0..1)
+ROLLOUT_OFFLOAD=${ROLLOUT_OFFLOAD:-}      # vLLM: the trainer waits on the host while vLLM is awake (auto|true|false)
+ROLLOUT_SPAN_NODES=${ROLLOUT_SPAN_NODES:-} # vLLM: true allows an engine (ROLLOUT_TP) larger than a node
 PROMPTS_PER_STEP=${PROMPTS_PER_STEP:-}    # prompts per optimizer step
 MAX_PROMPT_LEN=${MAX_PROMPT_LEN:-}        # tokens
 MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-}    # tokens
@@ -48,6 +50,8 @@ add rollout.engine "$ROLLOUT_ENGINE"
 add rollout.n "$ROLLOUT_N"
 add rollout.tp "$ROLLOUT_TP"
 add rollout.gpu_memory_utilization "$ROLLOUT_GPU_MEMORY"
+add rollout.offload_trainer "$ROLLOUT_OFFLOAD"
+add rollout.span_nodes "$ROLLOUT_SPAN_NODES"
 add rollout.prompts_per_step "$PROMPTS_PER_STEP"
 add rollout.max_prompt_length "$MAX_PROMPT_LEN"
 add rollout.max_response_length "$MAX_RESPONSE_LEN"

@@ -73,6 +73,16 @@ def test_held_out_sampling_needs_a_temperature():
     assert "rollout.val_n=4 with rollout.val_temperature 0 repeats one greedy answer" in msg
 
 
+def test_offloading_the_trainer_needs_vllm():
+    """The built-in engine generates with the trainer's own weights: it cannot send them to the host."""
+    msg = error_of("demo_grpo", ["rollout.offload_trainer=true"])
+    assert "rollout.offload_trainer: true moves the trainer off the GPU" in msg
+    assert "use rollout.engine vllm" in msg
+    on_vllm = load_job("demo_grpo", ["rollout.engine=vllm", "rollout.offload_trainer=true"])
+    assert on_vllm.rollout.offload_trainer is True
+    assert load_job("demo_grpo", ["rollout.offload_trainer=false"]).rollout.offload_trainer is False
+
+
 def test_overrides_are_parsed_and_validated_like_the_file():
     job = load_job("demo_sft", ["parallel.tp=1", "data.seq_len=256", "optimizer.betas=[0.9, 0.99]"])
     assert job.data.seq_len == 256 and job.optimizer.betas == (0.9, 0.99)

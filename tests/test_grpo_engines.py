@@ -59,10 +59,10 @@ class HotterSampler(BuiltinRollout):
             outer = self
 
             class Hotter(ModelSampler):
-                def generate(self, prompts, params):
-                    return super().generate(prompts, replace(params, temperature=outer.temperature))
+                def generate(self, prompts, params, owners=None):
+                    return super().generate(prompts, replace(params, temperature=outer.temperature), owners)
 
-            yield Hotter(sampler.model, sampler.generator)
+            yield Hotter(sampler.model, sampler.seed, sampler.dp_rank)
 
 
 def test_builtin_sampler_logprobs_are_the_trainers_forward(tmp_path, tokenizer):

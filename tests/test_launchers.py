@@ -367,7 +367,7 @@ def rule_book_refusal(preset: str) -> str | None:
 # The Qwen3 templates roll out on vLLM over the ranks (GRPO_ON_VLLM) and fit; DeepSeek-V4 on vLLM is not
 # run here (docs/GRPO.md)
 GRPO_AT_SCALE = {"grpo_dsv4_128gpu"}
-GRPO_ON_VLLM = {"grpo_qwen3_235b_32gpu": 16, "grpo_qwen3_30b_8gpu": 4}
+GRPO_ON_VLLM = {"grpo_qwen3_235b_32gpu": 8, "grpo_qwen3_30b_8gpu": 4}  # engines inside one node
 
 
 def test_refused_dry_run_stops_at_the_planners_line(tmp_path):

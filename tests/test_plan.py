@@ -84,7 +84,10 @@ def test_vllm_rollout_fits_where_its_share_holds_its_slab_of_the_weights():
     short = sized("qwen3_235b_a22b_sft", [*vllm, "rollout.tp=8", "rollout.gpu_memory_utilization=0.3"])
     assert short.memory.total_gb <= short.memory.usable_gb and not short.memory.fits
     assert any("vLLM needs" in note and "rollout.tp=8" in note for note in short.memory.notes)
-    wider = sized("qwen3_235b_a22b_sft", [*vllm, "rollout.tp=16", "rollout.gpu_memory_utilization=0.4"])
+    with pytest.raises(MliteError, match="rollout.tp=16 spans 2 nodes of 8 GPUs: vLLM's tensor-parallel"):
+        sized("qwen3_235b_a22b_sft", [*vllm, "rollout.tp=16", "rollout.gpu_memory_utilization=0.4"])
+    wider = sized("qwen3_235b_a22b_sft", [*vllm, "rollout.tp=16", "rollout.gpu_memory_utilization=0.4",
+                                          "rollout.span_nodes=true"])  # asked for: sized, with a note
     assert wider.memory.fits
     assert any("rollout.tp=16 spans 2 nodes of 8 GPUs" in note for note in wider.memory.notes)
     assert not any("spans" in note for note in ok.memory.notes)
@@ -408,3 +411,31 @@ def test_embedding_rows_leave_the_embedding_out_of_the_gathered_weights():
     assert {k: v for k, v in items(rows).items() if k != "gathered weights"} == \
         {k: v for k, v in items(gathered).items() if k != "gathered weights"}
     assert gathered.memory.train_gb - rows.memory.train_gb == pytest.approx(matrix) and matrix > 0.5
+
+
+def test_the_trainer_waits_on_the_host_where_vllm_needs_the_room():
+    """rollout.offload_trainer `auto`: Qwen3-30B-A3B on 8 GPUs with vLLM taking half of each GPU cannot keep
+    its resident Adam state and masters beside vLLM (the same job with the offload off does not fit); the
+    plan turns it on, sizes the weight sync (vLLM's weights beside the trainer's, which it reads) and the
+    generation (vLLM alone), and counts the trainer's state in each node's host memory. With vLLM at 0.3,
+    both fit together and nothing moves."""
+    vllm = ["job=grpo", "rollout.engine=vllm", "rollout.tp=4"]
+    tight = sized("qwen3_30b_a3b_sft", [*vllm, "rollout.gpu_memory_utilization=0.5"])
+    kept = sized("qwen3_30b_a3b_sft", [*vllm, "rollout.gpu_memory_utilization=0.5",
+                                       "rollout.offload_trainer=false"])
+    roomy = sized("qwen3_30b_a3b_sft", [*vllm, "rollout.gpu_memory_utilization=0.3"])
+    assert not kept.memory.fits and kept.memory.rollout_gb > kept.memory.usable_gb
+    m = tight.memory
+    assert m.fits and m.offload_trainer is True and tight.job.rollout.offload_trainer is True
+    assert "rollout.offload_trainer" in tight.resolved and tight.choices()["offload_trainer"] is True
+    resident = {i.name: i.gb for i in kept.memory.rollout_items if i.name.startswith("trainer: ")}
+    assert set(resident) == {"trainer: master weights", "trainer: optimizer state"}
+    assert m.rollout_gb == pytest.approx(0.5 * m.capacity_gb)  # generation: vLLM alone on the GPU
+    weights = count_params(tight.arch).total * 2 / 4 / GIB  # vLLM's bf16 slab at rollout.tp=4
+    assert {i.name: i.gb for i in m.sync_items} == pytest.approx(
+        {"trainer: master weights": resident["trainer: master weights"], "vLLM weights": weights})
+    host = {i.name: i.gb for i in m.host_items}
+    assert host["trainer during rollout"] == pytest.approx(sum(resident.values()) * 8)  # 8 GPUs a node
+    assert roomy.memory.fits and roomy.memory.offload_trainer is False and roomy.memory.sync_items == []
+    assert "trainer during rollout" not in {i.name for i in roomy.memory.host_items}
+    assert sized("demo_grpo").memory.offload_trainer is None  # the built-in engine: no vLLM, nothing moves

@@ -90,6 +90,56 @@ def test_grpo_steps_with_vllm_rollout(tmp_path):
     engine.close()
 
 
+def test_the_trainer_waits_on_the_host_while_vllm_generates_and_comes_back_bit_for_bit(tmp_path):
+    """rollout.offload_trainer: true. Inside a session (vLLM awake) the trainer's weights and Adam moments
+    are in pinned host memory; after it they are back on the GPU, bit for bit, and the GRPO step trains on.
+    The session reports what moved and how fast."""
+    from mlite.runtime.engine import Runtime
+    from mlite.trainers.grpo.prompts import render_prompts
+    from mlite.trainers.grpo.trainer import GRPOTrainer
+    from mlite.trainers.grpo.vllm_rollout import VLLMRollout
+
+    tokenizer = char_tokenizer(tmp_path / "tok")
+    model_dir = tiny_hf_qwen3(tmp_path / "model", tokenizer, **VLLM_SIZES)
+    job = grpo_job(tmp_path, model={"name": None, "path": str(model_dir), "attention_backend": "auto"},
+                   cluster={"gpu": "h100"}, precision={"compute": "bf16"}, trainer={"device": "cuda"},
+                   data={"seq_len": 128, "max_tokens_per_micro_batch": 1024},
+                   rollout={"engine": "vllm", "enforce_eager": True, "gpu_memory_utilization": 0.2,
+                            "n": 4, "prompts_per_step": 4, "max_response_length": 24,
+                            "offload_trainer": True})
+    prompts, _ = render_prompts(ROWS, tokenizer, job.rollout.max_prompt_length)
+    runtime = Runtime(job)
+    engine = VLLMRollout(job, runtime, tmp_path / "vllm")
+    trainer = GRPOTrainer(job, runtime, tokenizer, prompts, engine=engine)
+    assert engine.offload
+    trainer.train_step(0)  # Adam's moments exist from here on
+    params = list(runtime.model.parameters())
+    states = [runtime.optim.optimizer.state[p] for p in params]
+    weights = [p.detach().clone() for p in params]
+    moments = [(s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for s in states]
+    held = sum(t.numel() * t.element_size() for p, s in zip(params, states)
+               for t in (p, s["exp_avg"], s["exp_avg_sq"]))
+
+    with engine.session(5) as sampler:
+        assert all(p.device.type == "cpu" and p.is_pinned() for p in params)
+        assert all(s["exp_avg"].device.type == "cpu" and s["exp_avg"].is_pinned() for s in states)
+        completions = sampler.generate([p.ids for p in prompts[:4]], trainer.sampling_params())
+    assert len(completions) == 4
+    assert all(p.device.type == "cuda" for p in params)
+    assert all(torch.equal(p, w) for p, w in zip(params, weights))
+    assert all(torch.equal(s["exp_avg"], m) and torch.equal(s["exp_avg_sq"], v)
+               for s, (m, v) in zip(states, moments))
+    stats = engine.stats
+    print("offload: " + json.dumps({k: round(v, 5) for k, v in sorted(stats.items())}))
+    assert stats["offload/gb"] * 1e9 >= held  # weights and both moments (grads are freed after a step)
+    assert stats["time/offload_s"] > 0 and stats["time/reload_s"] > 0 and stats["offload/gb_per_s"] > 0
+    assert stats["memory/sync_gb"] > 0 and stats["memory/rollout_gb"] > 0
+
+    metrics, _ = trainer.train_step(1)  # and the step after trains as usual
+    assert metrics["offload/gb"] == stats["offload/gb"] and metrics["rollout/logprob_diff_mean"] < 0.05
+    engine.close()
+
+
 def test_demo_grpo_stage_on_vllm(tmp_path):
     """`mlite demo` on the GPU with the GRPO stage rolling out on vLLM: it trains, logs the mismatch, and the
     held-out reward goes up as on the built-in sampler."""

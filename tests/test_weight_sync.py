@@ -123,9 +123,23 @@ def _worker(rank, world, root):
                  for name, shape, dtype, pieces in sync.lockstep_shards(models, DTYPE)]
         result[label] = {"shards": shards, "held": _held_bytes(models), "lockstep": steps}
         for consumer_tp in (1, 2):  # one engine per rank, or one engine over both ranks
-            stats: dict = {}
-            result[label][f"engine-tp{consumer_tp}"] = (
-                [(name, t.clone()) for name, t in rt.tp_group_weights(DTYPE, consumer_tp, stats)], stats)
+            # the stream as the runtime sends it, then in buckets of one tensor each, counting the
+            # point-to-point batches of each (the real calls, counted on their way through)
+            batches: list[int] = []
+            real = torch.distributed.batch_isend_irecv
+            torch.distributed.batch_isend_irecv = lambda ops: batches.append(len(ops)) or real(ops)
+            try:
+                stats: dict = {}
+                result[label][f"engine-tp{consumer_tp}"] = (
+                    [(name, t.clone()) for name, t in rt.tp_group_weights(DTYPE, consumer_tp, stats)], stats,
+                    list(batches))
+                batches.clear()
+                one: dict = {}
+                stream = [(name, t.clone()) for name, t in sync.tp_group_weights(
+                    models, DTYPE, consumer_tp, rt.arch.num_kv_heads, one, bucket_bytes=0)]
+                result[label][f"engine-tp{consumer_tp}-per-tensor"] = (stream, one, list(batches))
+            finally:
+                torch.distributed.batch_isend_irecv = real
         if label == EXPORTED:
             sync.export_hf(models, rt.arch, root / "export", dtype=DTYPE)
     from torch.distributed.device_mesh import init_device_mesh
@@ -264,7 +278,7 @@ def test_a_tensor_parallel_engine_over_the_ranks_gets_its_slabs(run, label, cons
     _, reference, ranks = run
     want = reference[LAYOUTS[label][0]]
     arch_kv = MODELS[LAYOUTS[label][0]].get("num_key_value_heads")
-    streams = [r[label][f"engine-tp{consumer_tp}"] for r in ranks]
+    streams = [r[label][f"engine-tp{consumer_tp}"][:2] for r in ranks]
     assert [n for n, _ in streams[0][0]] == [n for n, _ in streams[1][0]]
     assert sorted(n for n, _ in streams[0][0]) == sorted(want)
     cut = 0
@@ -291,6 +305,27 @@ def test_a_tensor_parallel_engine_over_the_ranks_gets_its_slabs(run, label, cons
     if label == "dense-tp2" and consumer_tp == 2:
         # the engine's tensor-parallel slabs are the training tp shards, norms are on both: nothing travels
         assert [stats["received_bytes"] for _, stats in streams] == [0, 0]
+
+
+@pytest.mark.parametrize("label", list(LAYOUTS))
+@pytest.mark.parametrize("consumer_tp", [1, 2])
+def test_the_stream_moves_in_buckets_with_one_batch_each(run, label, consumer_tp):
+    """The sync sends its point-to-point parts in one batch per bucket of tensors (SYNC_BUCKET_BYTES: one
+    bucket for a tiny model), not one per tensor, and yields exactly what one tensor at a time yields."""
+    _, _, ranks = run
+    for rank in ranks:
+        bucketed, stats, batches = rank[label][f"engine-tp{consumer_tp}"]
+        per_tensor, one, one_batches = rank[label][f"engine-tp{consumer_tp}-per-tensor"]
+        assert [n for n, _ in bucketed] == [n for n, _ in per_tensor]
+        for (name, a), (_, b) in zip(bucketed, per_tensor):
+            assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), name  # NaN too
+        assert stats["buckets"] == 1 and one["buckets"] == one["tensors"] == stats["tensors"]
+        assert {k: v for k, v in one.items() if k != "buckets"} == {
+            k: v for k, v in stats.items() if k != "buckets"}
+        # the same point-to-point parts, in one batch instead of one per tensor that moves any
+        assert sum(batches) == sum(one_batches) and len(batches) == (1 if one_batches else 0)
+        if label != "dense-tp2" or consumer_tp != 2:  # there nothing travels (the slabs are the tp shards)
+            assert len(one_batches) > 1
 
 
 def test_split_dims_and_padded_slabs():
@@ -352,5 +387,5 @@ def test_one_process_sends_every_tensor_whole():
     streamed = list(rt.tp_group_weights(DTYPE, 1, stats))
     assert [name for name, _ in streamed] == list(whole)
     assert all(torch.equal(tensor, whole[name]) for name, tensor in streamed)
-    assert stats == {"tensors": len(whole), "received_bytes": 0,
+    assert stats == {"tensors": len(whole), "received_bytes": 0, "buckets": 1,
                      "bytes": sum(t.numel() * t.element_size() for t in whole.values())}

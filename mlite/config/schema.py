@@ -324,6 +324,7 @@ class RolloutConfig(Section):
     max_prompt_length: int = Field(512, ge=1)
     max_response_length: int = Field(1024, ge=1)
     tp: int = Field(1, ge=1)  # rollout engine tensor parallel
+    span_nodes: bool = False  # vLLM only: allow an engine (rollout.tp GPUs) larger than one node
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # 0: off
@@ -338,9 +339,19 @@ class RolloutConfig(Section):
     # held-out prompts (data.val_files): val_n responses each at val_temperature (0: greedy), mean reward
     val_n: int = Field(1, ge=1)
     val_temperature: float = Field(0.0, ge=0)
+    # vLLM only: the trainer's gradients, optimizer state and master weights wait in pinned host memory from
+    # the weight sync on, its weights once vLLM has them, and all come back after the rollout. `auto`: where
+    # the rollout needs the room (the planner's choice, mlite.plan.memory)
+    offload_trainer: Literal["auto"] | bool = "auto"
 
     @model_validator(mode="after")
     def _val_sampling(self):
+        if self.offload_trainer is True and self.engine == "builtin":
+            raise ValueError(
+                "rollout.offload_trainer: true moves the trainer off the GPU while vLLM generates, and the "
+                "built-in engine generates with the trainer's own weights; use rollout.engine vllm, or "
+                "remove rollout.offload_trainer"
+            )
         if self.val_n > 1 and self.val_temperature == 0:
             raise ValueError(
                 f"rollout.val_n={self.val_n} with rollout.val_temperature 0 repeats one greedy answer "

@@ -96,6 +96,7 @@ class Plan:
             "expert_exchange": self.expert_exchange,
             "equal_micro_batch_lengths": self.equal_micro_batch_lengths,
             "context_chunk": self.context_chunk if self.layout.cp > 1 else None,
+            "offload_trainer": self.memory.offload_trainer,
             "recompute": {"granularity": r.granularity, "method": r.method, "num_layers": r.num_layers},
             "resolved": list(self.resolved),
         }
@@ -163,6 +164,8 @@ def _resolve(job: JobConfig, world: World, memory: MemoryEstimate) -> tuple[JobC
         # one micro-batch a step accumulates nothing (the estimate says None): a caller that brings more
         # micro-batches to a step (verl) gets a reduce-scatter after each
         choices["parallel.fsdp_grad_accumulation"] = memory.fsdp_grad_accumulation or "sharded"
+    if memory.offload_trainer is not None:  # a vLLM rollout
+        choices["rollout.offload_trainer"] = memory.offload_trainer
     sections: dict[str, dict[str, Any]] = {}
     for key, value in choices.items():
         section, name = key.split(".")

@@ -70,6 +70,11 @@ class MemoryEstimate:
     host_capacity_gb: float
     stage_totals_gb: list[float]  # per pipeline rank
     rollout_items: list[MemoryItem] = field(default_factory=list)  # per GPU, GRPO generation phase
+    # per GPU, vLLM's weight sync: its weights woken beside what the trainer keeps while it streams them
+    sync_items: list[MemoryItem] = field(default_factory=list)
+    # whether the trainer waits on the host while vLLM generates (rollout.offload_trainer, `auto` resolved
+    # here); None without a vLLM rollout
+    offload_trainer: bool | None = None
     notes: list[str] = field(default_factory=list)
     # how FSDP2 accumulates a step of several micro-batches (parallel.fsdp_grad_accumulation, `auto`
     # resolved here); None where no FSDP2 shards are accumulated into (one micro-batch, dist_opt)
@@ -89,9 +94,13 @@ class MemoryEstimate:
         return sum(i.gb for i in self.rollout_items)
 
     @property
+    def sync_gb(self) -> float:
+        return sum(i.gb for i in self.sync_items)
+
+    @property
     def total_gb(self) -> float:
-        """Peak per GPU: the larger of the training step and the rollout phase."""
-        return max(self.train_gb, self.rollout_gb)
+        """Peak per GPU: the largest of the training step, the weight sync and the rollout phase."""
+        return max(self.train_gb, self.rollout_gb, self.sync_gb)
 
     @property
     def usable_gb(self) -> float:
@@ -111,10 +120,12 @@ class MemoryEstimate:
     def as_dict(self) -> dict:
         return {
             "stage": self.stage, "fits": self.fits, "total_gb": self.total_gb, "train_gb": self.train_gb,
-            "rollout_gb": self.rollout_gb, "capacity_gb": self.capacity_gb, "usable_gb": self.usable_gb,
+            "rollout_gb": self.rollout_gb, "sync_gb": self.sync_gb, "offload_trainer": self.offload_trainer,
+            "capacity_gb": self.capacity_gb, "usable_gb": self.usable_gb,
             "host_total_gb": self.host_total_gb, "host_capacity_gb": self.host_capacity_gb,
             "items": [asdict(i) for i in self.items],
             "rollout_items": [asdict(i) for i in self.rollout_items],
+            "sync_items": [asdict(i) for i in self.sync_items],
             "host_items": [asdict(i) for i in self.host_items], "stage_totals_gb": self.stage_totals_gb,
             "notes": self.notes, "fsdp_grad_accumulation": self.fsdp_grad_accumulation,
             "fsdp_unit_layers": self.fsdp_unit_layers,
@@ -408,31 +419,28 @@ def _gradients_replace_activations(items: list[MemoryItem], reduced: str) -> Non
                                            + reduced)
 
 
-def _rollout_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int, resident: list[MemoryItem],
-                   capacity_gb: float, notes: list[str]) -> list[MemoryItem]:
-    """GRPO generation phase on the same GPUs: the trainer's resident state plus the engine's memory."""
+@dataclass
+class RolloutPhases:
+    """A GRPO step's phases beside training, per GPU: generation, and vLLM's weight sync; and what the
+    trainer moves to the host for them."""
+
+    rollout: list[MemoryItem]
+    sync: list[MemoryItem] = field(default_factory=list)
+    offload_trainer: bool | None = None  # vLLM only: the trainer waits on the host while it generates
+    host_gb: float = 0.0  # per GPU, the trainer's state on the host during the rollout
+
+
+def _rollout_phases(job: JobConfig, arch: ModelArch, layout: Layout, stage: int, resident: list[MemoryItem],
+                    capacity_gb: float, notes: list[str]) -> RolloutPhases:
+    """GRPO generation on the same GPUs: the trainer's resident state (or, offloaded, none of it) plus the
+    engine's memory."""
     r = job.rollout
     # gradients are freed after each optimizer step; gathered weights are counted below for the engine
-    items = [MemoryItem(f"trainer: {i.name}", i.gb, "resident during rollout") for i in resident
-             if i.name not in ("gathered weights", "gradients") and i.gb > 0]
+    trainer = [MemoryItem(f"trainer: {i.name}", i.gb, "resident during rollout") for i in resident
+               if i.name not in ("gathered weights", "gradients") and i.gb > 0]
     if r.engine == "vllm":
-        share = r.gpu_memory_utilization * capacity_gb
-        weights_gb = count_params(arch).total * DTYPE_BYTES[job.precision.compute] / r.tp / GIB
-        engines = layout.world // r.tp
-        items.append(MemoryItem("vLLM (weights + KV cache)", share,
-                                f"rollout.gpu_memory_utilization x {capacity_gb:.0f} GB; {engines} "
-                                f"engine(s) of rollout.tp={r.tp}, {weights_gb:.1f} GB of weights per GPU"))
-        per_node = job.cluster.gpus_per_node
-        if r.tp > per_node:
-            notes.append(f"rollout.tp={r.tp} spans {r.tp // per_node} nodes of {per_node} GPUs: vLLM's "
-                         "tensor-parallel all-reduces cross the network at every decode step")
-        if weights_gb > share * HEADROOM:
-            notes.append(f"vLLM needs {weights_gb:.1f} GB per GPU for weights at rollout.tp={r.tp}, "
-                         f"more than its {share:.1f} GB share: raise rollout.tp or "
-                         "rollout.gpu_memory_utilization")
-            items.append(MemoryItem(VLLM_SHORT, weights_gb - share * HEADROOM,
-                                    "does not fit: vLLM fails to start"))
-        return items
+        return _vllm_phases(job, arch, layout, trainer, capacity_gb, notes)
+    items = list(trainer)
     act = DTYPE_BYTES[job.precision.compute]
     sequences = math.ceil(r.prompts_per_step * r.n / layout.dp)
     length = r.max_prompt_length + r.max_response_length
@@ -450,7 +458,43 @@ def _rollout_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int, 
     items.append(MemoryItem("KV cache", sequences * kv / GIB, f"{sequences} sequences x {length} tokens"))
     cpu = job.cluster.gpu == "cpu"
     items.append(MemoryItem("framework overhead", CPU_OVERHEAD_GB if cpu else GPU_OVERHEAD_GB, ""))
-    return items
+    return RolloutPhases(items)
+
+
+def _vllm_phases(job: JobConfig, arch: ModelArch, layout: Layout, trainer: list[MemoryItem],
+                 capacity_gb: float, notes: list[str]) -> RolloutPhases:
+    """vLLM beside the trainer. Generation: vLLM's share of the GPU, plus the trainer's resident state unless
+    it waits on the host (rollout.offload_trainer; `auto`: where the two do not fit together). The weight
+    sync before it: vLLM's weights woken beside the trainer's weights, which the sync reads (offloaded, the
+    rest of the trainer is on the host by then)."""
+    r = job.rollout
+    share = r.gpu_memory_utilization * capacity_gb
+    weights_gb = count_params(arch).total * DTYPE_BYTES[job.precision.compute] / r.tp / GIB
+    engines = layout.world // r.tp
+    vllm = MemoryItem("vLLM (weights + KV cache)", share,
+                      f"rollout.gpu_memory_utilization x {capacity_gb:.0f} GB; {engines} engine(s) of "
+                      f"rollout.tp={r.tp}, {weights_gb:.1f} GB of weights per GPU")
+    resident_gb = sum(i.gb for i in trainer)
+    offload = r.offload_trainer
+    if offload == "auto":
+        offload = resident_gb + share > capacity_gb * HEADROOM
+    per_node = job.cluster.gpus_per_node
+    if r.tp > per_node:
+        notes.append(f"rollout.tp={r.tp} spans {r.tp // per_node} nodes of {per_node} GPUs: vLLM's "
+                     "tensor-parallel all-reduces cross the network at every decode step")
+    extra = []
+    if weights_gb > share * HEADROOM:
+        notes.append(f"vLLM needs {weights_gb:.1f} GB per GPU for weights at rollout.tp={r.tp}, "
+                     f"more than its {share:.1f} GB share: raise rollout.tp or "
+                     "rollout.gpu_memory_utilization")
+        extra = [MemoryItem(VLLM_SHORT, weights_gb - share * HEADROOM, "does not fit: vLLM fails to start")]
+    if not offload:
+        return RolloutPhases(trainer + [vllm] + extra, offload_trainer=False)
+    read = [i for i in trainer if i.name in ("trainer: weights", "trainer: master weights")][:1]
+    sync = [MemoryItem(i.name, i.gb, "read by the weight sync") for i in read]
+    sync.append(MemoryItem("vLLM weights", weights_gb, f"rollout dtype, 1/rollout.tp={r.tp} of the model"))
+    host = MemoryItem("trainer: on the host", 0.0, f"{resident_gb:.1f} GB per GPU in pinned host memory")
+    return RolloutPhases([host, vllm] + extra, sync, offload_trainer=True, host_gb=resident_gb)
 
 
 def _kv_bytes_per_sequence(arch: ModelArch, layer: int, length: int, act: int) -> float:
@@ -535,12 +579,16 @@ def _estimate(job: JobConfig, arch: ModelArch, layout: Layout, accumulation: str
     worst = max(range(layout.pp), key=lambda s: totals[s])
     items, _, resident = stages[worst]
     notes: list[str] = []
-    rollout = _rollout_items(job, arch, layout, worst, resident, capacity, notes) if job.job == "grpo" else []
+    phases = (_rollout_phases(job, arch, layout, worst, resident, capacity, notes) if job.job == "grpo"
+              else RolloutPhases([]))
     # Ranks are placed pipeline-outermost, so a node's GPUs usually share a stage: count the largest offload.
     offloaded = max(host for _, host, _ in stages) / GIB
     host_items = [
         MemoryItem("offloaded state", offloaded * c.gpus_per_node,
                    f"{offloaded:.1f} GB x {c.gpus_per_node} ranks")]
+    if phases.offload_trainer:
+        host_items.append(MemoryItem("trainer during rollout", phases.host_gb * c.gpus_per_node,
+                                     f"{phases.host_gb:.1f} GB x {c.gpus_per_node} ranks, pinned"))
     if cpu:  # the ranks' "device" memory is host memory: their totals (overhead included) land here
         host_items.append(MemoryItem("ranks' working memory", max(totals) * c.gpus_per_node,
                                      "gloo ranks on the host"))
@@ -548,7 +596,9 @@ def _estimate(job: JobConfig, arch: ModelArch, layout: Layout, accumulation: str
         host_items.append(MemoryItem("process overhead", HOST_OVERHEAD_PER_RANK_GB * c.gpus_per_node,
                                      f"{HOST_OVERHEAD_PER_RANK_GB:g} GB x {c.gpus_per_node} ranks"))
     return MemoryEstimate(stage=worst, items=items, capacity_gb=capacity, host_items=host_items,
-                          host_capacity_gb=c.host_memory_gb, stage_totals_gb=totals, rollout_items=rollout,
-                          notes=notes, fsdp_grad_accumulation=accumulation,
+                          host_capacity_gb=c.host_memory_gb, stage_totals_gb=totals,
+                          rollout_items=phases.rollout, sync_items=phases.sync,
+                          offload_trainer=phases.offload_trainer, notes=notes,
+                          fsdp_grad_accumulation=accumulation,
                           fsdp_unit_layers=job.parallel.fsdp_unit_layers,
                           fsdp_reshard_after_forward=job.parallel.fsdp_reshard_after_forward)

@@ -441,6 +441,14 @@ def check_rollout(job: JobConfig, arch: ModelArch, world_size: int) -> None:
             "rollout.tp > 1 needs rollout.engine: vllm (the builtin engine generates on the training "
             "layout); set rollout.tp=1"
         )
+    per_node = job.cluster.gpus_per_node
+    if r.tp > per_node and not r.span_nodes:
+        raise MliteError(
+            f"rollout.tp={r.tp} spans {math.ceil(r.tp / per_node)} nodes of {per_node} GPUs: vLLM's "
+            "tensor-parallel all-reduces would cross the network at every decoded token; use rollout.tp <= "
+            f"{per_node} (rollout.offload_trainer makes room for the weights), or set rollout.span_nodes: "
+            "true"
+        )
     if arch.num_heads % r.tp:
         raise MliteError(
             f"rollout.tp={r.tp} does not divide {arch.name}'s {arch.num_heads} attention heads; "

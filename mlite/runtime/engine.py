@@ -242,11 +242,27 @@ class Runtime:
         """This rank's models that know their HF names: its pipeline chunks, or the model."""
         return self.optim.held_models()
 
+    def reset_memory_peak(self) -> None:
+        """Start a new peak for `memory_peak_gb` (on a GPU; nothing on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def memory_peak_gb(self) -> float | None:
+        """GiB in use on this process's GPU at the peak since `reset_memory_peak`: what is in use now
+        (torch's cache, CUDA context, NCCL, a rollout engine's pool) plus how far torch's allocator reached
+        above its reservation now. None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(self.device)
+        above = torch.cuda.max_memory_reserved(self.device) - torch.cuda.memory_reserved(self.device)
+        return (total - free + above) / 2**30
+
     def offload_to_host(self, weights: bool = True, grads: bool = True, optimizer: bool = True,
-                        host: torch.device | str = "cpu") -> None:
+                        host: torch.device | str = "cpu") -> int:
         """Move this rank's weights, gradients and optimizer state to the host (e.g. while a rollout engine
-        needs the GPU); `reload_to_device` brings them back (mlite.runtime.backends.base)."""
-        self.optim.offload_to_host(weights, grads, optimizer, host)
+        needs the GPU); `reload_to_device` brings them back (mlite.runtime.backends.base). Returns the bytes
+        moved."""
+        return self.optim.offload_to_host(weights, grads, optimizer, host)
 
     def reload_to_device(self, weights: bool = True, grads: bool = True, optimizer: bool = True) -> None:
         self.optim.reload_to_device(weights, grads, optimizer)

@@ -92,7 +92,7 @@ class OptimizerBackend(Protocol):
 
     # ---- the host
     def offload_to_host(self, weights: bool = True, grads: bool = True, optimizer: bool = True,
-                        host: torch.device | str = "cpu") -> None: ...
+                        host: torch.device | str = "cpu") -> int: ...
 
     def reload_to_device(self, weights: bool = True, grads: bool = True, optimizer: bool = True) -> None: ...
 
@@ -225,21 +225,25 @@ class BackendBase:
 
     # --------------------------------------------------------------------------------------- the host
     def offload_to_host(self, weights: bool = True, grads: bool = True, optimizer: bool = True,
-                        host: torch.device | str = "cpu") -> None:
+                        host: torch.device | str = "cpu") -> int:
         """Move this rank's weights, gradients and optimizer state (each where asked; Adam's step counts
         stay where the step reads them) off the run's device onto `host`, e.g. while a rollout engine
         needs the GPU; `reload_to_device` brings them back, and training goes on as if they had stayed.
         What already lives on the host (shards FSDP2 keeps there) stays. Each backend moves its weights and
         gradients its own way (fsdp2: fresh host tensors, readable there; dist_opt: Megatron's buffers,
-        not to be read until reloaded)."""
+        not to be read until reloaded); from a GPU, into pinned memory (`host_copy`). Returns the bytes
+        moved; when it returns, they are on the host and the device memory is back with the driver."""
         host = torch.device(host)
         self._settle()
+        moved = 0
         if weights or grads:
-            self._offload_model(host, weights, grads)
+            moved += self._offload_model(host, weights, grads)
         if optimizer:
-            self._offload_optimizer(host)
+            moved += self._offload_optimizer(host)
         if self.held.device.type == "cuda":
+            torch.cuda.synchronize()  # the copies into pinned memory are asynchronous
             torch.cuda.empty_cache()  # to the driver: a rollout engine allocates outside torch's cache
+        return moved
 
     def reload_to_device(self, weights: bool = True, grads: bool = True, optimizer: bool = True) -> None:
         """Bring back what `offload_to_host` moved (the same flags); what is already home stays as it is."""
@@ -253,7 +257,8 @@ class BackendBase:
         self.release_gathered()
         self.weights_current()
 
-    def _offload_model(self, host: torch.device, weights: bool, grads: bool) -> None:
+    def _offload_model(self, host: torch.device, weights: bool, grads: bool) -> int:
+        """Move the model's weights and/or gradients to `host`; returns the bytes moved."""
         raise NotImplementedError
 
     def _reload_model(self, weights: bool, grads: bool) -> None:
@@ -271,16 +276,20 @@ class BackendBase:
         """ids of the parameters that live on the host by design (their state lives there too)."""
         return set()
 
-    def _offload_optimizer(self, host: torch.device) -> None:
-        """The master shards and the optimizer state on the run's device -> fresh tensors on `host`."""
-        device = self.held.device
+    def _offload_optimizer(self, host: torch.device) -> int:
+        """The master shards and the optimizer state on the run's device -> fresh tensors on `host`; returns
+        the bytes moved."""
+        device, moved = self.held.device, 0
         for param in self._master_params():
             if param.device == device:
-                param.data = param.data.to(host, copy=True)
+                param.data = host_copy(param.data, host)
+                moved += nbytes(param.data)
         for state in self._optimizer_states():
             for key, value in state.items():
                 if key != "step" and isinstance(value, torch.Tensor) and value.device == device:
-                    state[key] = value.to(host, copy=True)
+                    state[key] = host_copy(value, host)
+                    moved += nbytes(value)
+        return moved
 
     def _reload_optimizer(self) -> None:
         """The optimizer state back where its parameter lives (the run's device, or the host for a shard
@@ -313,8 +322,9 @@ class ParkedStorages:
     def parked(self) -> bool:
         return bool(self._parked)
 
-    def park(self, tensors: list[torch.Tensor], host: torch.device) -> None:
-        """Each storage under `tensors` once (those already parked are empty and skipped)."""
+    def park(self, tensors: list[torch.Tensor], host: torch.device) -> int:
+        """Each storage under `tensors` once (those already parked are empty and skipped); returns the bytes
+        parked."""
         storages = {}
         for tensor in tensors:
             storage = tensor.untyped_storage()
@@ -324,9 +334,11 @@ class ParkedStorages:
             if not storage.resizable():
                 raise MliteError("offload_to_host: a storage cannot be freed in place; a runtime bug")
             raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            self._parked.append((storage, raw.to(host, copy=True)))
+            self._parked.append((storage, host_copy(raw, host)))
+        moved = sum(storage.nbytes() for storage in storages.values())
         for storage in storages.values():
-            storage.resize_(0)
+            storage.resize_(0)  # the stream-ordered allocator reuses it only after the copy above has read it
+        return moved
 
     def unpark(self) -> None:
         for storage, saved in self._parked:
@@ -337,6 +349,27 @@ class ParkedStorages:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    """The bytes this rank holds of `tensor` (its local shard for a DTensor)."""
+    local = _local(tensor)
+    return local.numel() * local.element_size()
+
+
+def host_copy(tensor: torch.Tensor, host: torch.device) -> torch.Tensor:
+    """A fresh copy of `tensor` (a DTensor's local shard, as a DTensor of the same layout) on `host`: from
+    a GPU into pinned memory, copied asynchronously (the caller synchronises once for all of them, and the
+    reload back is asynchronous too); on a CPU run, a plain copy."""
+    if tensor.device.type != "cuda" or host.type != "cpu":
+        return tensor.to(host, copy=True)
+    if isinstance(tensor, DTensor):
+        local = host_copy(tensor.to_local(), host)
+        return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+                                  shape=tensor.shape, stride=tensor.stride())
+    pinned = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=host,
+                                 pin_memory=True)
+    return pinned.copy_(tensor, non_blocking=True)
 
 
 def _named_state(model: nn.Module) -> dict[str, torch.Tensor]:

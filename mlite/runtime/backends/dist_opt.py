@@ -496,13 +496,15 @@ class DistOptBackend(BackendBase):
     def _settle(self) -> None:
         self.finish_param_gather()  # the all-gathers write into the buffers parked next
 
-    def _offload_model(self, host: torch.device, weights: bool, grads: bool) -> None:
+    def _offload_model(self, host: torch.device, weights: bool, grads: bool) -> int:
         """Megatron's param buffers (and any frozen parameter) and its grad buffers, parked on the host."""
+        moved = 0
         if weights:
             params = [_local(p) for chunk in self.chunks.values() for p in chunk.parameters()]
-            self._weights_parked.park(params, host)
+            moved += self._weights_parked.park(params, host)
         if grads:
-            self._grads_parked.park([t.shadow.main_grad for t in self.twins], host)
+            moved += self._grads_parked.park([t.shadow.main_grad for t in self.twins], host)
+        return moved
 
     def _reload_model(self, weights: bool, grads: bool) -> None:
         if weights:

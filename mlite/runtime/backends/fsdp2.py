@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from mlite.config.schema import OptimizerConfig
 from mlite.plan import Plan
 from mlite.runtime.adapters.pytorch import apply_to_tensors
-from mlite.runtime.backends.base import BackendBase, HeldModel
+from mlite.runtime.backends.base import BackendBase, HeldModel, host_copy, nbytes
 from mlite.runtime.optim import LocalAdamW
 from mlite.runtime.parallel.mesh import ParallelDims
 from mlite.runtime.parallel.parallelize import grad_norm, host_offloaded, reshard_units, set_gradient_sync
@@ -107,10 +107,18 @@ class Fsdp2Backend(BackendBase, LocalAdamW):
             return set()
         return set().union(*(host_offloaded(chunk) for chunk in self.held.chunks.values()))
 
-    def _offload_model(self, host: torch.device, weights: bool, grads: bool) -> None:
+    def _offload_model(self, host: torch.device, weights: bool, grads: bool) -> int:
         """What is on the run's device -> fresh tensors on `host` (fresh on a CPU run too)."""
-        device = self.held.device
-        self._move_model(weights, grads, lambda t: t.to(host, copy=True) if t.device == device else t)
+        device, moved = self.held.device, []
+
+        def offload(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.device != device:
+                return tensor
+            moved.append(nbytes(tensor))
+            return host_copy(tensor, host)
+
+        self._move_model(weights, grads, offload)
+        return sum(moved)
 
     def _reload_model(self, weights: bool, grads: bool) -> None:
         device = self.held.device
@@ -127,7 +135,10 @@ class Fsdp2Backend(BackendBase, LocalAdamW):
             moving |= {id(p.grad) for i, p in params.items() if i not in kept and p.grad is not None}
 
         def move_one(tensor: torch.Tensor) -> torch.Tensor:
-            return move(tensor) if id(tensor) in moving else tensor
+            if id(tensor) not in moving:
+                return tensor
+            moving.discard(id(tensor))  # once: a tied parameter is met in each module that holds it
+            return move(tensor)
 
         for chunk in self.held.chunks.values():
             apply_to_tensors(chunk, move_one)

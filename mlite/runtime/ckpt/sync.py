@@ -343,20 +343,28 @@ def _slab_transfers(plan: SyncPlan, tensors: dict[str, torch.Tensor], name: str,
     return ops, received
 
 
+# the sync moves tensors in buckets of about this many bytes of whole-shaped tensors: one point-to-point batch
+# per bucket, not per tensor (a batch costs about 10-35 ms whatever its size on 2 x H200, and a DeepSeek-V4
+# has some 34,000 HF tensors), and no rank holds more than one bucket (or one larger tensor) at a time
+SYNC_BUCKET_BYTES = 256 * 2**20
+
+
 def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype | None, tp_size: int,
                      kv_heads: int | None = None, stats: dict | None = None,
-                     device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every HF tensor of the whole model, one at a time and in one order on every rank, for a consumer run
-    by consecutive groups of `tp_size` ranks (vLLM's torchrun launcher: rank r is tensor-parallel rank
-    r % tp_size of its engine), which cuts its shard from a whole-shaped tensor itself.
+                     device: torch.device | None = None,
+                     bucket_bytes: int = SYNC_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF tensor of the whole model, in one order on every rank, for a consumer run by consecutive
+    groups of `tp_size` ranks (vLLM's torchrun launcher: rank r is tensor-parallel rank r % tp_size of its
+    engine), which cuts its shard from a whole-shaped tensor itself.
 
     Each yielded tensor has the full shape, but only this rank's slab (`consumer_slab`) holds the weights:
     the rest is NaN (floats), so a consumer that read outside its slab would show it at once. Each rank
-    receives only the parts of other ranks' pieces that overlap its slab (point to point, per tensor) and
-    copies what it holds itself; no rank holds more than one whole-shaped tensor at a time. Collective:
-    every rank must drain the iterator. `stats` (optional) counts tensors, the slab bytes the consumer gets
-    and the bytes that came from other ranks. `device`: where the tensors are built and travel (the compute
-    device: parameters offloaded to the host move there a piece at a time); default, the parameters'."""
+    receives only the parts of other ranks' pieces that overlap its slab and copies what it holds itself,
+    point to point, one batch per bucket of consecutive tensors (`bucket_bytes` of whole-shaped tensors; the
+    same buckets on every rank); no rank holds more than one bucket at a time. Collective: every rank must
+    drain the iterator. `stats` (optional) counts tensors, buckets, the slab bytes the consumer gets and the
+    bytes that came from other ranks. `device`: where the tensors are built and travel (the compute device:
+    parameters offloaded to the host move there a piece at a time); default, the parameters'."""
     models = _modules(models)
     plan = sync_plan(models)
     tensors = _named_tensors(models)
@@ -366,26 +374,51 @@ def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype
         locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in tensors.values()]
         device = locals_[0].device if locals_ else torch.device("cpu")
     stats = {} if stats is None else stats
-    for key in ("tensors", "bytes", "received_bytes"):
+    for key in ("tensors", "buckets", "bytes", "received_bytes"):
         stats.setdefault(key, 0)
-    for name, (shape, native) in plan.tensors.items():
-        out_dtype = _out_dtype(native, dtype)
-        slabs = [consumer_slab(name, shape, tp_size, rank % tp_size, kv_heads) for rank in range(world)]
-        fill = float("nan") if out_dtype.is_floating_point else 0
-        whole = torch.full(shape, fill, dtype=out_dtype, device=device)
-        ops, received = _slab_transfers(plan, tensors, name, slabs, me, world, whole, dtype)
+    for bucket in _buckets(plan, dtype, bucket_bytes):
+        ops, received, filled = [], [], []
+        for name, shape, out_dtype in bucket:
+            slabs = [consumer_slab(name, shape, tp_size, rank % tp_size, kv_heads) for rank in range(world)]
+            fill = float("nan") if out_dtype.is_floating_point else 0
+            whole = torch.full(shape, fill, dtype=out_dtype, device=device)
+            sends_and_receives, into = _slab_transfers(plan, tensors, name, slabs, me, world, whole, dtype)
+            ops += sends_and_receives
+            received += [(whole, where, buffer) for where, buffer in into]
+            filled.append((name, whole, slabs[me]))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        for where, buffer in received:
+        for whole, where, buffer in received:
             whole[where] = buffer
             stats["received_bytes"] += buffer.numel() * buffer.element_size()
-        slab = slabs[me]
-        kept = whole.numel() if slab is None else whole.numel() // shape[slab[0]] * (slab[2] - slab[1])
-        stats["tensors"] += 1
-        stats["bytes"] += kept * whole.element_size()
-        yield name, whole
-        del whole, received
+        stats["buckets"] += 1
+        del ops, received
+        while filled:
+            name, whole, slab = filled.pop(0)
+            kept = whole.numel() if slab is None else whole[tuple(
+                slice(slab[1], slab[2]) if d == slab[0] else slice(None) for d in range(whole.dim()))].numel()
+            stats["tensors"] += 1
+            stats["bytes"] += kept * whole.element_size()
+            yield name, whole
+            del whole
+
+
+def _buckets(plan: SyncPlan, dtype: torch.dtype | None, bucket_bytes: int
+             ) -> Iterator[list[tuple[str, torch.Size, torch.dtype]]]:
+    """The plan's HF tensors in order, as runs of about `bucket_bytes` of whole-shaped tensors (a larger
+    tensor alone); the same on every rank, since every rank has the same plan."""
+    bucket, size = [], 0
+    for name, (shape, native) in plan.tensors.items():
+        out_dtype = _out_dtype(native, dtype)
+        nbytes = math.prod(shape) * out_dtype.itemsize
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, shape, out_dtype))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def export_hf(models: nn.Module | Iterable[nn.Module], arch: ModelArch, out_dir: str | Path,

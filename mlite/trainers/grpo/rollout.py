@@ -4,7 +4,12 @@ An engine is used through a session: `with engine.session(seed) as sampler: samp
 session is where an engine makes the current weights its own and gives its memory back afterwards: the
 built-in engine takes the runtime's rollout model (the model itself on one process); vLLM
 (`mlite.trainers.grpo.vllm_rollout`) wakes, receives the weights and sleeps again. One seed per session
-fixes every sample drawn in it.
+fixes every sample drawn in it: request i of a session draws on its own stream (the session's seed, the
+requests before it, i), so what it draws does not depend on which rank generates it or beside what.
+
+Under data parallel, each rank needs the completions of its own prompts only: `generate(prompts, params,
+owners)` takes the call's whole list (every rank has it) and which data-parallel rank needs each request,
+and returns this rank's, in order. The built-in engine generates exactly those.
 
 The built-in sampler: prompts of different lengths are prefilled as one right-padded batch (cache slot p
 holds position p of its row, so no shifting), then every row advances one token per step. A row finishes
@@ -47,10 +52,11 @@ def generate(
     model,
     prompts: Sequence[Sequence[int]],
     params: SamplingParams,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
     pad_id: int = 0,
 ) -> list[Completion]:
-    """Sample one response per prompt (repeat a prompt n times for a GRPO group)."""
+    """Sample one response per prompt (repeat a prompt n times for a GRPO group); `generator`: one for the
+    batch or one per prompt (`sample`)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt and no empty prompt")
     device = next(model.parameters()).device
@@ -99,7 +105,11 @@ def generate(
 
 
 class Sampler(Protocol):
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]: ...
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 owners: Sequence[int] | None = None) -> list[Completion]:
+        """The completions of the requests this rank's data-parallel rank owns (`owners[i]`: the dp rank of
+        request i; None: every request), in order."""
+        ...
 
 
 class RolloutEngine(Protocol):
@@ -111,15 +121,34 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
+def request_seed(session_seed: int, index: int) -> int:
+    """The seed of a session's request `index` (counted over the session's calls), for every engine."""
+    return session_seed * 1_000_003 + index
+
+
 @dataclass
 class ModelSampler:
-    """`generate` on one model, every call drawing on the session's one generator."""
+    """`generate` on one model, each request on its own generator (`request_seed`), for the requests of
+    this rank's data-parallel rank `dp_rank`."""
 
     model: torch.nn.Module
-    generator: torch.Generator
+    seed: int
+    dp_rank: int = 0
+    requests: int = 0  # requests of earlier calls in this session
+    generated: int = 0  # sequences generated here
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
-        return generate(self.model, prompts, params, self.generator if params.temperature > 0 else None)
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 owners: Sequence[int] | None = None) -> list[Completion]:
+        first, self.requests = self.requests, self.requests + len(prompts)
+        mine = [i for i in range(len(prompts)) if owners is None or owners[i] == self.dp_rank]
+        if not mine:
+            return []
+        self.generated += len(mine)
+        device = next(self.model.parameters()).device
+        generators = [torch.Generator(device=device).manual_seed(request_seed(self.seed, first + i))
+                      for i in mine]
+        return generate(self.model, [prompts[i] for i in mine], params,
+                        generators if params.temperature > 0 else None)
 
 
 class BuiltinRollout:
@@ -131,15 +160,18 @@ class BuiltinRollout:
     def __init__(self, runtime):
         self.runtime = runtime
         self.stats: dict[str, float] = {}  # nothing beyond the trainer's own timings
+        self.generated = 0  # sequences this rank generated, over the run
 
     @contextmanager
     def session(self, seed: int) -> Iterator[Sampler]:
         self.runtime.eval()
         model = self.runtime.rollout_model()
+        sampler = ModelSampler(model, seed, self.runtime.dp_rank)
         try:
-            yield ModelSampler(model, torch.Generator(device=self.runtime.device).manual_seed(seed))
+            yield sampler
         finally:  # a parallelized model's replica is the whole model: training does not keep it
-            del model
+            self.generated += sampler.generated
+            del model, sampler
             self.runtime.release_rollout_model()
 
     def close(self) -> None:

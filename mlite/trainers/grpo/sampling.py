@@ -5,6 +5,8 @@ Kept free of any model so the filters are tested on hand-made logits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -35,11 +37,15 @@ def sample(
     temperature: float,
     top_k: int = 0,
     top_p: float = 1.0,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
 ) -> torch.Tensor:
     """[B, V] -> [B] next tokens. Sampling draws on `generator` (on the logits' device) for
-    reproducibility."""
+    reproducibility: one for the batch, or one per row, so that a row draws the same token whatever else
+    is in its batch (a rollout split over data-parallel ranks samples what one process samples)."""
     if temperature == 0:
         return torch.argmax(logits, dim=-1)
     probs = torch.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
+    if isinstance(generator, Sequence):
+        return torch.cat([torch.multinomial(row[None], 1, generator=g) for row, g in zip(probs, generator)]
+                         ).squeeze(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

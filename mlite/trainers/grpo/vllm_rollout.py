@@ -6,19 +6,26 @@ sleep-mode pool: between rollouts it sleeps at level 2, which discards its weigh
 session re-sends the weights anyway; vLLM keeps its buffers, the rotary tables say, on the host), so
 training has the GPU to itself. One session:
 
-1. wake the weights' memory, stream the weights into it (`Runtime.tp_group_weights` in the rollout
+1. with the trainer offloaded (`rollout.offload_trainer`, the plan's choice under `auto`): its gradients,
+   optimizer state and master shards to pinned host memory (`Runtime.offload_to_host`), as verl's hybrid
+   engine does, so that vLLM's weights wake beside the trainer's weights alone;
+2. wake the weights' memory, stream the weights into it (`Runtime.tp_group_weights` in the rollout
    dtype, per tensor in HF names: whole tensors on one process, the rank's slab on several), through
    vLLM's `reload_weights` (each model's own `load_weights`, fusing q/k/v and gate/up as its kernels want);
-2. wake the KV cache, generate from token ids (no tokenizer in vLLM: `skip_tokenizer_init`);
-3. sleep again and give the memory back.
+   offloaded, the trainer's weights follow the rest to the host now that vLLM holds its own;
+3. wake the KV cache, generate from token ids (no tokenizer in vLLM: `skip_tokenizer_init`);
+4. sleep again and give the memory back; offloaded, the trainer comes back (bit for bit).
 
 On several ranks (torchrun), every rank runs one vLLM worker in its own process and vLLM's torchrun
 launcher (`distributed_executor_backend="external_launcher"`) ties consecutive groups of `rollout.tp` ranks
 into one engine, tensor-parallel over them; the world holds world / rollout.tp engines. Each rank feeds its
 worker full-shaped HF tensors holding only the slab its tp rank reads (`Runtime.tp_group_weights`: the
-parts of other ranks' pieces that overlap it come point to point; nobody gathers the model). The engines
-split each batch of requests (request i to engine i mod engines, its seed unchanged) and one all-gather
-gives every rank all completions, the same as one engine generating them all.
+parts of other ranks' pieces that overlap it come point to point; nobody gathers the model). Each request
+belongs to one data-parallel rank (`Sampler.generate`'s owners): the engines that hold ranks of that dp
+rank generate its requests between them (`EngineLayout`), every rank of an engine gets the engine's
+completions, and where a dp rank's ranks sit in several engines they exchange its completions among
+themselves only. A request's seed is the same whichever engine generates it, so the completions are those
+of one engine generating them all.
 
 The engine is built with `load_format="dummy"` from the runtime's config.json alone: it never reads a
 checkpoint, the first session brings the weights. Sampled tokens come back with their log-probs under
@@ -35,6 +42,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,7 +50,7 @@ import torch.distributed as dist
 
 from mlite.errors import MliteError
 from mlite.runtime.state import rng_state, set_rng_state
-from mlite.trainers.grpo.rollout import Completion, SamplingParams
+from mlite.trainers.grpo.rollout import Completion, SamplingParams, request_seed
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +83,7 @@ class VLLMRollout:
 
         r = job.rollout
         self.runtime = runtime
+        self.offload = runtime.job.rollout.offload_trainer is True  # the plan's job: `auto` resolved
         self.dtype = COMPUTE_DTYPES[job.precision.compute]
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
@@ -86,6 +95,15 @@ class VLLMRollout:
         if config.pop("quantization_config", None) is not None:  # a quantized source (DeepSeek's fp8): the
             # sync sends unquantized tensors in the rollout dtype, so vLLM must build unquantized layers
             (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        dp_of = [runtime.dp_rank] * self.world  # the dp rank of every rank: which requests each one needs
+        if self.world > 1:
+            dist.all_gather_object(dp_of, runtime.dp_rank)
+        self.layout = EngineLayout(tuple(dp_of), self.tp)
+        # a dp rank whose ranks sit in several engines shares its completions over its ranks' group
+        self.cell = None
+        if any(len(self.layout.engines_of(d)) > 1 for d in set(dp_of)):
+            self.cell, _ = dist.new_subgroups_by_enumeration(
+                [[r for r, d in enumerate(dp_of) if d == dp] for dp in sorted(set(dp_of))])
         several = {}
         if self.world > 1:  # a worker per rank, engines of rollout.tp consecutive ranks (torchrun mode)
             several = {"distributed_executor_backend": "external_launcher", "disable_custom_all_reduce": True}
@@ -112,10 +130,10 @@ class VLLMRollout:
         self.stats: dict[str, float] = {}  # the last session's: sync seconds and bytes, generated tokens
 
     def load_weights(self) -> None:
-        """The trainer's current weights into vLLM, one HF tensor at a time in the rollout dtype, each
-        full-shaped with this rank's slab filled (on one process: whole). Collective: vLLM's load_weights
-        drains the stream on every rank, in one order."""
-        sent = {"tensors": 0, "bytes": 0, "received_bytes": 0}
+        """The trainer's current weights into vLLM in the rollout dtype: every HF tensor full-shaped with
+        this rank's slab filled (on one process: whole), moved between ranks one batch per bucket of
+        tensors. Collective: vLLM's load_weights drains the stream on every rank, in one order."""
+        sent = {"tensors": 0, "buckets": 0, "bytes": 0, "received_bytes": 0}
         started = time.perf_counter()
         weights = self.runtime.tp_group_weights(self.dtype, self.tp, sent)
         with torch.no_grad():
@@ -124,66 +142,128 @@ class VLLMRollout:
         torch.cuda.synchronize()
         self.stats.update({"time/sync_s": time.perf_counter() - started,
                            "rollout/sync_tensors": float(sent["tensors"]),
+                           "rollout/sync_buckets": float(sent["buckets"]),
                            "rollout/sync_gb": sent["bytes"] / 1e9,
                            "rollout/sync_received_gb": sent["received_bytes"] / 1e9})
 
     @contextmanager
     def session(self, seed: int) -> Iterator[VLLMSampler]:
+        self.stats = {}
+        moved, offload_s = 0, 0.0
+        if self.offload:  # the optimizer's part first: the sync still reads the weights
+            started = time.perf_counter()
+            moved += self.runtime.offload_to_host(weights=False, grads=True, optimizer=True)
+            offload_s += time.perf_counter() - started
         torch.cuda.empty_cache()  # the trainer's cached blocks back to the driver, for vLLM to take
         started = time.perf_counter()
         self.llm.wake_up(tags=["weights"])
+        wake_s = time.perf_counter() - started
         self.load_weights()
+        self.stats["memory/sync_gb"] = device_used_gb()  # the sync's peak: vLLM's weights and the trainer's
+        if self.offload:
+            started = time.perf_counter()
+            moved += self.runtime.offload_to_host(weights=True, grads=False, optimizer=False)
+            offload_s += time.perf_counter() - started
+        started = time.perf_counter()
         self.llm.wake_up(tags=["kv_cache"])
-        self.stats["time/wake_s"] = time.perf_counter() - started - self.stats["time/sync_s"]
-        sampler = VLLMSampler(self.llm, seed, engines=self.world // self.tp, engine=self.rank // self.tp,
-                              leader=self.rank % self.tp == 0)
+        self.stats["time/wake_s"] = wake_s + time.perf_counter() - started
+        self.stats["memory/rollout_gb"] = device_used_gb()
+        sampler = VLLMSampler(self.llm, seed, self.layout, self.rank, self.cell)
         try:
             yield sampler
         finally:
             self.llm.sleep(level=2)
             self.stats["rollout/generated_tokens"] = float(sampler.generated)
+            if self.offload:
+                started = time.perf_counter()
+                self.runtime.reload_to_device()
+                torch.cuda.synchronize()
+                reload_s = time.perf_counter() - started
+                self.stats.update({"time/offload_s": offload_s, "time/reload_s": reload_s,
+                                   "offload/gb": moved / 1e9,
+                                   "offload/gb_per_s": moved / 1e9 / max(offload_s, 1e-9),
+                                   "offload/reload_gb_per_s": moved / 1e9 / max(reload_s, 1e-9)})
 
     def close(self) -> None:
         del self.llm
         torch.cuda.empty_cache()
 
 
+def device_used_gb() -> float:
+    """GiB in use on this process's GPU, by anyone (torch's cache, vLLM's pool, CUDA contexts, NCCL)."""
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**30
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Which engine generates each request. Engine e is ranks e*tp .. e*tp + tp - 1; `dp_of[r]` is rank r's
+    data-parallel rank. A request owned by dp rank d goes to one of the engines holding ranks of d, in
+    turn; a request every rank needs (owner None) to any engine, in turn."""
+
+    dp_of: tuple[int, ...]
+    tp: int
+
+    def engines_of(self, dp: int | None) -> list[int]:
+        """The engines holding ranks of data-parallel rank `dp` (None: all engines)."""
+        ranks = [r for r, d in enumerate(self.dp_of) if dp is None or d == dp]
+        return sorted({r // self.tp for r in ranks})
+
+    def assign(self, owners: Sequence[int | None]) -> list[int]:
+        """The engine of each request."""
+        turns: dict[int | None, int] = {}
+        engines = []
+        for owner in owners:
+            choices = self.engines_of(owner)
+            turn = turns.get(owner, 0)
+            turns[owner] = turn + 1
+            engines.append(choices[turn % len(choices)])
+        return engines
+
+
 class VLLMSampler:
     """Requests from token ids, one per prompt, each with its own seed (the session's seed plus a running
-    count), so a resumed run draws what the uninterrupted run drew. With several engines (`engines`, this
-    rank's is `engine`), request i goes to engine i mod engines with the seed it would have had on one, and
-    every rank gets all completions back."""
+    count, `request_seed`), so a resumed run draws what the uninterrupted run drew, on any engine. This
+    rank's engine generates the requests `layout` gives it, and this rank returns those its dp rank owns."""
 
-    def __init__(self, llm, seed: int, engines: int = 1, engine: int = 0, leader: bool = True):
+    def __init__(self, llm, seed: int, layout: EngineLayout | None = None, rank: int = 0, cell=None):
         self.llm, self.seed, self.requests, self.generated = llm, seed, 0, 0
-        self.engines, self.engine, self.leader = engines, engine, leader
+        self.layout, self.rank, self.cell = layout or EngineLayout((0,), 1), rank, cell
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 owners: Sequence[int | None] | None = None) -> list[Completion]:
+        first, self.requests = self.requests, self.requests + len(prompts)
+        engine, dp = self.rank // self.layout.tp, self.layout.dp_of[self.rank]
+        # every rank needs every request (owners None), or its dp rank's
+        mine = None if owners is None else dp
+        owners = [None] * len(prompts) if owners is None else list(owners)
+        ours = [i for i, e in enumerate(self.layout.assign(owners)) if e == engine]
+        completions = self._generate(prompts, params, ours, first)
+        wanted = [i for i, owner in enumerate(owners) if owner == mine]
+        if len(self.layout.engines_of(mine)) > 1:  # other engines generate some of them: exchange
+            group = self.cell if mine is not None else None  # the dp rank's ranks, or the world
+            parts: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(parts, {i: c for i, c in completions.items() if owners[i] == mine},
+                                   group=group)
+            completions = {i: c for part in parts for i, c in part.items()}
+        self.generated += sum(len(completions[i].response_ids) for i in wanted)
+        return [completions[i] for i in wanted]
+
+    def _generate(self, prompts, params: SamplingParams, ours: list[int],
+                  first: int) -> dict[int, Completion]:
+        """The requests `ours` on this rank's engine (every rank of an engine has the same, so its ranks
+        skip together)."""
         from vllm import SamplingParams as VLLMParams
 
-        first, self.requests = self.requests, self.requests + len(prompts)
-        ours = [i for i in range(len(prompts)) if i % self.engines == self.engine]
-        requests = []
-        for i in ours:
-            prompt = prompts[i]
-            requests.append((
-                {"prompt_token_ids": list(map(int, prompt))},
-                VLLMParams(
-                    n=1,
-                    temperature=params.temperature,
-                    top_p=params.top_p,
-                    top_k=params.top_k,
-                    max_tokens=params.max_new_tokens,
-                    stop_token_ids=list(params.stop_token_ids),
-                    ignore_eos=True,  # the stop tokens are exactly ours (EOS among them)
-                    logprobs=0,  # the sampled token's log-prob only
-                    seed=self.seed * 1_000_003 + first + i,
-                    detokenize=False,
-                ),
-            ))
-        outputs = []
-        if requests:  # every rank of an engine has the same requests, so its ranks skip (or not) together
-            outputs = self.llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+        if not ours:
+            return {}
+        requests = [VLLMParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                               max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
+                               ignore_eos=True,  # the stop tokens are exactly ours (EOS among them)
+                               logprobs=0,  # the sampled token's log-prob only
+                               seed=request_seed(self.seed, first + i), detokenize=False) for i in ours]
+        inputs = [{"prompt_token_ids": list(map(int, prompts[i]))} for i in ours]
+        outputs = self.llm.generate(inputs, requests, use_tqdm=False)
         completions = {}
         for i, output in zip(ours, outputs):
             out = output.outputs[0]
@@ -191,9 +271,4 @@ class VLLMSampler:
             logprobs = [float(step[token].logprob) for step, token in zip(out.logprobs or [], ids)]
             stopped = out.finish_reason == "stop"
             completions[i] = Completion(list(map(int, prompts[i])), ids, stopped, logprobs)
-        if self.engines > 1:  # every rank gets every engine's completions, sent by the engine's first rank
-            everyone: list = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, completions if self.leader else {})
-            completions = {i: c for part in everyone for i, c in part.items()}
-        self.generated += sum(len(c.response_ids) for c in completions.values())
-        return [completions[i] for i in range(len(prompts))]
+        return completions
