@@ -12,7 +12,8 @@ from mlite.config import load_job
 from mlite.config.catalog import count_params, preset_arch
 from mlite.errors import MliteError
 from mlite.plan import check_layout, plan_job
-from mlite.plan.memory import GIB, HEADROOM, stage_params
+from mlite.plan.memory import GIB, GPU_OVERHEAD_GB, HEADROOM, stage_params
+from mlite.plan.policy import SYNC_BUCKET_BYTES
 from mlite.plan.recommend import recommend
 from mlite.plan.rules import split_chunks
 
@@ -433,7 +434,8 @@ def test_the_trainer_waits_on_the_host_where_vllm_needs_the_room():
     assert m.rollout_gb == pytest.approx(0.5 * m.capacity_gb)  # generation: vLLM alone on the GPU
     weights = count_params(tight.arch).total * 2 / 4 / GIB  # vLLM's bf16 slab at rollout.tp=4
     assert {i.name: i.gb for i in m.sync_items} == pytest.approx(
-        {"trainer: master weights": resident["trainer: master weights"], "vLLM weights": weights})
+        {"trainer: master weights": resident["trainer: master weights"], "vLLM weights": weights,
+         "sync bucket": SYNC_BUCKET_BYTES / GIB, "framework overhead": GPU_OVERHEAD_GB})
     host = {i.name: i.gb for i in m.host_items}
     assert host["trainer during rollout"] == pytest.approx(sum(resident.values()) * 8)  # 8 GPUs a node
     assert roomy.memory.fits and roomy.memory.offload_trainer is False and roomy.memory.sync_items == []

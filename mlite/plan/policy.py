@@ -54,6 +54,13 @@ def equal_micro_batch_lengths(ep: int, top_k: int | None, embedding_rows: bool =
     return embedding_rows or (ep > 1 and top_k is not None and expert_exchange(ep, top_k) == "all_gather")
 
 
+# the rollout weight sync moves tensors in buckets of about this many bytes of whole-shaped tensors
+# (mlite.runtime.ckpt.sync.tp_group_weights): one point-to-point batch per bucket, not per tensor (a batch
+# costs about 10-35 ms whatever its size on 2 x H200, and a DeepSeek-V4 has some 34,000 HF tensors), and no
+# rank holds more than one bucket (or one larger tensor) at a time: what the planner's sync phase counts
+SYNC_BUCKET_BYTES = 256 * 2**20
+
+
 def process_group(job: JobConfig, world_size: int) -> bool:
     """Whether the run has a process group and meshes: several ranks, FSDP2 over a mesh of one
     (parallel.fsdp_one_rank), or Megatron's DDP, which needs a group even on one rank."""

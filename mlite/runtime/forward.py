@@ -99,8 +99,8 @@ def forward_backward(
             "loss": loss,
             "metrics": {key: value.detach() if isinstance(value, torch.Tensor) else value
                         for key, value in metrics.items()},
-            "logprobs": whole_stream(rt, logprobs.detach(), share, full),
-            "entropy": whole_stream(rt, entropy.detach(), share, full) if entropy is not None else None,
+            "logprobs": whole_stream(rt, logprobs, share, full),
+            "entropy": whole_stream(rt, entropy, share, full) if entropy is not None else None,
             "num_tokens": real_token_count(share, full),
         })
     return outputs
@@ -124,7 +124,13 @@ def _one(rt, full, share, loss_fn, forward_only, with_entropy, temperature, aux_
     loss, metrics = loss_fn(share, logprobs, entropy, aux) if loss_fn else (None, {})
     if not forward_only:
         loss.backward()
-    return loss.detach() if loss is not None else None, metrics, logprobs, entropy
+    # detached now: an entropy the loss did not use still holds its chunks' recomputed fp32 logits
+    # (checkpoint keeps what no backward consumed), about 2 x tokens x vocab x 4 bytes a micro-batch
+    return loss.detach() if loss is not None else None, metrics, logprobs.detach(), _detached(entropy)
+
+
+def _detached(values: torch.Tensor | None) -> torch.Tensor | None:
+    return values.detach() if values is not None else None
 
 
 def _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperature, aux_weight, ends_step):
@@ -144,7 +150,7 @@ def _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperatu
         logprobs, entropy = _token_logprobs(rt, hidden, batch.labels, temperature, with_entropy,
                                             real_token_mask(batch, fulls[m]), chunk.compute_logits)
         loss, metrics = loss_fn(batch, logprobs, entropy, no_aux) if loss_fn else (None, {})
-        computed[m] = (loss, metrics, logprobs.detach(), entropy)
+        computed[m] = (loss, metrics, logprobs.detach(), _detached(entropy))
         return loss
 
     pp_rank = rt.mesh.rank_in("pp")

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mlite.errors import MliteError
+from mlite.plan.policy import SYNC_BUCKET_BYTES
 from mlite.runtime.adapters.pytorch import is_view_of
 
 if TYPE_CHECKING:
@@ -341,12 +342,6 @@ def _slab_transfers(plan: SyncPlan, tensors: dict[str, torch.Tensor], name: str,
                 ops.append(dist.P2POp(dist.irecv, buffer, sender))
                 received.append((where, buffer))
     return ops, received
-
-
-# the sync moves tensors in buckets of about this many bytes of whole-shaped tensors: one point-to-point batch
-# per bucket, not per tensor (a batch costs about 10-35 ms whatever its size on 2 x H200, and a DeepSeek-V4
-# has some 34,000 HF tensors), and no rank holds more than one bucket (or one larger tensor) at a time
-SYNC_BUCKET_BYTES = 256 * 2**20
 
 
 def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype | None, tp_size: int,
