@@ -441,3 +441,23 @@ def test_the_trainer_waits_on_the_host_where_vllm_needs_the_room():
     assert roomy.memory.fits and roomy.memory.offload_trainer is False and roomy.memory.sync_items == []
     assert "trainer during rollout" not in {i.name for i in roomy.memory.host_items}
     assert sized("demo_grpo").memory.offload_trainer is None  # the built-in engine: no vLLM, nothing moves
+
+
+def test_moe_engines_split_whole_experts_over_their_ranks_by_default():
+    """rollout.expert_parallel `auto`: a MoE model on vLLM engines of several GPUs runs vLLM's expert
+    parallel (each rank whole experts); a dense model, one-GPU engines and the built-in engine do not, and
+    asking for it there is refused in one line."""
+    from mlite.config.catalog import preset_arch
+    from mlite.plan.policy import rollout_expert_parallel
+
+    moe, dense = preset_arch("qwen3-30b-a3b"), preset_arch("qwen3-8b")
+    vllm = ["job=grpo", "rollout.engine=vllm"]
+    assert rollout_expert_parallel(load_job("qwen3_30b_a3b_sft", [*vllm, "rollout.tp=4"]), moe)
+    assert not rollout_expert_parallel(load_job("qwen3_30b_a3b_sft", [*vllm, "rollout.tp=1"]), moe)
+    assert not rollout_expert_parallel(
+        load_job("qwen3_30b_a3b_sft", [*vllm, "rollout.tp=4", "rollout.expert_parallel=false"]), moe)
+    assert not rollout_expert_parallel(load_job("qwen3_30b_a3b_sft", ["job=grpo"]), moe)  # built-in
+    assert not rollout_expert_parallel(load_job("qwen3_30b_a3b_sft", [*vllm, "rollout.tp=4"]), dense)
+    with pytest.raises(MliteError, match="rollout.expert_parallel: true splits a MoE model's experts"):
+        sized("qwen3_30b_a3b_sft", [*vllm, "rollout.tp=4", "rollout.expert_parallel=true",
+                                    "model.name=qwen3-8b", "parallel.ep=1"])

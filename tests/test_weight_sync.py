@@ -10,6 +10,7 @@ All layouts run in one launch of two gloo ranks (one Runtime after another), so 
 from __future__ import annotations
 
 import json
+import re
 from contextlib import ExitStack
 from pathlib import Path
 from unittest import mock
@@ -140,6 +141,10 @@ def _worker(rank, world, root):
                 result[label][f"engine-tp{consumer_tp}-per-tensor"] = (stream, one, list(batches))
             finally:
                 torch.distributed.batch_isend_irecv = real
+        if rt.arch.moe is not None:  # one engine over both ranks, expert parallel: whole experts per rank
+            stats = {}
+            result[label]["engine-ep2"] = ([(name, t.clone()) for name, t in rt.tp_group_weights(
+                DTYPE, 2, stats, expert_parallel=True)], stats)
         if label == EXPORTED:
             sync.export_hf(models, rt.arch, root / "export", dtype=DTYPE)
     from torch.distributed.device_mesh import init_device_mesh
@@ -326,6 +331,52 @@ def test_the_stream_moves_in_buckets_with_one_batch_each(run, label, consumer_tp
         assert sum(batches) == sum(one_batches) and len(batches) == (1 if one_batches else 0)
         if label != "dense-tp2" or consumer_tp != 2:  # there nothing travels (the slabs are the tp shards)
             assert len(one_batches) > 1
+
+
+@pytest.mark.parametrize("label", [label for label, (model, _) in LAYOUTS.items() if model in ("moe", "v4")])
+def test_an_expert_parallel_engine_gets_whole_experts_on_the_rank_that_holds_them(run, label):
+    """vLLM's expert parallel over an engine of 2 ranks: each routed expert's tensors arrive whole on the
+    rank vLLM places it on (linear placement) and nowhere else (NaN there, nothing sent for it); the other
+    tensors are cut as for tensor parallel."""
+    _, reference, ranks = run
+    model = LAYOUTS[label][0]
+    want = reference[model]
+    experts = MODELS[model].get("num_experts") or MODELS[model].get("n_routed_experts")
+    arch_kv = MODELS[model].get("num_key_value_heads")
+    whole_experts = 0
+    for rank, got in enumerate(r[label]["engine-ep2"][0] for r in ranks):
+        assert sorted(n for n, _ in got) == sorted(want)
+        mine = sync.expert_parallel_experts(experts, 2, rank)
+        for name, tensor in got:
+            full = _expected(want[name])
+            expert = re.search(r"(?:^|\.)experts\.(\d+)\.", name)
+            if expert is None:  # cut as for tensor parallel
+                slab = sync.consumer_slab(name, tuple(full.shape), 2, rank, arch_kv)
+                inside = [slice(None)] * full.dim()
+                if slab is not None:
+                    inside[slab[0]] = slice(slab[1], slab[2])
+                assert torch.equal(tensor[tuple(inside)], full[tuple(inside)]), (name, rank)
+            elif int(expert.group(1)) in mine:
+                assert torch.equal(tensor, full), (name, rank)
+                whole_experts += 1
+            else:
+                assert bool(tensor.isnan().all()), (name, rank)
+    assert whole_experts == sum(1 for name in want if re.search(r"(?:^|\.)experts\.\d+\.", name))
+
+
+def test_expert_parallel_placement_is_vllms_linear_one():
+    """vLLM 0.25.1's default placement (determine_expert_map, "linear"): consecutive experts, the first
+    num_experts % ranks ranks one more."""
+    placed = [list(sync.expert_parallel_experts(8, 4, r)) for r in range(4)]
+    assert placed == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [list(sync.expert_parallel_experts(10, 4, r)) for r in range(4)] == [
+        [0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    name = "model.layers.3.mlp.experts.5.down_proj.weight"
+    assert sync.consumer_slab(name, (64, 32), 2, 1, None, num_experts=8) is None  # expert 5 is rank 1's
+    assert sync.consumer_slab(name, (64, 32), 2, 0, None, num_experts=8) == (0, 0, 0)  # nothing for rank 0
+    shared = "layers.3.ffn.shared_experts.w2.weight"  # not a routed expert: cut as tensor parallel
+    assert sync.consumer_slab(shared, (64, 32), 2, 0, None, num_experts=8) == sync.consumer_slab(
+        shared, (64, 32), 2, 0, None)
 
 
 def test_split_dims_and_padded_slabs():

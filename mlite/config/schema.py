@@ -325,6 +325,9 @@ class RolloutConfig(Section):
     max_response_length: int = Field(1024, ge=1)
     tp: int = Field(1, ge=1)  # rollout engine tensor parallel
     span_nodes: bool = False  # vLLM only: allow an engine (rollout.tp GPUs) larger than one node
+    # vLLM only, MoE models: the engine's ranks split the routed experts whole (vLLM's expert parallel) rather
+    # than each expert's matrices; `auto`: on for a MoE model on an engine of several GPUs
+    expert_parallel: Literal["auto"] | bool = "auto"
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # 0: off

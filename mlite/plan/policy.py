@@ -12,6 +12,7 @@ the job with them once, so the runtime reads the choice from the plan instead of
 
 from __future__ import annotations
 
+from mlite.config.arch import ModelArch
 from mlite.config.backends import backend_traits
 from mlite.config.schema import JobConfig
 
@@ -59,6 +60,15 @@ def equal_micro_batch_lengths(ep: int, top_k: int | None, embedding_rows: bool =
 # costs about 10-35 ms whatever its size on 2 x H200, and a DeepSeek-V4 has some 34,000 HF tensors), and no
 # rank holds more than one bucket (or one larger tensor) at a time: what the planner's sync phase counts
 SYNC_BUCKET_BYTES = 256 * 2**20
+
+
+def rollout_expert_parallel(job: JobConfig, arch: ModelArch) -> bool:
+    """Whether the vLLM engines split a MoE model's routed experts whole over their ranks
+    (rollout.expert_parallel; `auto`: a MoE model on engines of several GPUs)."""
+    r = job.rollout
+    if r is None or r.engine != "vllm" or arch.moe is None or r.tp == 1:
+        return False
+    return r.expert_parallel if isinstance(r.expert_parallel, bool) else True
 
 
 def process_group(job: JobConfig, world_size: int) -> bool:

@@ -441,6 +441,12 @@ def check_rollout(job: JobConfig, arch: ModelArch, world_size: int) -> None:
             "rollout.tp > 1 needs rollout.engine: vllm (the builtin engine generates on the training "
             "layout); set rollout.tp=1"
         )
+    if r.expert_parallel is True and (r.engine != "vllm" or arch.moe is None):
+        what = "rolls out on the built-in engine" if r.engine != "vllm" else f"trains {arch.name}, dense"
+        raise MliteError(
+            f"rollout.expert_parallel: true splits a MoE model's experts over a vLLM engine's ranks, and "
+            f"this job {what}; remove rollout.expert_parallel"
+        )
     per_node = job.cluster.gpus_per_node
     if r.tp > per_node and not r.span_nodes:
         raise MliteError(

@@ -284,11 +284,12 @@ class Runtime:
         weight sync: only what it holds, each element sent by one rank of the world (the backend's)."""
         return self.optim.weight_shards(dtype)
 
-    def tp_group_weights(self, dtype: torch.dtype | None, tp_size: int, stats: dict | None = None
-                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    def tp_group_weights(self, dtype: torch.dtype | None, tp_size: int, stats: dict | None = None,
+                         expert_parallel: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """For a rollout engine of `tp_size` consecutive ranks (collective, every rank drains it): each HF
-        tensor in full shape, holding the slab this rank's engine reads (NaN elsewhere)."""
-        return self.optim.tp_group_weights(dtype, tp_size, stats)
+        tensor in full shape, holding the slab this rank's engine reads (NaN elsewhere); with
+        `expert_parallel`, the engine's experts whole on the rank that holds them."""
+        return self.optim.tp_group_weights(dtype, tp_size, stats, expert_parallel)
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:

@@ -87,8 +87,8 @@ class OptimizerBackend(Protocol):
 
     def weight_shards(self, dtype: torch.dtype | None = None) -> Iterator[Any]: ...
 
-    def tp_group_weights(self, dtype: torch.dtype | None, tp_size: int, stats: dict | None = None
-                         ) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def tp_group_weights(self, dtype: torch.dtype | None, tp_size: int, stats: dict | None = None,
+                         expert_parallel: bool = False) -> Iterator[tuple[str, torch.Tensor]]: ...
 
     # ---- the host
     def offload_to_host(self, weights: bool = True, grads: bool = True, optimizer: bool = True,
@@ -205,15 +205,18 @@ class BackendBase:
         self.weights_current()
         return weight_shards(self.held_models(), dtype)
 
-    def tp_group_weights(self, dtype: torch.dtype | None, tp_size: int, stats: dict | None = None
-                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    def tp_group_weights(self, dtype: torch.dtype | None, tp_size: int, stats: dict | None = None,
+                         expert_parallel: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Every HF tensor whole-shaped on every rank, holding the slab that rank's tensor-parallel rollout
-        engine reads (mlite.runtime.ckpt.sync.tp_group_weights)."""
+        engine reads (mlite.runtime.ckpt.sync.tp_group_weights); with `expert_parallel`, whole experts of
+        its engine rank."""
         from mlite.runtime.ckpt.sync import tp_group_weights
 
         self.weights_current()
+        moe = self.held.arch.moe
+        experts = moe.num_experts if expert_parallel and moe is not None else None
         return tp_group_weights(self.held_models(), dtype, tp_size, self.held.arch.num_kv_heads, stats,
-                                self.held.device)
+                                self.held.device, num_experts=experts)
 
     # ----------------------------------------------------------------------------------- the counters
     def checkpoint_counters(self) -> dict[str, int]:

@@ -20,6 +20,7 @@ native tensor each HF tensor is, without any values.
 from __future__ import annotations
 
 import math
+import re
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -346,8 +347,8 @@ def _slab_transfers(plan: SyncPlan, tensors: dict[str, torch.Tensor], name: str,
 
 def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype | None, tp_size: int,
                      kv_heads: int | None = None, stats: dict | None = None,
-                     device: torch.device | None = None,
-                     bucket_bytes: int = SYNC_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+                     device: torch.device | None = None, bucket_bytes: int = SYNC_BUCKET_BYTES,
+                     num_experts: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF tensor of the whole model, in one order on every rank, for a consumer run by consecutive
     groups of `tp_size` ranks (vLLM's torchrun launcher: rank r is tensor-parallel rank r % tp_size of its
     engine), which cuts its shard from a whole-shaped tensor itself.
@@ -359,7 +360,9 @@ def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype
     same buckets on every rank); no rank holds more than one bucket at a time. Collective: every rank must
     drain the iterator. `stats` (optional) counts tensors, buckets, the slab bytes the consumer gets and the
     bytes that came from other ranks. `device`: where the tensors are built and travel (the compute device:
-    parameters offloaded to the host move there a piece at a time); default, the parameters'."""
+    parameters offloaded to the host move there a piece at a time); default, the parameters'.
+    `num_experts`: the consumer runs expert parallel (`consumer_slab`): each rank gets whole experts, its
+    engine rank's, and nothing of the others'."""
     models = _modules(models)
     plan = sync_plan(models)
     tensors = _named_tensors(models)
@@ -374,7 +377,8 @@ def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype
     for bucket in _buckets(plan, dtype, bucket_bytes):
         ops, received, filled = [], [], []
         for name, shape, out_dtype in bucket:
-            slabs = [consumer_slab(name, shape, tp_size, rank % tp_size, kv_heads) for rank in range(world)]
+            slabs = [consumer_slab(name, shape, tp_size, rank % tp_size, kv_heads, num_experts)
+                     for rank in range(world)]
             fill = float("nan") if out_dtype.is_floating_point else 0
             whole = torch.full(shape, fill, dtype=out_dtype, device=device)
             sends_and_receives, into = _slab_transfers(plan, tensors, name, slabs, me, world, whole, dtype)
@@ -453,11 +457,28 @@ _VOCAB = {"embed_tokens", "lm_head", "embed", "head"}
 _KV = {"k_proj", "v_proj"}
 
 
-def consumer_slab(name: str, shape: Sequence[int], tp_size: int, tp_rank: int, kv_heads: int | None = None
-                  ) -> tuple[int, int, int] | None:
+_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")  # a routed expert's HF tensor (not shared_experts.)
+
+
+def expert_parallel_experts(num_experts: int, ep_size: int, ep_rank: int) -> range:
+    """The routed experts engine rank `ep_rank` holds whole under vLLM's expert parallel (its default,
+    linear placement: consecutive experts, the first num_experts % ep_size ranks one more)."""
+    base, extra = divmod(num_experts, ep_size)
+    start = ep_rank * base + min(ep_rank, extra)
+    return range(start, start + base + (ep_rank < extra))
+
+
+def consumer_slab(name: str, shape: Sequence[int], tp_size: int, tp_rank: int, kv_heads: int | None = None,
+                  num_experts: int | None = None) -> tuple[int, int, int] | None:
     """(dim, start, stop): the slab of HF tensor `name` that rank `tp_rank` of a vLLM-style consumer at
     `tp_size` reads, or None where it reads the tensor whole. With fewer KV heads than ranks vLLM gives each
-    rank one KV head, shared by tp_size / kv_heads ranks."""
+    rank one KV head, shared by tp_size / kv_heads ranks. `num_experts`: the engine runs expert parallel over
+    its ranks (vLLM's `enable_expert_parallel`): a routed expert's tensors go whole to the rank that holds the
+    expert and to no other (an empty slab), while the rest is cut as without it."""
+    expert = _EXPERT.search(name) if num_experts is not None and tp_size > 1 else None
+    if expert is not None:
+        held = int(expert.group(1)) in expert_parallel_experts(num_experts, tp_size, tp_rank)
+        return None if held else (0, 0, 0)
     dim = vllm_split_dim(name)
     if dim is None or tp_size == 1:
         return None

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from mlite.errors import MliteError
+from mlite.plan.policy import rollout_expert_parallel
 from mlite.runtime.state import rng_state, set_rng_state
 from mlite.trainers.grpo.rollout import Completion, SamplingParams, request_seed
 
@@ -88,6 +89,7 @@ class VLLMRollout:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
         self.tp = r.tp
+        self.expert_parallel = rollout_expert_parallel(runtime.job, runtime.arch)  # whole experts per rank
         model_dir = Path(model_dir) / f"rank{self.rank}"  # each rank its own: no shared file system needed
         model_dir.mkdir(parents=True, exist_ok=True)
         write_hf_config(model_dir / "config.json", runtime.arch, runtime.hf_config, self.dtype)
@@ -122,6 +124,7 @@ class VLLMRollout:
             enforce_eager=r.enforce_eager,
             logprobs_mode="processed_logprobs",
             tensor_parallel_size=r.tp,
+            enable_expert_parallel=self.expert_parallel,
             **several,
         )
         set_rng_state(streams)
@@ -135,7 +138,7 @@ class VLLMRollout:
         tensors. Collective: vLLM's load_weights drains the stream on every rank, in one order."""
         sent = {"tensors": 0, "buckets": 0, "bytes": 0, "received_bytes": 0}
         started = time.perf_counter()
-        weights = self.runtime.tp_group_weights(self.dtype, self.tp, sent)
+        weights = self.runtime.tp_group_weights(self.dtype, self.tp, sent, self.expert_parallel)
         with torch.no_grad():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
