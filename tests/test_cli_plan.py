@@ -57,6 +57,19 @@ def test_human_report_lists_layout_memory_host_and_verdict():
     assert "note:" not in result.stdout and "dist_opt" not in result.stdout
 
 
+def test_an_offloaded_grpo_plan_prints_its_three_phases_and_the_host():
+    """vLLM at half of each GPU beside Qwen3-30B's trainer: the plan offloads the trainer (`auto`) and prints
+    the training step, the weight sync and the rollout, and the trainer's state in each node's host memory."""
+    result = mlite("qwen3_30b_a3b_sft", "--set", "job=grpo", "--set", "rollout.engine=vllm", "--set",
+                   "rollout.tp=4", "--set", "rollout.gpu_memory_utilization=0.5")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for text in ("total (training step)", "during the weight sync", "vLLM weights", "total (weight sync)",
+                 "trainer: on the host", "total (rollout)", "trainer during rollout", "offload trainer",
+                 "FITS"):
+        assert text in out, text
+
+
 @pytest.mark.parametrize("args, message", [
     (["qwen3_30b_a3b_sft", "--set", "parallel.tp=3"], "world size 8 is not a multiple of pp x cp x tp = 3"),
     (["qwen3_30b_a3b_sft", "--set", "parallel.bogus=1"], "unknown key 'parallel.bogus'"),

@@ -44,6 +44,9 @@ def render_plan(console: Console, plan: Plan) -> None:
     console.print(f"runs: {runs_line(plan)}", highlight=False)
     console.print(memory_table(f"memory per GPU (pipeline stage {mem.stage}, the fullest)", mem.items, 2,
                                total=("total (training step)", mem.train_gb)))
+    if mem.sync_items:  # the trainer offloaded: the weight sync is a phase of its own
+        console.print(memory_table("memory per GPU during the weight sync (GRPO, trainer offloaded)",
+                                   mem.sync_items, 2, total=("total (weight sync)", mem.sync_gb)))
     if mem.rollout_items:
         console.print(memory_table("memory per GPU during rollout (GRPO)", mem.rollout_items, 2,
                                    total=("total (rollout)", mem.rollout_gb)))
@@ -92,6 +95,8 @@ def runs_line(plan: Plan) -> str:
         parts.append("equal micro-batch lengths")
     if c["context_chunk"] is not None:
         parts.append(f"cp chunks of {c['context_chunk']}-row multiples")
+    if c["offload_trainer"]:
+        parts.append("offload trainer during rollout")
     r = c["recompute"]
     recompute = r["granularity"] if r["granularity"] != "full" else f"full ({r['method']}, {r['num_layers']})"
     parts.append(f"recompute {recompute}")
