@@ -69,6 +69,13 @@ V4_DENSE_ENTRIES_PER_PICK = 4
 V4_KEY_SET_LOGITS = 1 << 28
 
 
+# V4 config keys that DeepSeekV4Arch and ModelArch.mtp_layers model, so no leftovers (`extra`): spelled
+# differently by the release, transformers and a preset, they must not make one architecture read as two
+_V4_MODELLED = frozenset({"compress_ratios", "compress_rates", "compress_rope_theta", "index_n_heads",
+                          "index_head_dim", "index_topk", "sliding_window", "hc_mult", "hc_sinkhorn_iters",
+                          "hc_eps", "num_nextn_predict_layers"})
+
+
 @dataclass(frozen=True)
 class DeepSeekV4Arch:
     """DeepSeek-V4 figures: one shared KV head, low-rank grouped output, CSA/HCA compressors, mHC residuals.
@@ -175,7 +182,8 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelArch:
             v4=v4,
             mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
             extra={k: v for k, v in cfg.items()
-                   if k not in known and k.startswith(("compress", "index", "hc_", "num_nextn", "sliding"))},
+                   if k not in known and k.startswith(("compress", "index", "hc_", "num_nextn", "sliding"))
+                   and not (v4 is not None and k in _V4_MODELLED)},
         )
     except KeyError as err:
         raise MliteError(f"HF config ({model_type}) lacks key {err}; is it a complete config.json?") from None
@@ -262,6 +270,8 @@ def _v4_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV4Arch:
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "yarn":
         raise MliteError("DeepSeek-V4 rope scaling must be yarn (or absent); got "
                          f"{scaling.get('rope_type', scaling.get('type'))}")
+    if scaling is not None and scaling.get("factor") == 1:
+        scaling = None  # YaRN of factor 1 is plain RoPE: how a config for vLLM says "no scaling"
     if scaling is not None:
         scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
     return DeepSeekV4Arch(

@@ -392,35 +392,60 @@ def hf_config_from_arch(arch: ModelArch, dtype: torch.dtype = torch.float32) -> 
 
 
 def _deepseek_v4_config(arch: ModelArch, dtype: torch.dtype) -> dict:
-    """transformers' DeepSeek-V4 config (layer kinds named, so no default schedule applies)."""
+    """DeepSeek's release config.json (`_deepseek_v4_release_fields`) with transformers' spelling of the layer
+    kinds beside it (named, so no default schedule applies; transformers prefers them to the release's)."""
     v4, moe = arch.v4, arch.moe
     kinds = {0: "sliding_attention", 4: "compressed_sparse_attention"}
     hca = [r for r in v4.compress_ratios if r not in kinds]
-    cfg = {
+    return {
         "architectures": [ARCHITECTURES["deepseek_v4"]], "model_type": "deepseek_v4",
-        "vocab_size": arch.vocab, "hidden_size": arch.hidden, "num_hidden_layers": arch.num_layers,
-        "num_attention_heads": arch.num_heads, "num_key_value_heads": arch.num_kv_heads,
-        "head_dim": arch.head_dim, "partial_rotary_factor": v4.qk_rope_head_dim / arch.head_dim,
-        "q_lora_rank": v4.q_lora_rank, "o_groups": v4.o_groups, "o_lora_rank": v4.o_lora_rank,
-        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
-        "n_shared_experts": moe.shared_experts, "moe_intermediate_size": moe.expert_ffn,
-        "router_aux_loss_coef": moe.router_aux_loss_coef, "scoring_func": "sqrtsoftplus",
-        "routed_scaling_factor": v4.routed_scaling_factor, "swiglu_limit": v4.swiglu_limit,
-        "index_n_heads": v4.index_n_heads, "index_head_dim": v4.index_head_dim, "index_topk": v4.index_topk,
-        "sliding_window": v4.sliding_window, "hc_mult": v4.hc_mult, "hc_sinkhorn_iters": v4.hc_sinkhorn_iters,
-        "hc_eps": v4.hc_eps,
+        **_deepseek_v4_release_fields(arch),
+        "partial_rotary_factor": v4.qk_rope_head_dim / arch.head_dim,
         "layer_types": [kinds.get(r, "heavily_compressed_attention") for r in v4.compress_ratios],
         "compress_rates": {"compressed_sparse_attention": 4,
                            "heavily_compressed_attention": hca[0] if hca else 128},
         "mlp_layer_types": ["hash_moe" if i < v4.num_hash_layers else "moe" for i in range(arch.num_layers)],
-        "rope_theta": arch.rope_theta, "compress_rope_theta": v4.compress_rope_theta,
-        "num_nextn_predict_layers": arch.mtp_layers, "max_position_embeddings": arch.max_position_embeddings,
-        "rms_norm_eps": arch.rms_norm_eps, "hidden_act": arch.hidden_act, "tie_word_embeddings": False,
+        "router_aux_loss_coef": moe.router_aux_loss_coef, "tie_word_embeddings": False,
         "dtype": str(dtype).removeprefix("torch."),
     }
-    if v4.compress_rope_scaling:
-        cfg["rope_scaling"] = dict(v4.compress_rope_scaling)
-    return cfg
+
+
+def _deepseek_v4_release_fields(arch: ModelArch) -> dict:
+    """The fields of DeepSeek's release config.json, spelled as released: vLLM's DeepSeek-V4 code reads them
+    directly (tests/fixtures/vllm_0_25_1_dsv4_config_fields.json lists where)."""
+    v4, moe = arch.v4, arch.moe
+    return {
+        "vocab_size": arch.vocab, "hidden_size": arch.hidden, "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_heads, "num_key_value_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim, "qk_rope_head_dim": v4.qk_rope_head_dim,
+        "q_lora_rank": v4.q_lora_rank, "o_groups": v4.o_groups, "o_lora_rank": v4.o_lora_rank,
+        "sliding_window": v4.sliding_window,
+        # one entry per layer, then the MTP layers' (sliding window, 0), as released
+        "compress_ratios": [*v4.compress_ratios, *[0] * arch.mtp_layers],
+        "index_n_heads": v4.index_n_heads, "index_head_dim": v4.index_head_dim, "index_topk": v4.index_topk,
+        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+        "n_shared_experts": moe.shared_experts, "moe_intermediate_size": moe.expert_ffn,
+        "norm_topk_prob": moe.norm_topk_prob, "scoring_func": "sqrtsoftplus",
+        # vLLM gives the bias-routed layers their correction bias (`ffn.gate.bias`) only for this method
+        "topk_method": "noaux_tc",
+        "routed_scaling_factor": v4.routed_scaling_factor, "swiglu_limit": v4.swiglu_limit,
+        "num_hash_layers": v4.num_hash_layers,
+        "hc_mult": v4.hc_mult, "hc_sinkhorn_iters": v4.hc_sinkhorn_iters, "hc_eps": v4.hc_eps,
+        "rope_theta": arch.rope_theta, "compress_rope_theta": v4.compress_rope_theta,
+        "rope_scaling": _deepseek_v4_rope_scaling(arch),
+        "num_nextn_predict_layers": arch.mtp_layers, "max_position_embeddings": arch.max_position_embeddings,
+        "rms_norm_eps": arch.rms_norm_eps, "hidden_act": arch.hidden_act,
+    }
+
+
+def _deepseek_v4_rope_scaling(arch: ModelArch) -> dict:
+    """The compressed layers' YaRN (the release applies none to the sliding-window layers). Without scaling,
+    YaRN of factor 1, which is plain RoPE: vLLM builds V4's rotary embedding (fp32 cos/sin, which its
+    kernels require) from a YaRN entry only, over original_max_position_embeddings x factor positions."""
+    if arch.v4.compress_rope_scaling:
+        return dict(arch.v4.compress_rope_scaling)
+    return {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": arch.max_position_embeddings,
+            "beta_fast": 32, "beta_slow": 1}
 
 
 def save_hf_checkpoint(
@@ -538,7 +563,8 @@ def _write_shards(stream: WeightStream, tmp: Path, max_shard_bytes: int, dtype) 
 def write_hf_config(dest: Path, arch: ModelArch, config, dtype) -> None:
     """config.json at `dest`: a copy of `config` (a dict, or a source config.json or its directory), or
     made from `arch` with `dtype` recorded. A dict without `architectures` (a catalog preset's) gets the
-    model class, which vLLM and transformers' Auto classes read."""
+    model class, which vLLM and transformers' Auto classes read; a DeepSeek-V4 dict gets the release fields
+    it lacks."""
     if isinstance(config, (str, Path)):
         src = Path(config)
         src = src / "config.json" if src.is_dir() else src
@@ -549,4 +575,10 @@ def write_hf_config(dest: Path, arch: ModelArch, config, dtype) -> None:
     cfg = dict(config) if config is not None else hf_config_from_arch(arch, dtype)
     if arch.model_type in ARCHITECTURES:
         cfg.setdefault("architectures", [ARCHITECTURES[arch.model_type]])
+    if arch.v4 is not None:
+        # a preset's or transformers' spelling lacks release fields vLLM reads directly; `arch` was read
+        # from this config, so the fields made from it say the same
+        for key, value in _deepseek_v4_release_fields(arch).items():
+            if cfg.get(key) is None:
+                cfg[key] = value
     dest.write_text(json.dumps(cfg, indent=2) + "\n")
