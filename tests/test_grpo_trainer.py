@@ -72,30 +72,35 @@ def test_update_is_the_same_however_the_step_is_cut_into_micro_batches(tmp_path,
     assert m1["actor/pg_loss"] == pytest.approx(m2["actor/pg_loss"], rel=1e-5, abs=1e-7)
 
 
-def test_under_data_parallel_each_rank_packs_its_own_responses_in_lockstep():
-    """GRPO under dp: each rank packs the responses it owns, and pads to the most micro-batches any rank
-    has (`lockstep`: its collectives stay in step) with micro-batches of one pad token, no target and zero
-    extras; without a lockstep nothing is padded."""
-    def packed(lengths, count=None):
+def test_under_data_parallel_each_rank_packs_its_own_share_in_lockstep():
+    """GRPO's update under dp: every rank holds the whole rollout and trains on its share only, so dp adds
+    throughput. The shares partition the mini-batch, every rank has the same number of micro-batches (its
+    collectives stay in lockstep), and a micro-batch left without a sequence is one pad token with no
+    target and zero extras."""
+    def shares(lengths, dp):
         seqs = [list(range(1, n + 1)) for n in lengths]
         masks = [[0] + [1] * (n - 1) for n in lengths]
         extras = {"advantages": [torch.full((n,), float(i)) for i, n in enumerate(lengths)]}
-        out = pack_micro_batches(seqs, masks, extras, 48, (lambda mine: max(mine, count)) if count else None)
-        assert sorted(i for idx, _ in out for i in idx) == list(range(len(seqs)))  # each trained once
-        for idx, batch in out:
-            assert batch.num_tokens <= 48
-            if idx:
-                want = torch.cat([extras["advantages"][i] for i in idx])
-                assert torch.equal(batch.extras["advantages"], want)
-            else:  # the pad: nothing to learn from
-                assert batch.num_tokens == 1 and bool((batch.labels == IGNORE).all())
-                assert torch.equal(batch.extras["advantages"], torch.zeros(1))
-        return [idx for idx, _ in out]
+        packed = [pack_micro_batches(seqs, masks, extras, 48, dp_size=dp, dp_rank=r) for r in range(dp)]
+        chosen = sorted(i for share in packed for idx, _ in share for i in idx)
+        assert chosen == list(range(len(seqs)))  # each sequence trained once, on one rank
+        assert len({len(share) for share in packed}) == 1  # lockstep
+        for share in packed:
+            for idx, batch in share:
+                assert batch.num_tokens <= 48
+                if idx:
+                    want = torch.cat([extras["advantages"][i] for i in idx])
+                    assert torch.equal(batch.extras["advantages"], want)
+                else:  # the pad: nothing to learn from
+                    assert batch.num_tokens == 1 and bool((batch.labels == IGNORE).all())
+                    assert torch.equal(batch.extras["advantages"], torch.zeros(1))
+        return packed
 
-    assert len(packed([40, 30, 20, 5])) == 3  # 95 tokens in micro-batches of at most 48
-    assert packed([40, 30], count=3) == [[0], [1], []]  # another rank has three: one pad keeps it in step
-    assert packed([], count=2) == [[], []]  # a rank that owns no prompt this step still steps along
-    assert packed([2]) == [[0]]  # one rank: no pad
+    cut = shares([40, 30, 20, 5], dp=2)  # 50 tokens on one rank: two micro-batches on both
+    assert [len(share) for share in cut] == [2, 2]
+    padded = shares([40, 30], dp=3)  # the third rank has no sequence: one pad micro-batch keeps it in step
+    assert [[idx for idx, _ in share] for share in padded] == [[[0]], [[1]], [[]]]
+    assert [idx for idx, _ in pack_micro_batches([[1, 2]], [[0, 1]], {}, 48)] == [[0]]  # one rank: no pad
 
 
 def test_first_update_is_on_policy_and_later_epochs_clip(tmp_path, tokenizer):

@@ -346,6 +346,7 @@ class RolloutConfig(Section):
     # the weight sync on, its weights once vLLM has them, and all come back after the rollout. `auto`: where
     # the rollout needs the room (the planner's choice, mlite.plan.memory)
     offload_trainer: Literal["auto"] | bool = "auto"
+    v4_fp8_at_sync: bool = True  # vLLM, DeepSeek-V4: the sync sends wo_a as FP8 (false: vLLM quantises it)
 
     @model_validator(mode="after")
     def _val_sampling(self):

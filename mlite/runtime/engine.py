@@ -285,11 +285,13 @@ class Runtime:
         return self.optim.weight_shards(dtype)
 
     def tp_group_weights(self, dtype: torch.dtype | None, tp_size: int, stats: dict | None = None,
-                         expert_parallel: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                         expert_parallel: bool = False, v4_fp8_at_sync: bool | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
         """For a rollout engine of `tp_size` consecutive ranks (collective, every rank drains it): each HF
         tensor in full shape, holding the slab this rank's engine reads (NaN elsewhere); with
-        `expert_parallel`, the engine's experts whole on the rank that holds them."""
-        return self.optim.tp_group_weights(dtype, tp_size, stats, expert_parallel)
+        `expert_parallel`, the engine's experts whole on the rank that holds them; `v4_fp8_at_sync`:
+        DeepSeek-V4 in vLLM's dtypes (mlite.runtime.ckpt.sync.vllm_send_as)."""
+        return self.optim.tp_group_weights(dtype, tp_size, stats, expert_parallel, v4_fp8_at_sync)
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:

@@ -163,9 +163,15 @@ def _check_float(w: torch.Tensor, what: str) -> torch.Tensor:
     return w
 
 
-def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)):
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128),
+                        scale_dtype: torch.dtype | None = None):
     """Float weight [..., out, in] -> (float8_e4m3fn weight, ue8m0 scale [..., ceil(out/bm), ceil(in/bn)]):
-    per block a power-of-two scale so the block max fits e4m3 (448), values rounded to nearest."""
+    per block a power-of-two scale so the block max fits e4m3 (448), values rounded to nearest. The last
+    block along a dim may be partial. `scale_dtype` float32: the same powers of two as float32 (the
+    `weight_scale_inv` of vLLM's block-FP8 linears for checkpoints with float32 scales), not ue8m0."""
+    if scale_dtype not in (None, torch.float32):
+        raise ValueError(f"quantize_fp8_blocks writes ue8m0 scales (scale_dtype None) or float32, not "
+                         f"{scale_dtype}")
     w = _check_float(w, "quantize_fp8_blocks")
     bm, bn = block
     rows, cols = w.shape[-2:]
@@ -175,7 +181,7 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)):
     scales, biased = _pow2_scales(blocks.abs().amax(dim=(-3, -1)), FP8_MAX)
     scaled = (blocks / scales[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     q = scaled.to(torch.float8_e4m3fn).reshape(padded.shape)[..., :rows, :cols].contiguous()
-    return q, _as_e8m0(biased)
+    return q, (scales.to(torch.float32) if scale_dtype == torch.float32 else _as_e8m0(biased))
 
 
 # ties go to the even code (round to nearest even, as the hardware casts do)

@@ -348,7 +348,8 @@ def _slab_transfers(plan: SyncPlan, tensors: dict[str, torch.Tensor], name: str,
 def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype | None, tp_size: int,
                      kv_heads: int | None = None, stats: dict | None = None,
                      device: torch.device | None = None, bucket_bytes: int = SYNC_BUCKET_BYTES,
-                     num_experts: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                     num_experts: int | None = None, v4_fp8_at_sync: bool | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF tensor of the whole model, in one order on every rank, for a consumer run by consecutive
     groups of `tp_size` ranks (vLLM's torchrun launcher: rank r is tensor-parallel rank r % tp_size of its
     engine), which cuts its shard from a whole-shaped tensor itself.
@@ -362,7 +363,9 @@ def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype
     bytes that came from other ranks. `device`: where the tensors are built and travel (the compute device:
     parameters offloaded to the host move there a piece at a time); default, the parameters'.
     `num_experts`: the consumer runs expert parallel (`consumer_slab`): each rank gets whole experts, its
-    engine rank's, and nothing of the others'."""
+    engine rank's, and nothing of the others'. `v4_fp8_at_sync` (DeepSeek-V4 on vLLM; None otherwise): what
+    vLLM keeps in float32 arrives in float32, and with True wo_a arrives as FP8 and its scales
+    (`vllm_send_as`)."""
     models = _modules(models)
     plan = sync_plan(models)
     tensors = _named_tensors(models)
@@ -377,14 +380,16 @@ def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype
     for bucket in _buckets(plan, dtype, bucket_bytes):
         ops, received, filled = [], [], []
         for name, shape, out_dtype in bucket:
+            send_as = vllm_send_as(name, v4_fp8_at_sync)
+            cut, out_dtype = _wire_dtypes(send_as, dtype, out_dtype)
             slabs = [consumer_slab(name, shape, tp_size, rank % tp_size, kv_heads, num_experts)
                      for rank in range(world)]
             fill = float("nan") if out_dtype.is_floating_point else 0
             whole = torch.full(shape, fill, dtype=out_dtype, device=device)
-            sends_and_receives, into = _slab_transfers(plan, tensors, name, slabs, me, world, whole, dtype)
+            sends_and_receives, into = _slab_transfers(plan, tensors, name, slabs, me, world, whole, cut)
             ops += sends_and_receives
             received += [(whole, where, buffer) for where, buffer in into]
-            filled.append((name, whole, slabs[me]))
+            filled.append((name, whole, slabs[me], send_as))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -394,13 +399,12 @@ def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype
         stats["buckets"] += 1
         del ops, received
         while filled:
-            name, whole, slab = filled.pop(0)
-            kept = whole.numel() if slab is None else whole[tuple(
-                slice(slab[1], slab[2]) if d == slab[0] else slice(None) for d in range(whole.dim()))].numel()
-            stats["tensors"] += 1
-            stats["bytes"] += kept * whole.element_size()
-            yield name, whole
-            del whole
+            name, whole, slab, send_as = filled.pop(0)
+            for sent_name, tensor, kept in _as_sent(name, whole, slab, send_as):
+                stats["tensors"] += 1
+                stats["bytes"] += kept * tensor.element_size()
+                yield sent_name, tensor
+            del whole, tensor
 
 
 def _buckets(plan: SyncPlan, dtype: torch.dtype | None, bucket_bytes: int
@@ -551,3 +555,71 @@ def vllm_split_dim(name: str) -> int | None:
     if leaf in _ROW and kind == "weight":
         return 1
     return None
+
+
+# DeepSeek-V4 on vLLM 0.25.1 (paths under vllm/models/deepseek_v4/). The parameters it creates in float32,
+# by mlite's HF names (DeepSeek's release names, which vLLM maps itself): the mHC mixers of every layer,
+# hc_{attn,ffn}_{fn,base,scale} (nvidia/model.py:823-861), and of the head, hc_head_{fn,base,scale}
+# (nvidia/model.py:1004-1022); the attention sinks attn_sink (attention.py:198-201); the compressors' position
+# embeddings ape, the attention's and the indexer's (compressor.py:216-224); the router's correction bias
+# ffn.gate.bias, vLLM's e_score_correction_bias (nvidia/model.py:579-582, renamed at :1311).
+_VLLM_V4_FP32 = re.compile(r"(?:^|\.)(?:hc_(?:attn|ffn|head)_(?:fn|base|scale)|attn\.attn_sink"
+                           r"|compressor\.ape|ffn\.gate\.bias)$")
+# the weight it multiplies in FP8 whatever the checkpoint: the output projection's first half, through
+# DeepGEMM's fp8_einsum with (wo_a.weight, wo_a.weight_scale_inv) (nvidia/ops/o_proj.py:63-67)
+_VLLM_V4_FP8 = re.compile(r"(?:^|\.)attn\.wo_a\.weight$")
+VLLM_FP8_BLOCK = (128, 128)  # its blocks (the fp8_einsum recipe's, nvidia/ops/o_proj.py:13-25)
+
+
+def vllm_keeps_fp32(name: str) -> bool:
+    """Whether DeepSeek-V4's HF tensor `name` is a parameter vLLM 0.25.1 holds in float32."""
+    return _VLLM_V4_FP32.search(name) is not None
+
+
+def vllm_wants_fp8(name: str) -> bool:
+    """Whether DeepSeek-V4's HF tensor `name` is one vLLM 0.25.1 multiplies in FP8 (128x128 block scales)."""
+    return _VLLM_V4_FP8.search(name) is not None
+
+
+def vllm_send_as(name: str, v4_fp8_at_sync: bool | None) -> str:
+    """How HF tensor `name` travels to a vLLM engine: "fp32" (a DeepSeek-V4 parameter vLLM keeps in float32:
+    sent unrounded), "fp8" (wo_a as float8_e4m3fn with its float32 128x128 block scales, when the sync
+    quantises it: `v4_fp8_at_sync`) or "rollout" (the rollout dtype). `v4_fp8_at_sync` None: the model is
+    not DeepSeek-V4, and everything goes in the rollout dtype. The one rule; no torch."""
+    if v4_fp8_at_sync is None:
+        return "rollout"
+    if vllm_keeps_fp32(name):
+        return "fp32"
+    return "fp8" if v4_fp8_at_sync and vllm_wants_fp8(name) else "rollout"
+
+
+def vllm_fp8_weight(name: str, whole: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The sync-side quantiser: whole weight `name` [out, in] -> [(name, float8_e4m3fn weight), (its `.scale`:
+    float32 [ceil(out/128), ceil(in/128)], one power of two per 128x128 block, the multiplier)], what vLLM's
+    block-FP8 linear loads (`X.scale` -> `X.weight_scale_inv`, nvidia/model.py:1290-1297; the parameters:
+    vllm/model_executor/layers/quantization/fp8.py:352-379, utils/fp8_utils.py:1246-1295)."""
+    from mlite.runtime.ckpt.quant import quantize_fp8_blocks, scale_name
+
+    weight, scale = quantize_fp8_blocks(whole, VLLM_FP8_BLOCK, scale_dtype=torch.float32)
+    return [(name, weight), (scale_name(name), scale)]
+
+
+def _wire_dtypes(send_as: str, dtype: torch.dtype | None, out_dtype: torch.dtype
+                 ) -> tuple[torch.dtype | None, torch.dtype]:
+    """(the dtype pieces are cut in, the dtype of the whole tensor they fill) for a tensor sent `send_as`:
+    float32 for the float32 ones and for a weight quantised after it is whole (from the unrounded values)."""
+    return (dtype, out_dtype) if send_as == "rollout" else (torch.float32, torch.float32)
+
+
+def _as_sent(name: str, whole: torch.Tensor, slab: tuple[int, int, int] | None, send_as: str
+             ) -> list[tuple[str, torch.Tensor, int]]:
+    """What the consumer gets of one filled tensor: (name, tensor, the elements of its slab), one of them, or
+    the FP8 weight and its scales."""
+    if send_as == "fp8":
+        if slab is not None:
+            raise MliteError(f"weight sync: {name} is quantised whole into 128x128 blocks, but the consumer "
+                             f"reads a slab of it {slab}; a runtime bug (vllm_split_dim)")
+        return [(n, t, t.numel()) for n, t in vllm_fp8_weight(name, whole)]
+    kept = whole.numel() if slab is None else whole[tuple(
+        slice(slab[1], slab[2]) if d == slab[0] else slice(None) for d in range(whole.dim()))].numel()
+    return [(name, whole, kept)]

@@ -8,12 +8,12 @@ same path with the initial weights swapped in, when KL is on), compared with the
 `grpo.ppo_epochs` passes over `grpo.mini_batches` mini-batches, one optimizer update each. Rollouts draw
 on a seed of (seed, step), so a resumed run samples exactly what the uninterrupted run sampled.
 
-Under data parallel, each dp rank (with its tp, cp and pp ranks) owns every dp-th prompt of the step and
-its whole group of `rollout.n` responses: it rolls them out, scores them, computes their advantages (a
-group never spans ranks) and their old and reference log-probs, and trains on them. Mini-batches are the
-same slices of one shuffle of the step's responses on every rank, each rank taking the ones it owns. Only
-numbers cross dp: the micro-batch count (lockstep), the loss's token counts, the step's metrics, and the
-gradients' reduction. Every logged figure is the one process's for the same prompts and seeds.
+Under data parallel, each dp rank (with its tp, cp and pp ranks) generates only the prompts it owns, every
+dp-th prompt's whole group of `rollout.n` responses (`owners`); the ranks then exchange the completions, so
+every rank holds the step's rollout, and score, log-probs and update go on as on one process: every logged
+figure is one process's for the same prompts and seeds. (Training each rank on its own groups alone would
+change a MoE's balance loss, which pools router statistics per micro-batch, so the update keeps the step's
+micro-batches as one process plans them.)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
+from itertools import accumulate, pairwise
 from pathlib import Path
 
 import torch
@@ -44,8 +44,7 @@ from mlite.trainers.grpo.algorithm import (
     grpo_loss,
     kl_estimate,
     kl_penalised_rewards,
-    mismatch_metrics,
-    mismatch_totals,
+    logprob_mismatch,
     truncated_importance_weights,
 )
 from mlite.trainers.grpo.prompts import Prompt, read_prompt_rows, render_prompts
@@ -62,17 +61,12 @@ PLOT_KEYS = ("reward/mean", "eval/reward_mean", "response/length_mean", "actor/p
 
 @dataclass
 class RolloutBatch:
-    """This rank's responses of a step: those of the prompts its data-parallel rank owns."""
-
     prompts: list[Prompt]  # one per response (a prompt repeated n times)
     completions: list[Completion]
     texts: list[str]
     rewards: torch.Tensor  # [N]
     groups: torch.Tensor  # [N] prompt index: responses of one prompt form a group
     failures: list[RewardFailure] = field(default_factory=list)
-    # each response's index among the step's responses on all ranks (prompt i's are i*n .. i*n + n - 1)
-    keys: list[int] = field(default_factory=list)
-    total: int = 0  # the step's responses on all ranks
 
     @property
     def sequences(self) -> list[list[int]]:
@@ -104,20 +98,22 @@ def pack_micro_batches(
     loss_masks: Sequence[list[int]],
     extras: dict[str, Sequence[torch.Tensor]],
     max_tokens: int,
-    lockstep: Callable[[int], int] | None = None,
+    dp_size: int = 1,
+    dp_rank: int = 0,
 ) -> list[tuple[list[int], PackedBatch]]:
-    """This rank's sequences in micro-batches of at most `max_tokens` tokens, by the SFT data's planner
-    (mlite.runtime.data.packing.plan_step). Returns (indices of the sequences, batch) pairs; `extras` are
-    per-sequence per-token tensors (fp32). `lockstep(count)`: the most micro-batches any data-parallel rank
-    has, which this rank pads to with micro-batches of one pad token, no target and zero extras: they add
-    nothing to the loss and keep the ranks' collectives in lockstep."""
-    plan = plan_step([len(s) for s in sequences], 1, max_tokens=max_tokens)[0] if sequences else []
-    count = lockstep(len(plan)) if lockstep is not None else len(plan)
+    """This dp rank's share of the sequences in micro-batches of at most `max_tokens` tokens, by the SFT
+    data's planner (mlite.runtime.data.packing.plan_step: balanced by tokens, the same number of micro-batches
+    on every rank). Returns (indices of the sequences, batch) pairs; `extras` are per-sequence per-token
+    tensors. Under dp, a micro-batch left without a sequence is one pad token with no target (zero extras):
+    it adds nothing to the loss and keeps the ranks' collectives in lockstep."""
+    plan = plan_step([len(s) for s in sequences], dp_size, max_tokens=max_tokens)
     out = []
-    for idx in plan + [[]] * (count - len(plan)):
+    for idx in plan[dp_rank]:
         if not idx:
+            if dp_size == 1:
+                continue
             pad = PackedBatch.from_sequences([[0]], [[0]])
-            pad.extras = {name: torch.zeros(1) for name in extras}
+            pad.extras = {name: torch.zeros(1, dtype=values[0].dtype) for name, values in extras.items()}
             out.append((idx, pad))
             continue
         batch = PackedBatch.from_sequences([sequences[i] for i in idx], [loss_masks[i] for i in idx])
@@ -180,53 +176,53 @@ class GRPOTrainer:
         )
 
     def owners(self, prompts: int, n: int) -> list[int]:
-        """The data-parallel rank that owns each of `prompts` x `n` responses: prompt i's group of n goes to
-        rank i mod dp, so ranks differ by one prompt at most and a group never spans two."""
+        """The data-parallel rank that generates each of `prompts` x `n` responses: prompt i's group of n goes
+        to rank i mod dp, so ranks differ by one prompt at most and a group never spans two."""
         return [i % self.runtime.dp_size for i in range(prompts) for _ in range(n)]
 
     def rollout(self, step: int) -> RolloutBatch:
         n = self.rollout_cfg.n
-        asked = [p for p in self.step_prompts(step) for _ in range(n)]
-        owners = self.owners(len(asked) // n, n)
-        keys = [k for k, owner in enumerate(owners) if owner == self.runtime.dp_rank]
+        prompts = [p for p in self.step_prompts(step) for _ in range(n)]
+        groups = torch.arange(len(prompts)) // n
+        owners = self.owners(len(prompts) // n, n)
         with self.engine.session(self.job.trainer.seed * 1_000_003 + step) as sampler:
-            completions = sampler.generate([p.ids for p in asked], self.sampling_params(), owners)
-        prompts = [asked[k] for k in keys]
+            mine = sampler.generate([p.ids for p in prompts], self.sampling_params(), owners)
+        completions = self._exchanged(mine, owners)
         texts = [self.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
         scores, failures = score_responses(self.reward_fn, texts, [p.sample for p in prompts])
-        groups = torch.tensor([k // n for k in keys], dtype=torch.long)
-        return RolloutBatch(prompts, completions, texts, torch.tensor(scores, dtype=torch.float32), groups,
-                            failures, keys, len(asked))
+        return RolloutBatch(prompts, completions, texts, torch.tensor(scores), groups, failures)
 
-    def lockstep(self, count: int) -> int:
-        """The most micro-batches any data-parallel rank has this call (`count`: this rank's)."""
-        return int(self.dp_reduce({"count": count}, "max")["count"])
-
-    def dp_reduce(self, values: dict[str, float], op: str = "sum") -> dict[str, float]:
-        """`values` summed (or their max) over the data-parallel ranks, in one exchange; the ranks of one dp
-        rank (tp, cp, pp) hold the same rollout, so dp alone covers the step."""
+    def _exchanged(self, mine: list[Completion], owners: list[int]) -> list[Completion]:
+        """Every rank's completions, in request order, from this rank's (`mine`: the requests its dp rank
+        owns): one exchange over dp."""
         rt = self.runtime
-        if rt.dp_size == 1 or not values:
-            return dict(values)
-        keys = sorted(values)
-        device = rt.device if rt.device.type == "cuda" else torch.device("cpu")  # NCCL or gloo
-        tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-        op_ = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
-        torch.distributed.all_reduce(tensor, op=op_, group=rt.dp_group)
-        return dict(zip(keys, tensor.tolist()))
+        if rt.dp_size == 1:
+            return mine
+        parts: list = [None] * rt.dp_size
+        torch.distributed.all_gather_object(parts, mine, group=rt.dp_group)
+        turns = [iter(part) for part in parts]
+        return [next(turns[owner]) for owner in owners]
 
     # ---------------------------------------------------------------------------------- log-probs
     def _per_sequence_logprobs(
         self, model_fn: Callable[[list[PackedBatch]], list[torch.Tensor]], ro: RolloutBatch
-    ) -> list[torch.Tensor]:
-        """Each of this rank's responses' per-token log-probs under `model_fn` (its micro-batches in
-        lockstep with the other dp ranks')."""
-        out: list[torch.Tensor] = [torch.zeros(0)] * len(ro.sequences)
-        packed = pack_micro_batches(ro.sequences, ro.loss_masks, {}, self.max_tokens, self.lockstep)
+    ):
+        """Each response's per-token log-probs under `model_fn`. Under dp each rank computes its share (split
+        as the update splits a mini-batch, in lockstep) and writes it into the step's flat stream, zeros
+        elsewhere; one sum over dp (each value written by one rank: exact) gives every rank all of them."""
+        rt = self.runtime
+        lengths = [len(s) for s in ro.sequences]
+        starts = [0, *accumulate(lengths)]
+        stream = torch.zeros(starts[-1], dtype=torch.float32)
+        packed = pack_micro_batches(ro.sequences, ro.loss_masks, {}, self.max_tokens, rt.dp_size, rt.dp_rank)
         for (idx, batch), logprobs in zip(packed, model_fn([b for _, b in packed])):
             for i, values in zip(idx, batch.split(logprobs.cpu())):
-                out[i] = values
-        return out
+                stream[starts[i] : starts[i + 1]] = values
+        if rt.dp_size > 1:
+            on_device = stream.to(rt.device)
+            torch.distributed.all_reduce(on_device, group=rt.dp_group)
+            stream = on_device.cpu()
+        return list(stream.split(lengths))
 
     def old_logprobs(self, ro: RolloutBatch) -> list[torch.Tensor]:
         def run(batches):
@@ -267,22 +263,23 @@ class GRPOTrainer:
                is_weights: list[torch.Tensor] | None = None) -> dict[str, float]:
         """`ppo_epochs` x `mini_batches` optimizer updates over this step's responses (`is_weights`: the
         rollout's per-token importance weights, when corrected)."""
+        n = len(ro.sequences)
         extras = self._loss_extras(ro, old, ref, adv, is_weights)
-        position = {key: i for i, key in enumerate(ro.keys)}  # this rank's responses by step index
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}
         grad_norms = []
         self.runtime.train()
         for epoch in range(self.cfg.ppo_epochs):
-            order = list(range(ro.total))  # one shuffle of the step's responses, the same on every rank
+            order = list(range(n))
             random.Random(self.job.trainer.seed * 31 + step * 1009 + epoch).shuffle(order)
             for mini in range(self.cfg.mini_batches):
-                # each dp rank trains on the responses of the mini-batch that it owns
-                idx = [position[key] for key in order[mini :: self.cfg.mini_batches] if key in position]
+                idx = order[mini :: self.cfg.mini_batches]
                 seqs = [ro.sequences[i] for i in idx]
                 masks = [ro.loss_masks[i] for i in idx]
                 mini_extras = {k: [v[i] for i in idx] for k, v in extras.items()}
-                packed = pack_micro_batches(seqs, masks, mini_extras, self.max_tokens, self.lockstep)
+                # every rank holds the whole rollout; each dp rank trains on its share of the mini-batch
+                packed = pack_micro_batches(seqs, masks, mini_extras, self.max_tokens,
+                                            self.runtime.dp_size, self.runtime.dp_rank)
                 micro = [b for _, b in packed]
                 norm = self._mini_batch_norm([masks[i] for chosen, _ in packed for i in chosen])
                 self.runtime.zero_grad()
@@ -395,57 +392,40 @@ class GRPOTrainer:
                           for o, s in zip(old, sampler)]
         started = time.perf_counter()
         metrics = self.update(step, ro, old, ref, adv, is_weights)
-        metrics.update(self.rollout_metrics(ro, old, ref, sampler, is_weights, rollout_s))
-        metrics.update(self.engine.stats)  # this rank's: the sync, the offload, vLLM's memory
         metrics.update({"time/logprobs_s": logprobs_s, "time/update_s": time.perf_counter() - started})
         peak = self.runtime.memory_peak_gb()
         if peak is not None:
             metrics["memory/train_gb"] = peak
+        lengths = torch.tensor([len(c.response_ids) for c in ro.completions], dtype=torch.float32)
+        label_masks = ro.label_masks
+        mask = torch.cat(label_masks)
+        tokens = mask.sum().clamp(min=1)
+        metrics.update(logprob_mismatch(torch.cat(old), torch.cat(sampler), mask,
+                                        self.rollout_cfg.mismatch_threshold))
+        if is_weights is not None:
+            metrics["rollout/is_weight_mean"] = float((torch.cat(is_weights) * mask).sum() / tokens)
+        metrics.update(self.engine.stats)
+        if ref is not None:
+            kl = torch.cat(
+                [kl_estimate(o, r, self.cfg.kl_estimator) * m for o, r, m in zip(old, ref, label_masks)]
+            )
+            metrics["actor/kl_ref"] = float(kl.sum() / tokens)
+        metrics.update(
+            {
+                "reward/mean": float(ro.rewards.mean()),
+                "reward/std": float(ro.rewards.std()) if len(ro.rewards) > 1 else 0.0,
+                "reward/failures": float(len(ro.failures)),
+                "response/length_mean": float(lengths.mean()),
+                "response/length_max": float(lengths.max()),
+                "response/clip_ratio": float(
+                    sum(not c.stopped for c in ro.completions) / len(ro.completions)
+                ),
+                "time/rollout_s": rollout_s,
+                "time/rollout_tokens_per_s": float(lengths.sum()) / max(rollout_s, 1e-9),  # generated tokens
+                "tokens": float(sum(len(s) for s in ro.sequences)),
+            }
+        )
         return metrics, ro
-
-    def rollout_metrics(self, ro: RolloutBatch, old: list[torch.Tensor], ref: list[torch.Tensor] | None,
-                        sampler: list[torch.Tensor], is_weights: list[torch.Tensor] | None,
-                        rollout_s: float) -> dict[str, float]:
-        """The step's rollout figures over the responses of every dp rank: sums and maxima of this rank's
-        parts, exchanged as numbers."""
-        masks = ro.label_masks
-        mask = torch.cat(masks) if masks else torch.zeros(0)
-        lengths = [len(c.response_ids) for c in ro.completions]
-        sums = {"responses": len(lengths), "reward": float(ro.rewards.double().sum()),
-                "failures": len(ro.failures), "length": sum(lengths),
-                "tokens": sum(len(s) for s in ro.sequences),
-                "clipped": sum(not c.stopped for c in ro.completions), "label_tokens": float(mask.sum())}
-        diff, largest = mismatch_totals(torch.cat(old) if old else mask,
-                                        torch.cat(sampler) if sampler else mask, mask,
-                                        self.rollout_cfg.mismatch_threshold)
-        sums.update(diff)
-        if is_weights is not None:
-            sums["is_weight"] = float((torch.cat(is_weights) * mask).double().sum()) if masks else 0.0
-        if ref is not None:
-            sums["kl"] = sum(float((kl_estimate(o, r, self.cfg.kl_estimator) * m).double().sum())
-                             for o, r, m in zip(old, ref, masks))
-        sums = self.dp_reduce(sums)
-        maxima = self.dp_reduce({"length": max(lengths, default=0), "diff": largest}, "max")
-        responses, tokens = sums["responses"], max(sums["label_tokens"], 1.0)
-        mean = sums["reward"] / responses
-        spread = self.dp_reduce({"sq": float(((ro.rewards.double() - mean) ** 2).sum())})["sq"]
-        metrics = mismatch_metrics({k: sums[k] for k in diff}, maxima["diff"])
-        if is_weights is not None:
-            metrics["rollout/is_weight_mean"] = sums["is_weight"] / tokens
-        if ref is not None:
-            metrics["actor/kl_ref"] = sums["kl"] / tokens
-        metrics.update({
-            "reward/mean": mean,
-            "reward/std": math.sqrt(spread / (responses - 1)) if responses > 1 else 0.0,
-            "reward/failures": sums["failures"],
-            "response/length_mean": sums["length"] / responses,
-            "response/length_max": maxima["length"],
-            "response/clip_ratio": sums["clipped"] / responses,
-            "time/rollout_s": rollout_s,
-            "time/rollout_tokens_per_s": sums["length"] / max(rollout_s, 1e-9),  # generated, all ranks
-            "tokens": sums["tokens"],
-        })
-        return metrics
 
     # ------------------------------------------------------------------------ the loop's interface
     name, plot_keys, plot_file, eval_at_start = "grpo", PLOT_KEYS, "grpo.png", True
@@ -501,19 +481,15 @@ class GRPOTrainer:
             return {}
         params, n = self.sampling_params(held_out=True), self.rollout_cfg.val_n
         asked = [p for p in prompts for _ in range(n)]
-        owners = self.owners(len(prompts), n)  # each dp rank answers and scores its own prompts
         scores: list[float] = []
         with self.engine.session(self.job.trainer.seed * 1_000_003 - 1) as sampler:
             for start in range(0, len(asked), batch_size):
-                chunk, chunk_owners = asked[start : start + batch_size], owners[start : start + batch_size]
-                completions = sampler.generate([p.ids for p in chunk], params, chunk_owners)
-                mine = [p for p, owner in zip(chunk, chunk_owners) if owner == self.runtime.dp_rank]
+                chunk = asked[start : start + batch_size]
+                completions = sampler.generate([p.ids for p in chunk], params)
                 texts = [self.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
-                chunk_scores, _ = score_responses(self.reward_fn, texts, [p.sample for p in mine])
+                chunk_scores, _ = score_responses(self.reward_fn, texts, [p.sample for p in chunk])
                 scores.extend(chunk_scores)
-        total = self.dp_reduce({"score": sum(scores), "count": len(scores)})
-        return {"eval/reward_mean": total["score"] / max(total["count"], 1),
-                "eval/prompts": float(len(prompts))}
+        return {"eval/reward_mean": sum(scores) / max(len(scores), 1), "eval/prompts": float(len(prompts))}
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:

@@ -52,6 +52,12 @@ from mlite.errors import MliteError
 from mlite.plan.policy import rollout_expert_parallel
 from mlite.runtime.state import rng_state, set_rng_state
 from mlite.trainers.grpo.rollout import Completion, SamplingParams, request_seed
+from mlite.trainers.grpo.vllm_adapter import (
+    keep_attention_sinks,
+    resend_attention_sinks,
+    v4_fp8_at_sync_config,
+    v4_online_fp8_engine_args,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +85,6 @@ class VLLMRollout:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights pass as tensors
         from vllm import LLM
 
-        from mlite.runtime.ckpt.hf import write_hf_config
         from mlite.runtime.layout import COMPUTE_DTYPES
 
         r = job.rollout
@@ -92,11 +97,9 @@ class VLLMRollout:
         self.expert_parallel = rollout_expert_parallel(runtime.job, runtime.arch)  # whole experts per rank
         model_dir = Path(model_dir) / f"rank{self.rank}"  # each rank its own: no shared file system needed
         model_dir.mkdir(parents=True, exist_ok=True)
-        write_hf_config(model_dir / "config.json", runtime.arch, runtime.hf_config, self.dtype)
-        config = json.loads((model_dir / "config.json").read_text())
-        if config.pop("quantization_config", None) is not None:  # a quantized source (DeepSeek's fp8): the
-            # sync sends unquantized tensors in the rollout dtype, so vLLM must build unquantized layers
-            (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        # DeepSeek-V4: what vLLM keeps in float32 goes unrounded, wo_a as FP8 (or vLLM quantises it)
+        self.v4_fp8 = None if runtime.arch.v4 is None else r.v4_fp8_at_sync
+        quantization = write_engine_config(model_dir / "config.json", runtime, self.dtype, self.v4_fp8)
         dp_of = [runtime.dp_rank] * self.world  # the dp rank of every rank: which requests each one needs
         if self.world > 1:
             dist.all_gather_object(dp_of, runtime.dp_rank)
@@ -126,6 +129,7 @@ class VLLMRollout:
             tensor_parallel_size=r.tp,
             enable_expert_parallel=self.expert_parallel,
             **several,
+            **quantization,
         )
         set_rng_state(streams)
         self.start_s = time.perf_counter() - started
@@ -135,12 +139,18 @@ class VLLMRollout:
     def load_weights(self) -> None:
         """The trainer's current weights into vLLM in the rollout dtype: every HF tensor full-shaped with
         this rank's slab filled (on one process: whole), moved between ranks one batch per bucket of
-        tensors. Collective: vLLM's load_weights drains the stream on every rank, in one order."""
+        tensors. Collective: vLLM's load_weights drains the stream on every rank, in one order. DeepSeek-V4:
+        vLLM's float32 parameters in float32, wo_a as FP8 (`rollout.v4_fp8_at_sync`), and the attention
+        sinks, which vLLM's reload drops, set again after it (mlite.trainers.grpo.vllm_adapter)."""
         sent = {"tensors": 0, "buckets": 0, "bytes": 0, "received_bytes": 0}
         started = time.perf_counter()
-        weights = self.runtime.tp_group_weights(self.dtype, self.tp, sent, self.expert_parallel)
+        weights = self.runtime.tp_group_weights(self.dtype, self.tp, sent, self.expert_parallel, self.v4_fp8)
+        sinks: dict[str, torch.Tensor] = {}  # DeepSeek-V4's, set again after the reload (vllm_adapter)
+        if self.v4_fp8 is not None:
+            weights = keep_attention_sinks(weights, sinks)
         with torch.no_grad():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        resend_attention_sinks(self.llm, sinks)
         self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
         torch.cuda.synchronize()
         self.stats.update({"time/sync_s": time.perf_counter() - started,
@@ -190,6 +200,23 @@ class VLLMRollout:
     def close(self) -> None:
         del self.llm
         torch.cuda.empty_cache()
+
+
+def write_engine_config(path: Path, runtime, dtype: torch.dtype, v4_fp8_at_sync: bool | None) -> dict:
+    """The config.json vLLM builds its engine from, at `path`, and the LLM(...) quantization arguments.
+    A quantized source's quantization_config (DeepSeek's fp8) goes: the sync sends the weights unquantized,
+    so vLLM builds unquantized layers, except DeepSeek-V4's wo_a, which vLLM multiplies in FP8 only: with
+    `v4_fp8_at_sync` the config builds it as a block-FP8 linear the sync fills, else vLLM quantises it
+    online (mlite.trainers.grpo.vllm_adapter)."""
+    from mlite.runtime.ckpt.hf import write_hf_config
+
+    write_hf_config(path, runtime.arch, runtime.hf_config, dtype)
+    config = json.loads(path.read_text())
+    config.pop("quantization_config", None)
+    if v4_fp8_at_sync:
+        config = v4_fp8_at_sync_config(config, runtime.arch.num_layers)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return v4_online_fp8_engine_args() if v4_fp8_at_sync is False else {}
 
 
 def device_used_gb() -> float:
