@@ -62,6 +62,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from cli_runs import one_thread  # noqa: F401 (autouse: one intra-op thread)
 from safetensors.torch import load_file
 
 from mlite.config.arch import arch_from_hf_config
@@ -108,14 +109,6 @@ ARCHS = {
     "flash-release-yarn": flash_with_release_yarn,
     **{f"fixture-{case}": (lambda case=case: fixture_arch(case)) for case in CASES},
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------------------------ rope, two ways

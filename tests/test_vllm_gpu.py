@@ -30,19 +30,26 @@ def _needs_vllm():
                     "scripts/gpu_env.sh (or deselect these tests with -m 'not vllm')")
 
 
-def test_grpo_steps_with_vllm_rollout(tmp_path):
-    from mlite.runtime.engine import Runtime
-    from mlite.trainers.grpo.prompts import render_prompts
-    from mlite.trainers.grpo.trainer import GRPOTrainer
-    from mlite.trainers.grpo.vllm_rollout import VLLMRollout
-
+def tiny_vllm_job(tmp_path, **rollout):
+    """(a char tokenizer, a bf16 GRPO job on one GPU rolling out a tiny Qwen3 written by transformers on vLLM
+    at 0.2 of the GPU); `rollout` adds rollout keys."""
     tokenizer = char_tokenizer(tmp_path / "tok")
     model_dir = tiny_hf_qwen3(tmp_path / "model", tokenizer, **VLLM_SIZES)
     job = grpo_job(tmp_path, model={"name": None, "path": str(model_dir), "attention_backend": "auto"},
                    cluster={"gpu": "h100"}, precision={"compute": "bf16"}, trainer={"device": "cuda"},
                    data={"seq_len": 128, "max_tokens_per_micro_batch": 1024},
                    rollout={"engine": "vllm", "enforce_eager": True, "gpu_memory_utilization": 0.2,
-                            "n": 4, "prompts_per_step": 4, "max_response_length": 24})
+                            "n": 4, "prompts_per_step": 4, "max_response_length": 24, **rollout})
+    return tokenizer, job
+
+
+def test_grpo_steps_with_vllm_rollout(tmp_path):
+    from mlite.runtime.engine import Runtime
+    from mlite.trainers.grpo.prompts import render_prompts
+    from mlite.trainers.grpo.trainer import GRPOTrainer
+    from mlite.trainers.grpo.vllm_rollout import VLLMRollout
+
+    tokenizer, job = tiny_vllm_job(tmp_path)
     prompts, _ = render_prompts(ROWS, tokenizer, job.rollout.max_prompt_length)
     runtime = Runtime(job)
     torch.cuda.synchronize()
@@ -99,14 +106,7 @@ def test_the_trainer_waits_on_the_host_while_vllm_generates_and_comes_back_bit_f
     from mlite.trainers.grpo.trainer import GRPOTrainer
     from mlite.trainers.grpo.vllm_rollout import VLLMRollout
 
-    tokenizer = char_tokenizer(tmp_path / "tok")
-    model_dir = tiny_hf_qwen3(tmp_path / "model", tokenizer, **VLLM_SIZES)
-    job = grpo_job(tmp_path, model={"name": None, "path": str(model_dir), "attention_backend": "auto"},
-                   cluster={"gpu": "h100"}, precision={"compute": "bf16"}, trainer={"device": "cuda"},
-                   data={"seq_len": 128, "max_tokens_per_micro_batch": 1024},
-                   rollout={"engine": "vllm", "enforce_eager": True, "gpu_memory_utilization": 0.2,
-                            "n": 4, "prompts_per_step": 4, "max_response_length": 24,
-                            "offload_trainer": True})
+    tokenizer, job = tiny_vllm_job(tmp_path, offload_trainer=True)
     prompts, _ = render_prompts(ROWS, tokenizer, job.rollout.max_prompt_length)
     runtime = Runtime(job)
     engine = VLLMRollout(job, runtime, tmp_path / "vllm")
