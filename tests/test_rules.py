@@ -318,7 +318,7 @@ for preset, overrides in jobs:
     except MliteError:
         pass
     policy.grad_reduce_dtype(job), policy.compute_dtype(job, "cpu")
-    policy.process_group(job, 2), policy.fsdp_units(job, 2)
+    policy.process_group(job, 2), policy.fsdp_units(job, 2), policy.rollout_expert_parallel(job, arch)
     try:
         rules.check_dist_opt_adapter(job, job.parallel)
     except MliteError:
