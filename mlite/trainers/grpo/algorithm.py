@@ -202,26 +202,14 @@ def logprob_mismatch(
     the share of tokens whose difference exceeds `threshold`. A different engine, kernel or precision
     (vLLM in bf16, say) makes the two policies differ; the share says how many tokens PPO's ratio sees as
     off-policy."""
-    return mismatch_metrics(*mismatch_totals(trainer, sampler, mask, threshold))
-
-
-def mismatch_totals(trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor,
-                    threshold: float) -> tuple[dict[str, float], float]:
-    """What `logprob_mismatch` reads, in parts that add up over ranks: (the token count, the sum of the
-    absolute differences and the count over `threshold`; the largest difference)."""
     diff = (trainer.float() - sampler.float()).abs()[mask.bool()]
-    largest = float(diff.max()) if diff.numel() else 0.0
-    return {"diff_tokens": float(diff.numel()), "diff_sum": float(diff.double().sum()),
-            "diff_over": float((diff > threshold).sum())}, largest
-
-
-def mismatch_metrics(totals: dict[str, float], largest: float) -> dict[str, float]:
-    """`logprob_mismatch`'s figures from its parts (summed over ranks); {} without a response token."""
-    tokens = totals["diff_tokens"]
-    if not tokens:
+    if diff.numel() == 0:
         return {}
-    return {"rollout/logprob_diff_mean": totals["diff_sum"] / tokens, "rollout/logprob_diff_max": largest,
-            "rollout/logprob_diff_frac": totals["diff_over"] / tokens}
+    return {
+        "rollout/logprob_diff_mean": float(diff.mean()),
+        "rollout/logprob_diff_max": float(diff.max()),
+        "rollout/logprob_diff_frac": float((diff > threshold).float().mean()),
+    }
 
 
 def truncated_importance_weights(trainer: torch.Tensor, sampler: torch.Tensor, cap: float) -> torch.Tensor:
