@@ -28,13 +28,28 @@ def test_presets_the_trainers_run_fit(preset):
     assert report["fits"] and report["memory"]["total_gb"] <= report["memory"]["usable_gb"]
 
 
-def test_grpo_at_scale_with_the_builtin_rollout_does_not_fit_exit_3():
-    """DeepSeek-V4's GRPO preset: its training step fits; the built-in rollout's whole-model replica on every
-    rank does not (docs/PLANNER.md, "Known gap"). Exit 3, the report saying why."""
-    result = mlite("deepseek_v4_flash_grpo")
-    assert result.returncode == 3, result.stderr
-    assert result.stdout.rstrip().splitlines()[-1].startswith("DOES NOT FIT")
-    assert "rollout replica" in result.stdout and "replicates the whole model on every rank" in result.stdout
+def test_dsv4_grpo_fits_on_one_node_engines_with_fp8_rollout_weights():
+    """DeepSeek-V4's GRPO preset rolls out on vLLM engines of 8 GPUs: bf16 weights (66 GB per GPU) would not
+    fit vLLM's 40 GB share, so the planner sends the linears and experts in FP8 (rollout.fp8_weights: auto,
+    about 33 GB per GPU) beside an fp8 KV cache. Forced to bf16 it does not fit, and the built-in engine's
+    whole-model replica on every rank does not either (docs/PLANNER.md, "Known gap"): exit 3 with why."""
+    fits = mlite("deepseek_v4_flash_grpo", "--json")
+    assert fits.returncode == 0, fits.stderr
+    report = json.loads(fits.stdout)
+    assert report["runs"]["rollout_fp8_weights"] is True and report["fits"]
+    engine = next(i for i in report["memory"]["rollout_items"] if i["name"].startswith("vLLM"))
+    weights = float(re.search(r"([\d.]+) GB of weights per GPU", engine["note"]).group(1))
+    assert 30 < weights < 36 and "fp8 KV cache for" in engine["note"]
+    assert "FP8 rollout weights" in " ".join(mlite("deepseek_v4_flash_grpo").stdout.split())
+
+    bf16 = mlite("deepseek_v4_flash_grpo", "--set", "rollout.fp8_weights=false")
+    assert bf16.returncode == 3 and "more than its 39.8 GB share" in bf16.stdout
+    assert "rollout.fp8_weights" in " ".join(bf16.stdout.split())  # the fix it names
+    builtin = mlite("deepseek_v4_flash_grpo", "--set", "rollout.engine=builtin", "--set", "rollout.tp=1")
+    assert builtin.returncode == 3, builtin.stderr
+    assert builtin.stdout.rstrip().splitlines()[-1].startswith("DOES NOT FIT")
+    assert "rollout replica" in builtin.stdout
+    assert "replicates the whole model on every rank" in builtin.stdout
 
 
 @pytest.mark.parametrize("preset, refusal", [

@@ -202,6 +202,9 @@ def test_grpo_twin_of_the_dsv4_template_matches_one_process_and_resumes_under_dp
                                    trainer={"steps": 3, "save_every": 2}).read_text())
     job["optimizer"] |= {"clip_grad": 1.0}
     job["cluster"]["host_memory_gb"] = 64  # the planner splits a node's host memory over its 8 ranks
+    # one response per micro-batch: the balance loss pools router statistics per micro-batch, and each dp
+    # rank packs its own responses, so only single-response micro-batches are the one process's
+    job["data"] |= {"dynamic_batch": False, "micro_batch_size": 1, "max_tokens_per_micro_batch": None}
     one, twin, resumed = twin_runs(job, tmp_path, "reward/mean")
     assert [r["step"] for r in one] == [1, 2, 3]
     assert_same_records(twin, one)

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's weight stream to vLLM 0.25.1 (mlite.runtime.ckpt.sync.tp_group_weights with `v4_fp8_at_sync`,
+"""DeepSeek-V4's weight stream to vLLM 0.25.1 (mlite.runtime.ckpt.sync.tp_group_weights with `v4_fp8`,
 mlite.trainers.grpo.vllm_adapter), on the CPU.
 
 What vLLM expects, read from its wheel (paths under vllm/models/deepseek_v4/ unless they say otherwise):
@@ -147,12 +147,22 @@ def test_the_rule_names_what_vllm_keeps_in_fp32_and_multiplies_in_fp8():
     other = ["layers.1.ffn.gate.weight", "layers.0.ffn.gate.tid2eid", "layers.1.attn.compressor.wkv.weight",
              "layers.1.attn.wo_b.weight", "embed.weight", "head.weight", "layers.1.attn.kv_norm.weight",
              "layers.1.ffn.experts.3.w1.weight", "layers.1.attn.wo_a.scale"]
-    assert all(sync.vllm_send_as(n, v4) == "fp32" for n in fp32 for v4 in (True, False))
-    assert all(sync.vllm_send_as(n, True) == "rollout" for n in other)
-    assert sync.vllm_send_as("layers.1.attn.wo_a.weight", True) == "fp8"
-    assert sync.vllm_send_as("layers.1.attn.wo_a.weight", False) == "rollout"
+    assert all(sync.vllm_send_as(n, v4) == "fp32" for n in fp32 for v4 in ("wo_a", "online", "linears"))
+    assert all(sync.vllm_send_as(n, "wo_a") == "rollout" for n in other)
+    assert sync.vllm_send_as("layers.1.attn.wo_a.weight", "wo_a") == "fp8"
+    assert sync.vllm_send_as("layers.1.attn.wo_a.weight", "online") == "rollout"
     assert all(sync.vllm_send_as(n, None) == "rollout" for n in [*fp32, "layers.1.attn.wo_a.weight"])
     assert sync.vllm_split_dim("layers.1.attn.wo_a.weight") is None  # quantised whole, on every rank
+    # rollout.fp8_weights: every linear DeepSeek's release keeps in FP8, and the routed experts
+    linears = ["layers.1.attn.wq_a.weight", "layers.1.attn.wq_b.weight", "layers.1.attn.wkv.weight",
+               "layers.1.attn.wo_a.weight", "layers.1.attn.wo_b.weight", "layers.1.attn.indexer.wq_b.weight",
+               "layers.1.ffn.shared_experts.w2.weight", "layers.1.ffn.experts.3.w1.weight",
+               "mtp.0.ffn.experts.0.w3.weight"]
+    kept = ["layers.1.attn.compressor.wkv.weight", "layers.1.attn.indexer.compressor.wkv.weight",
+            "layers.1.attn.indexer.weights_proj.weight", "layers.1.ffn.gate.weight", "embed.weight",
+            "head.weight", "layers.1.attn.kv_norm.weight", "layers.0.ffn.gate.tid2eid"]
+    assert all(sync.vllm_send_as(n, "linears") == "fp8" for n in linears)
+    assert all(sync.vllm_send_as(n, "linears") == "rollout" for n in kept)
 
 
 # ------------------------------------------------------------------------------------ one process
@@ -166,7 +176,7 @@ def one():
     trainer = dict(rt.export_weights(None))
     stats: dict = {}
     stream = list(sync.tp_group_weights(rt.held_models(), DTYPE, 1, rt.arch.num_kv_heads, stats,
-                                        v4_fp8_at_sync=True))
+                                        v4_fp8="wo_a"))
     return rt, trainer, stream, stats
 
 
@@ -210,7 +220,7 @@ def test_the_stream_carries_wo_a_as_fp8_and_its_scales(one):
 def test_without_v4_fp8_at_sync_wo_a_goes_in_the_rollout_dtype_and_fp32_stays(one):
     rt, trainer, _, _ = one
     stream = dict(sync.tp_group_weights(rt.held_models(), DTYPE, 1, rt.arch.num_kv_heads,
-                                        v4_fp8_at_sync=False))
+                                        v4_fp8="online"))
     assert sorted(stream) == sorted(trainer)
     for name, tensor in stream.items():
         if name in vllm_fp32_names(rt.arch):
@@ -223,11 +233,11 @@ def test_without_v4_fp8_at_sync_wo_a_goes_in_the_rollout_dtype_and_fp32_stays(on
 
 
 def test_the_runtime_streams_deepseek_v4_with_vllms_dtypes(one):
-    """What VLLMRollout.load_weights streams (Runtime.tp_group_weights with v4_fp8_at_sync): the runtime's
+    """What VLLMRollout.load_weights streams (Runtime.tp_group_weights with v4_fp8): the runtime's
     layout through the sync's rule; without the key, every float in the rollout dtype."""
     rt, _, stream, stats = one
     mine: dict = {}
-    got = list(rt.tp_group_weights(DTYPE, 1, mine, False, True))
+    got = list(rt.tp_group_weights(DTYPE, 1, mine, False, "wo_a"))
     assert [n for n, _ in got] == [n for n, _ in stream] and mine == stats
     assert all(torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
                for (_, a), (_, b) in zip(got, stream))
@@ -246,7 +256,7 @@ def test_the_engine_config_asks_vllm_for_fp8_where_the_sync_sends_it(one, tmp_pa
         "attn.fused_wqa_wkv", "attn.wq_b", "attn.wo_b", "attn.indexer.wq_b",
         "ffn.shared_experts.gate_up_proj", "ffn.shared_experts.down_proj", "ffn.experts")}
 
-    assert write_engine_config(tmp_path / "config.json", rt, DTYPE, True) == {}
+    assert write_engine_config(tmp_path / "config.json", rt, DTYPE, "wo_a") == {}
     config = json.loads((tmp_path / "config.json").read_text())
     quant = config["quantization_config"]
     assert config["model_type"] == "deepseek_v4" and config["expert_dtype"] == "fp8"  # float32 scales
@@ -254,7 +264,7 @@ def test_the_engine_config_asks_vllm_for_fp8_where_the_sync_sends_it(one, tmp_pa
     assert quant["activation_scheme"] == "dynamic"
     assert set(quant["ignored_layers"]) == others and not wanted & set(quant["ignored_layers"])
 
-    args = write_engine_config(tmp_path / "config.json", rt, DTYPE, False)
+    args = write_engine_config(tmp_path / "config.json", rt, DTYPE, "online")
     assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
     assert args["quantization"] == "online" and args["quantization_config"]["linear"] == "fp8_per_block"
     # vLLM's regex ignore (re.match of the pattern after "re:", compressed_tensors/utils.py:184-187)
@@ -509,10 +519,11 @@ def _worker(rank, world, root):
     rt = Runtime(job_from_dict(job(root / "v4", {"ep": 2})))
     out = {}
     for tp in (1, 2):
-        for fp8 in (True, False):
+        for fp8 in ("wo_a", "online", "linears")[:3 if tp == 1 else 2]:  # tiny widths: no 128-blocks at tp2
             stats: dict = {}
             out[tp, fp8] = [(n, t.clone()) for n, t in sync.tp_group_weights(
-                rt.held_models(), DTYPE, tp, rt.arch.num_kv_heads, stats, v4_fp8_at_sync=fp8)]
+                rt.held_models(), DTYPE, tp, rt.arch.num_kv_heads, stats, v4_fp8=fp8,
+                num_experts=rt.arch.moe.num_experts if fp8 == "linears" else None)]
     torch.save(out, root / f"rank{rank}.pt")
 
 
@@ -539,8 +550,7 @@ def two(tmp_path_factory):
     return arch, reference, [torch.load(root / f"rank{r}.pt") for r in range(2)]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("tp,fp8", [(1, "wo_a"), (1, "online"), (1, "linears"), (2, "wo_a"), (2, "online")])
 def test_across_ranks_the_fp32_tensors_arrive_unrounded_and_wo_a_as_fp8(two, tp, fp8):
     arch, reference, ranks = two
     expected = vllm_fp32_names(arch)
@@ -551,7 +561,7 @@ def test_across_ranks_the_fp32_tensors_arrive_unrounded_and_wo_a_as_fp8(two, tp,
         for name, want in reference.items():
             if name.startswith("mtp."):
                 continue
-            if sync.vllm_wants_fp8(name) and fp8:
+            if sync.vllm_send_as(name, fp8) == "fp8":
                 scale = got[name.removesuffix(".weight") + ".scale"]
                 back = dequantize(got[name], scale, block=(128, 128))
                 assert bool(((back - want).abs() <= fp8_bound(want, scale)).all()), (name, rank)
@@ -566,3 +576,20 @@ def test_across_ranks_the_fp32_tensors_arrive_unrounded_and_wo_a_as_fp8(two, tp,
                 assert tensor.dtype == torch.float32 and slab is None and torch.equal(tensor, want), name
             elif want.is_floating_point():
                 assert tensor.dtype == DTYPE and torch.equal(tensor[inside], want.to(DTYPE)[inside]), name
+
+
+def test_a_slab_sent_in_fp8_is_its_blocks_of_the_whole_and_zero_elsewhere():
+    """rollout.fp8_weights on an engine of several GPUs: a column-parallel linear's slab (here rows 128-255
+    of 256) goes as the whole tensor's FP8 blocks, which the consumer cuts with their scales; the rows it
+    does not read are zeros. A slab off the 128-wide blocks is refused (the planner refuses such a
+    rollout.tp first)."""
+    weight = torch.randn(256, 384)
+    whole = torch.full_like(weight, float("nan"))
+    whole[128:] = weight[128:]
+    (name, fp8, kept), (scale_name, scale, _) = sync._as_sent("x.w1.weight", whole, (0, 128, 256), "fp8")
+    assert name == "x.w1.weight" and scale_name == "x.w1.scale" and kept == 128 * 384
+    back = dequantize(fp8, scale, block=(128, 128))
+    assert bool(((back[128:] - weight[128:]).abs() <= fp8_bound(weight[128:], scale[1:])).all())
+    assert bool((back[:128] == 0).all())
+    with pytest.raises(MliteError, match="128-wide blocks"):
+        sync._as_sent("x.w1.weight", whole, (0, 64, 192), "fp8")

@@ -42,7 +42,10 @@ def steps(tmp_path, tokenizer_dir, world: int, parallel: dict) -> dict:
         for step in range(STEPS):
             metrics, ro = trainer.train_step(step)
             figures.append(metrics)
-            assert len(ro.completions) == job.rollout.n * job.rollout.prompts_per_step  # the whole step's
+            # its own prompts' whole groups only: every dp-th prompt of the step
+            assert ro.index == [i for i in range(ro.size) if (i // job.rollout.n) % runtime.dp_size
+                                == runtime.dp_rank]
+            assert len(ro.completions) == len(ro.index) == ro.size // runtime.dp_size
         generated_in_steps = trainer.engine.generated
         figures.append(trainer.evaluate())
         return {"figures": figures, "generated": generated_in_steps, "dp": runtime.dp_rank,

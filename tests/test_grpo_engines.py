@@ -22,6 +22,7 @@ from mlite.trainers.grpo.algorithm import (
     LossNorm,
     grpo_loss,
     logprob_mismatch,
+    mismatch_totals,
     truncated_importance_weights,
 )
 from mlite.trainers.grpo.prompts import render_prompts
@@ -101,16 +102,21 @@ def test_a_mismatched_sampler_is_measured_and_tis_corrects_the_loss(tmp_path, to
     assert plain["actor/pg_loss"] == pytest.approx(strict["actor/pg_loss"], rel=1e-6)  # a metric-only key
 
 
-def test_logprob_mismatch_figures():
+def test_logprob_mismatch_figures_from_totals_that_add_up_over_ranks():
     trainer = torch.tensor([-1.0, -2.0, -0.5, -3.0, -9.0])
     sampler = torch.tensor([-1.05, -1.8, -0.5, -3.3, 0.0])
     mask = torch.tensor([1, 1, 1, 1, 0])  # the last is a prompt position: not counted
-    m = logprob_mismatch(trainer, sampler, mask, threshold=0.1)
+    m = logprob_mismatch(mismatch_totals(trainer, sampler, mask, threshold=0.1))
     assert m["rollout/logprob_diff_mean"] == pytest.approx((0.05 + 0.2 + 0 + 0.3) / 4)
     assert m["rollout/logprob_diff_max"] == pytest.approx(0.3)
     assert m["rollout/logprob_diff_frac"] == pytest.approx(0.5)
-    assert logprob_mismatch(trainer, sampler, mask, threshold=0.25)["rollout/logprob_diff_frac"] == 0.25
-    assert logprob_mismatch(trainer, sampler, torch.zeros(5), 0.1) == {}
+    over = logprob_mismatch(mismatch_totals(trainer, sampler, mask, 0.25))
+    assert over["rollout/logprob_diff_frac"] == 0.25
+    assert logprob_mismatch(mismatch_totals(trainer, sampler, torch.zeros(5), 0.1)) == {}
+    # two data-parallel ranks' halves: sums added, maxima maxed, give the whole's figures
+    halves = [mismatch_totals(trainer[s], sampler[s], mask[s], 0.1) for s in (slice(0, 2), slice(2, 5))]
+    pooled = {k: (max if k == "max" else sum)(h[k] for h in halves) for k in halves[0]}
+    assert logprob_mismatch(pooled) == pytest.approx(m)
 
 
 def test_truncated_importance_weights_are_the_capped_ratio():

@@ -72,35 +72,30 @@ def test_update_is_the_same_however_the_step_is_cut_into_micro_batches(tmp_path,
     assert m1["actor/pg_loss"] == pytest.approx(m2["actor/pg_loss"], rel=1e-5, abs=1e-7)
 
 
-def test_under_data_parallel_each_rank_packs_its_own_share_in_lockstep():
-    """GRPO's update under dp: every rank holds the whole rollout and trains on its share only, so dp adds
-    throughput. The shares partition the mini-batch, every rank has the same number of micro-batches (its
-    collectives stay in lockstep), and a micro-batch left without a sequence is one pad token with no
-    target and zero extras."""
-    def shares(lengths, dp):
-        seqs = [list(range(1, n + 1)) for n in lengths]
-        masks = [[0] + [1] * (n - 1) for n in lengths]
-        extras = {"advantages": [torch.full((n,), float(i)) for i, n in enumerate(lengths)]}
-        packed = [pack_micro_batches(seqs, masks, extras, 48, dp_size=dp, dp_rank=r) for r in range(dp)]
-        chosen = sorted(i for share in packed for idx, _ in share for i in idx)
-        assert chosen == list(range(len(seqs)))  # each sequence trained once, on one rank
-        assert len({len(share) for share in packed}) == 1  # lockstep
-        for share in packed:
-            for idx, batch in share:
-                assert batch.num_tokens <= 48
-                if idx:
-                    want = torch.cat([extras["advantages"][i] for i in idx])
-                    assert torch.equal(batch.extras["advantages"], want)
-                else:  # the pad: nothing to learn from
-                    assert batch.num_tokens == 1 and bool((batch.labels == IGNORE).all())
-                    assert torch.equal(batch.extras["advantages"], torch.zeros(1))
-        return packed
-
-    cut = shares([40, 30, 20, 5], dp=2)  # 50 tokens on one rank: two micro-batches on both
-    assert [len(share) for share in cut] == [2, 2]
-    padded = shares([40, 30], dp=3)  # the third rank has no sequence: one pad micro-batch keeps it in step
-    assert [[idx for idx, _ in share] for share in padded] == [[[0]], [[1]], [[]]]
-    assert [idx for idx, _ in pack_micro_batches([[1, 2]], [[0, 1]], {}, 48)] == [[0]]  # one rank: no pad
+def test_a_rank_packs_its_own_sequences_and_fills_up_to_the_ranks_count():
+    """GRPO under dp: each rank packs only its own responses, then fills up with one-pad-token micro-batches
+    (no target, zero extras) to the count of the dp rank with the most, so the ranks' collectives stay in
+    lockstep. Every sequence is packed once, and no micro-batch exceeds the budget."""
+    lengths = [40, 30, 20, 5]
+    seqs = [list(range(1, n + 1)) for n in lengths]
+    masks = [[0] + [1] * (n - 1) for n in lengths]
+    extras = {"advantages": [torch.full((n,), float(i)) for i, n in enumerate(lengths)]}
+    alone = pack_micro_batches(seqs, masks, extras, 48)
+    assert sorted(i for idx, _ in alone for i in idx) == [0, 1, 2, 3]
+    assert len(alone) == 3  # 95 tokens, at most 48 each
+    filled = pack_micro_batches(seqs, masks, extras, 48, micro_batches=5)
+    assert [idx for idx, _ in filled][:3] == [idx for idx, _ in alone] and len(filled) == 5
+    for idx, batch in filled:
+        assert batch.num_tokens <= 48
+        if idx:
+            assert torch.equal(batch.extras["advantages"], torch.cat([extras["advantages"][i] for i in idx]))
+        else:  # a filler: nothing to learn from
+            assert batch.num_tokens == 1 and bool((batch.labels == IGNORE).all())
+            assert torch.equal(batch.extras["advantages"], torch.zeros(1))
+    # a rank that owns no response this step trains on fillers only, as many as the others' micro-batches
+    assert [idx for idx, _ in pack_micro_batches([], [], extras, 48, micro_batches=2)] == [[], []]
+    fewer = pack_micro_batches(seqs, masks, extras, 48, micro_batches=1)  # never fewer than its own
+    assert [idx for idx, _ in fewer] == [idx for idx, _ in alone]
 
 
 def test_first_update_is_on_policy_and_later_epochs_clip(tmp_path, tokenizer):

@@ -54,8 +54,10 @@ def test_published_layouts_are_valid_and_fit(preset, world, dp, edp, layers, ref
             plan_job(load_job(preset))  # the verdict: the trainers refuse it at start-up
 
 
-@pytest.mark.parametrize("preset, overrides", [("deepseek_v4_flash_grpo", []),
-                                               ("qwen3_30b_a3b_sft", ["job=grpo"])])
+@pytest.mark.parametrize("preset, overrides", [
+    ("deepseek_v4_flash_grpo", ["rollout.engine=builtin", "rollout.tp=1"]),
+    ("qwen3_30b_a3b_sft", ["job=grpo"]),
+])
 def test_grpo_at_scale_does_not_fit_the_builtin_rollouts_whole_model_replica(preset, overrides):
     """The built-in rollout on several ranks decodes with a plain fp32 replica of the whole model on every
     rank (Runtime.rollout_model): the training step of the GRPO templates fits, their rollout cannot, and the
@@ -306,7 +308,8 @@ REJECTIONS = [  # the layout (check_layout)
     ("qwen3_30b_a3b_sft", ["cluster.nodes=8", "parallel.pp=64", "parallel.ep=1"],
      r"pp=64 exceeds the model's 48 layers"),
     ("deepseek_v4_flash_grpo", ["rollout.max_response_length=20000"], r"exceeds data.seq_len=16384"),
-    ("deepseek_v4_flash_grpo", ["rollout.tp=2"], r"rollout.tp > 1 needs rollout.engine: vllm"),
+    ("deepseek_v4_flash_grpo", ["rollout.engine=builtin", "rollout.tp=2"],
+     r"rollout.tp > 1 needs rollout.engine: vllm"),
 ] + [  # what the trainers run (check_runtime): valid layouts they refuse
     ("qwen3_235b_a22b_sft", ["optimizer.backend=dist_opt"], DIST_OPT),
     ("demo_sft", ["cluster.gpus_per_node=2", "parallel.pp=2"],

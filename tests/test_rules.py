@@ -175,6 +175,13 @@ BAD_JOBS = [
     ("rollout-tp-world", "demo_grpo", ["cluster.gpu=h100", "trainer.device=cuda", "cluster.gpus_per_node=2",
                                        "rollout.engine=vllm", "rollout.tp=4"],
      "rollout.tp=4 does not divide the world size 2", None),
+    ("fp8-weights-dense", "demo_grpo", ["cluster.gpu=h100", "trainer.device=cuda", "rollout.engine=vllm",
+                                        "rollout.fp8_weights=true"],
+     "rollout.fp8_weights: true sends DeepSeek-V4's linears and experts to vLLM in FP8, and this job trains "
+     "tiny-qwen3", None),
+    ("fp8-weights-blocks", "deepseek_v4_flash_grpo", ["rollout.fp8_weights=true", "rollout.tp=32",
+                                                      "rollout.span_nodes=true"],
+     "the shared experts' width 2048 is not a multiple of 128 x rollout.tp=32", None),
     ("tied-pp", "demo_sft", ["cluster.gpus_per_node=2", "parallel.pp=2"],
      "tied embeddings (tie_word_embeddings) with pp=2 are not supported yet", None),
     ("no-native-model", "deepseek_v4_flash_sft", ["model.name=deepseek-v3", "parallel.pp=1",
@@ -319,6 +326,8 @@ for preset, overrides in jobs:
         pass
     policy.grad_reduce_dtype(job), policy.compute_dtype(job, "cpu")
     policy.process_group(job, 2), policy.fsdp_units(job, 2), policy.rollout_expert_parallel(job, arch)
+    policy.vllm_v4_fp8(job, arch), policy.vllm_fp8_misfit(arch, 8, False)
+    policy.vllm_weight_bytes(arch, 2, True)
     try:
         rules.check_dist_opt_adapter(job, job.parallel)
     except MliteError:

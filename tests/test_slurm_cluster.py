@@ -327,6 +327,8 @@ def dsv4_grpo_knobs(assets, output_root: Path, steps: int = DSV4_STEPS) -> dict[
         "SEQ_LEN": "64",
         "ROLLOUT_N": "4",
         "PROMPTS_PER_STEP": "2",
+        "ROLLOUT_ENGINE": "builtin",  # on the CPU: the template's vLLM engines need GPUs
+        "ROLLOUT_TP": "1",
         "MAX_PROMPT_LEN": "48",
         "MAX_RESPONSE_LEN": "8",
         # a dense reward for an untrained model (the visible length of the response): advantages are not 0

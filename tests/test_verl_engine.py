@@ -29,8 +29,9 @@ def verl_cpu():
         platform_manager.set_platform(PlatformCPU())
 
 
-def build_engine(model_dir, lr=1e-2, dtype="float32"):
-    verl_cpu()
+def build_engine(model_dir, lr=1e-2, dtype="float32", device="cpu"):
+    if device == "cpu":
+        verl_cpu()
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
@@ -41,7 +42,7 @@ def build_engine(model_dir, lr=1e-2, dtype="float32"):
         model_type="language_model",
         backend="mlite",
         model_config=HFModelConfig(path=str(model_dir)),
-        engine_config=MliteEngineConfig(device="cpu", dtype=dtype, seed=1),
+        engine_config=MliteEngineConfig(device=device, dtype=dtype, seed=1),
         optimizer_config=FSDPOptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0, total_training_steps=4),
         checkpoint_config=CheckpointConfig(),
     )
@@ -252,6 +253,41 @@ def test_offload_moves_what_verl_asks_for(model_dir):
     assert all(p.device.type == "cpu" and p.grad.device.type == "cpu" for p in params)
     assert state["exp_avg"].device.type == "meta" and state["exp_avg_sq"].shape == params[0].shape
     assert state["step"].device.type == "cpu"  # Adam's step count stays where the optimizer reads it
+
+
+@pytest.mark.gpu
+def test_offload_hooks_on_a_gpu_leave_it_and_come_back_bit_for_bit(model_dir, monkeypatch):
+    """verl's offload around its rollouts, on a GPU: `to("cpu")` moves the weights, gradients and Adam state
+    to pinned host memory (the GPU's allocated bytes fall by at least the weights and both moments), and
+    `to("cuda")` brings them back. The next steps equal those of an engine that never moved, bit for bit."""
+    from verl.workers.utils.losses import sft_loss
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, as trainer.deterministic
+
+    def run(offload: bool):
+        engine = build_engine(model_dir, dtype="bfloat16", device="cuda")
+        norms, moved = [], None
+        for step in range(3):
+            with engine.train_mode(zero_grad_on_exit=False):
+                out = engine.train_batch(verl_batch(), partial(sft_loss, config=None))
+            norms.append(out["metrics"]["grad_norm"])
+            if offload and step == 1:
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                engine.to("cpu")
+                moved = before - torch.cuda.memory_allocated()
+                assert all(p.device.type == "cpu" for p in engine.module.parameters())
+                engine.to("cuda")
+                assert all(p.device.type == "cuda" for p in engine.module.parameters())
+        weights = flat_params(engine.module).cpu()
+        del engine
+        torch.cuda.empty_cache()
+        return norms, weights, moved
+
+    want_norms, want_weights, _ = run(offload=False)
+    norms, weights, moved = run(offload=True)
+    assert moved >= 0.9 * 3 * 4 * weights.numel()  # the fp32 weights, exp_avg and exp_avg_sq left
+    assert norms == want_norms and torch.equal(weights, want_weights)
 
 
 def _ranks_before_and_after_initialize(rank, world, model_dir, reference, weights):

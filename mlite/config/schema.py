@@ -347,6 +347,10 @@ class RolloutConfig(Section):
     # the rollout needs the room (the planner's choice, mlite.plan.memory)
     offload_trainer: Literal["auto"] | bool = "auto"
     v4_fp8_at_sync: bool = True  # vLLM, DeepSeek-V4: the sync sends wo_a as FP8 (false: vLLM quantises it)
+    # vLLM, DeepSeek-V4: the sync sends every linear DeepSeek's release keeps in FP8, and the routed experts,
+    # as block-FP8 (128x128, float32 scales): the engine holds about half the bytes of bf16. `auto`: where
+    # bf16 weights do not fit vLLM's share (the planner's choice, mlite.plan.memory)
+    fp8_weights: Literal["auto"] | bool = "auto"
 
     @model_validator(mode="after")
     def _val_sampling(self):
@@ -355,6 +359,11 @@ class RolloutConfig(Section):
                 "rollout.offload_trainer: true moves the trainer off the GPU while vLLM generates, and the "
                 "built-in engine generates with the trainer's own weights; use rollout.engine vllm, or "
                 "remove rollout.offload_trainer"
+            )
+        if self.fp8_weights is True and not self.v4_fp8_at_sync:
+            raise ValueError(
+                "rollout.fp8_weights: true has the weight sync quantise the linears, and "
+                "rollout.v4_fp8_at_sync: false has vLLM quantise them; remove one of the two"
             )
         if self.val_n > 1 and self.val_temperature == 0:
             raise ValueError(

@@ -97,6 +97,7 @@ class Plan:
             "equal_micro_batch_lengths": self.equal_micro_batch_lengths,
             "context_chunk": self.context_chunk if self.layout.cp > 1 else None,
             "offload_trainer": self.memory.offload_trainer,
+            "rollout_fp8_weights": self.memory.rollout_fp8_weights,
             "recompute": {"granularity": r.granularity, "method": r.method, "num_layers": r.num_layers},
             "resolved": list(self.resolved),
         }
@@ -166,6 +167,7 @@ def _resolve(job: JobConfig, world: World, memory: MemoryEstimate) -> tuple[JobC
         choices["parallel.fsdp_grad_accumulation"] = memory.fsdp_grad_accumulation or "sharded"
     if memory.offload_trainer is not None:  # a vLLM rollout
         choices["rollout.offload_trainer"] = memory.offload_trainer
+        choices["rollout.fp8_weights"] = memory.rollout_fp8_weights
     sections: dict[str, dict[str, Any]] = {}
     for key, value in choices.items():
         section, name = key.split(".")

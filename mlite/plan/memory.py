@@ -14,7 +14,15 @@ from mlite.config.arch import V4_CSA, V4_DENSE_ENTRIES_PER_PICK, V4_KEY_SET_LOGI
 from mlite.config.backends import backend_traits
 from mlite.config.catalog import count_params, embedding_params, final_params, layer_params
 from mlite.config.schema import JobConfig
-from mlite.plan.policy import SYNC_BUCKET_BYTES, expert_exchange, fsdp_units, grad_reduce_dtype
+from mlite.plan.policy import (
+    SYNC_BUCKET_BYTES,
+    expert_exchange,
+    fsdp_units,
+    grad_reduce_dtype,
+    rollout_expert_parallel,
+    vllm_fp8_misfit,
+    vllm_weight_bytes,
+)
 from mlite.plan.rules import Layout
 
 GIB = 2**30
@@ -55,6 +63,9 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 # the rollout item that says vLLM's weights exceed its share of the GPU (no total makes that fit)
 VLLM_SHORT = "vLLM weights beyond its share"
+# of vLLM's share, what its forward's activations and sampler take at the profile run, beside the weights
+# and the KV cache (about 1-2 GB at a few thousand batched tokens)
+VLLM_WORKSPACE_GB = 2.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,9 @@ class MemoryEstimate:
     # whether the trainer waits on the host while vLLM generates (rollout.offload_trainer, `auto` resolved
     # here); None without a vLLM rollout
     offload_trainer: bool | None = None
+    # whether a DeepSeek-V4 vLLM engine holds its linears and experts in FP8 (rollout.fp8_weights, `auto`
+    # resolved here); None without a vLLM rollout
+    rollout_fp8_weights: bool | None = None
     notes: list[str] = field(default_factory=list)
     # how FSDP2 accumulates a step of several micro-batches (parallel.fsdp_grad_accumulation, `auto`
     # resolved here); None where no FSDP2 shards are accumulated into (one micro-batch, dist_opt)
@@ -124,6 +138,7 @@ class MemoryEstimate:
         return {
             "stage": self.stage, "fits": self.fits, "total_gb": self.total_gb, "train_gb": self.train_gb,
             "rollout_gb": self.rollout_gb, "sync_gb": self.sync_gb, "offload_trainer": self.offload_trainer,
+            "rollout_fp8_weights": self.rollout_fp8_weights,
             "capacity_gb": self.capacity_gb, "usable_gb": self.usable_gb,
             "host_total_gb": self.host_total_gb, "host_capacity_gb": self.host_capacity_gb,
             "items": [asdict(i) for i in self.items],
@@ -431,6 +446,7 @@ class RolloutPhases:
     sync: list[MemoryItem] = field(default_factory=list)
     offload_trainer: bool | None = None  # vLLM only: the trainer waits on the host while it generates
     host_gb: float = 0.0  # per GPU, the trainer's state on the host during the rollout
+    fp8_weights: bool | None = None  # vLLM only: the engine holds DeepSeek-V4's linears and experts in FP8
 
 
 def _rollout_phases(job: JobConfig, arch: ModelArch, layout: Layout, stage: int, resident: list[MemoryItem],
@@ -472,11 +488,19 @@ def _vllm_phases(job: JobConfig, arch: ModelArch, layout: Layout, trainer: list[
     rest of the trainer is on the host by then)."""
     r = job.rollout
     share = r.gpu_memory_utilization * capacity_gb
-    weights_gb = count_params(arch).total * DTYPE_BYTES[job.precision.compute] / r.tp / GIB
+    dtype_bytes = DTYPE_BYTES[job.precision.compute]
+    fp8 = r.fp8_weights
+    if fp8 == "auto":  # DeepSeek-V4 only: FP8 where the engine's weights in the rollout dtype do not fit
+        bf16_gb = vllm_weight_bytes(arch, dtype_bytes, False) / r.tp / GIB
+        fp8 = (arch.v4 is not None and bf16_gb > share * HEADROOM
+               and vllm_fp8_misfit(arch, r.tp, rollout_expert_parallel(job, arch)) is None)
+    weights_gb = vllm_weight_bytes(arch, dtype_bytes, fp8) / r.tp / GIB
     engines = layout.world // r.tp
+    kind = "FP8 linears and experts, " if fp8 else ""
     vllm = MemoryItem("vLLM (weights + KV cache)", share,
                       f"rollout.gpu_memory_utilization x {capacity_gb:.0f} GB; {engines} engine(s) of "
-                      f"rollout.tp={r.tp}, {weights_gb:.1f} GB of weights per GPU")
+                      f"rollout.tp={r.tp}, {weights_gb:.1f} GB of weights per GPU ({kind}"
+                      f"{_vllm_kv_room(job, arch, share - weights_gb)})")
     resident_gb = sum(i.gb for i in trainer)
     offload = r.offload_trainer
     if offload == "auto":
@@ -487,21 +511,38 @@ def _vllm_phases(job: JobConfig, arch: ModelArch, layout: Layout, trainer: list[
                      "tensor-parallel all-reduces cross the network at every decode step")
     extra = []
     if weights_gb > share * HEADROOM:
+        v4_fix = ", or set rollout.fp8_weights: true" if arch.v4 is not None and not fp8 else ""
         notes.append(f"vLLM needs {weights_gb:.1f} GB per GPU for weights at rollout.tp={r.tp}, "
                      f"more than its {share:.1f} GB share: raise rollout.tp or "
-                     "rollout.gpu_memory_utilization")
+                     f"rollout.gpu_memory_utilization{v4_fix}")
         extra = [MemoryItem(VLLM_SHORT, weights_gb - share * HEADROOM, "does not fit: vLLM fails to start")]
     if not offload:
-        return RolloutPhases(trainer + [vllm] + extra, offload_trainer=False)
+        return RolloutPhases(trainer + [vllm] + extra, offload_trainer=False, fp8_weights=fp8)
     read = [i for i in trainer if i.name in ("trainer: weights", "trainer: master weights")][:1]
     sync = [MemoryItem(i.name, i.gb, "read by the weight sync") for i in read]
-    sync.append(MemoryItem("vLLM weights", weights_gb, f"rollout dtype, 1/rollout.tp={r.tp} of the model"))
+    held = "FP8 linears and experts" if fp8 else "rollout dtype"
+    sync.append(MemoryItem("vLLM weights", weights_gb, f"{held}, 1/rollout.tp={r.tp} of the model"))
     sync.append(MemoryItem("sync bucket", SYNC_BUCKET_BYTES / GIB, "whole-shaped tensors in flight"))
     cpu = job.cluster.gpu == "cpu"
     sync.append(MemoryItem("framework overhead", CPU_OVERHEAD_GB if cpu else GPU_OVERHEAD_GB,
                            "CUDA context, vLLM's own buffers, workspaces"))
     host = MemoryItem("trainer: on the host", 0.0, f"{resident_gb:.1f} GB per GPU in pinned host memory")
-    return RolloutPhases([host, vllm] + extra, sync, offload_trainer=True, host_gb=resident_gb)
+    return RolloutPhases([host, vllm] + extra, sync, offload_trainer=True, host_gb=resident_gb,
+                         fp8_weights=fp8)
+
+
+def _vllm_kv_room(job: JobConfig, arch: ModelArch, room_gb: float) -> str:
+    """What vLLM's share holds beside the weights, in sequences of the longest length: its KV cache in fp8
+    for DeepSeek-V4 (its only sm90 attention, FlashMLA, reads fp8_ds_mla), else the rollout dtype. Every
+    engine rank holds V4's one shared KV head of every layer."""
+    r = job.rollout
+    length = r.max_prompt_length + r.max_response_length
+    v4 = arch.v4 is not None
+    kv_bytes = sum(_kv_bytes_per_sequence(arch, i, length, 1 if v4 else DTYPE_BYTES[job.precision.compute])
+                   for i in range(arch.num_layers))
+    per_gpu = kv_bytes if v4 or arch.mla is not None else kv_bytes / r.tp
+    sequences = max(0.0, room_gb - VLLM_WORKSPACE_GB) * GIB / per_gpu
+    return f"{'fp8 ' if v4 else ''}KV cache for {sequences:.0f} sequences of {length} tokens"
 
 
 def _kv_bytes_per_sequence(arch: ModelArch, layer: int, length: int, act: int) -> float:
@@ -605,7 +646,8 @@ def _estimate(job: JobConfig, arch: ModelArch, layout: Layout, accumulation: str
     return MemoryEstimate(stage=worst, items=items, capacity_gb=capacity, host_items=host_items,
                           host_capacity_gb=c.host_memory_gb, stage_totals_gb=totals,
                           rollout_items=phases.rollout, sync_items=phases.sync,
-                          offload_trainer=phases.offload_trainer, notes=notes,
+                          offload_trainer=phases.offload_trainer, rollout_fp8_weights=phases.fp8_weights,
+                          notes=notes,
                           fsdp_grad_accumulation=accumulation,
                           fsdp_unit_layers=job.parallel.fsdp_unit_layers,
                           fsdp_reshard_after_forward=job.parallel.fsdp_reshard_after_forward)

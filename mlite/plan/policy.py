@@ -8,12 +8,17 @@ the job with them once, so the runtime reads the choice from the plan instead of
     process_group(job, world_size)               # whether the run starts a process group and meshes
     fsdp_units(job, world_size)                  # whether its parameters live in FSDP2 units
     compute_dtype(job, device_type)              # what the run computes in
+    rollout_expert_parallel(job, arch)           # whether vLLM engines split the experts whole
+    vllm_v4_fp8(job, arch)                       # how a DeepSeek-V4 engine gets its FP8 weights
+    vllm_fp8_misfit(arch, tp, expert_parallel)   # what an engine's FP8 blocks would cut, if anything
+    vllm_weight_bytes(arch, dtype_bytes, fp8)    # the bytes of the weights a vLLM engine holds
 """
 
 from __future__ import annotations
 
 from mlite.config.arch import ModelArch
 from mlite.config.backends import backend_traits
+from mlite.config.catalog import count_params, layer_params
 from mlite.config.schema import JobConfig
 
 
@@ -69,6 +74,46 @@ def rollout_expert_parallel(job: JobConfig, arch: ModelArch) -> bool:
     if r is None or r.engine != "vllm" or arch.moe is None or r.tp == 1:
         return False
     return r.expert_parallel if isinstance(r.expert_parallel, bool) else True
+
+
+def vllm_v4_fp8(job: JobConfig, arch: ModelArch) -> str | None:
+    """How a DeepSeek-V4 vLLM engine gets the FP8 weights it multiplies with (mlite.runtime.ckpt.sync
+    .vllm_send_as): "linears" (rollout.fp8_weights: the sync sends every release-FP8 linear and the routed
+    experts in FP8), "wo_a" (the sync sends wo_a in FP8: rollout.v4_fp8_at_sync), "online" (vLLM quantises
+    wo_a itself); None for any other model or engine. Reads the plan's job (fp8_weights `auto` resolved)."""
+    r = job.rollout
+    if r is None or r.engine != "vllm" or arch.v4 is None:
+        return None
+    if r.fp8_weights is True:
+        return "linears"
+    return "wo_a" if r.v4_fp8_at_sync else "online"
+
+
+def vllm_fp8_misfit(arch: ModelArch, tp: int, expert_parallel: bool) -> str | None:
+    """What an engine of `tp` GPUs would cut off FP8's 128-wide blocks (vLLM's block-FP8 linears need each
+    rank's share of a split dimension in whole blocks), or None: DeepSeek-V4's attention is whole on every
+    engine rank; the shared experts' width, and the routed experts' unless they go whole (expert parallel),
+    are split by tp."""
+    widths = {"the shared experts' width": arch.moe.shared_expert_ffn} if arch.moe else {}
+    if arch.moe and not expert_parallel:
+        widths["the routed experts' width"] = arch.moe.expert_ffn
+    for what, width in widths.items():
+        if width and width % (128 * tp):
+            return f"{what} {width} is not a multiple of 128 x rollout.tp={tp}"
+    return None
+
+
+def vllm_weight_bytes(arch: ModelArch, dtype_bytes: int, fp8: bool) -> float:
+    """The bytes of a whole vLLM engine's weights (MTP layers aside: the rollout does not speculate): every
+    parameter in the rollout dtype, or with `fp8` (DeepSeek-V4's "linears") the attention projections, the
+    shared and routed experts in one byte plus a float32 scale per 128x128 block (the compressors'
+    projections, which stay in the rollout dtype, counted with the attention's: under 1% of the model)."""
+    total = count_params(arch).total
+    if not fp8:
+        return total * dtype_bytes
+    quantised = sum(p.attention + p.mlp + p.experts
+                    for p in (layer_params(arch, i) for i in range(arch.num_layers)))
+    return (total - quantised) * dtype_bytes + quantised * (1 + 4 / (128 * 128))
 
 
 def process_group(job: JobConfig, world_size: int) -> bool:

@@ -97,6 +97,8 @@ def runs_line(plan: Plan) -> str:
         parts.append(f"cp chunks of {c['context_chunk']}-row multiples")
     if c["offload_trainer"]:
         parts.append("offload trainer during rollout")
+    if c["rollout_fp8_weights"]:
+        parts.append("FP8 rollout weights")
     r = c["recompute"]
     recompute = r["granularity"] if r["granularity"] != "full" else f"full ({r['method']}, {r['num_layers']})"
     parts.append(f"recompute {recompute}")

@@ -39,6 +39,7 @@ from mlite.config.arch import V4_CSA, ModelArch
 from mlite.config.backends import backend_traits
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
+from mlite.plan.policy import rollout_expert_parallel, vllm_fp8_misfit
 
 MATRIX = "docs/PLANNER.md, backend matrix"
 
@@ -427,6 +428,24 @@ def check_recompute(job: JobConfig, chunks: list[list[int]]) -> None:
         )
 
 
+def check_rollout_fp8(job: JobConfig, arch: ModelArch) -> None:
+    """rollout.fp8_weights: true sends DeepSeek-V4's release-FP8 linears and experts to vLLM in FP8, so it
+    needs a V4 model on vLLM, and engine ranks whose shares of the split widths are whole 128-wide blocks."""
+    r = job.rollout
+    if r.fp8_weights is not True:
+        return
+    if r.engine != "vllm" or arch.v4 is None:
+        what = "rolls out on the built-in engine" if r.engine != "vllm" else f"trains {arch.name}"
+        raise MliteError(
+            f"rollout.fp8_weights: true sends DeepSeek-V4's linears and experts to vLLM in FP8, and this job "
+            f"{what}; remove rollout.fp8_weights"
+        )
+    misfit = vllm_fp8_misfit(arch, r.tp, rollout_expert_parallel(job, arch))
+    if misfit:
+        raise MliteError(f"rollout.fp8_weights: true, but {misfit}: vLLM's FP8 blocks would be cut; choose a "
+                         "rollout.tp that divides it in 128-wide blocks, or remove rollout.fp8_weights")
+
+
 def check_rollout(job: JobConfig, arch: ModelArch, world_size: int) -> None:
     """GRPO's rollout shape against the layout, by design (which engine runs: check_rollout_engine)."""
     if job.rollout is None:
@@ -447,6 +466,7 @@ def check_rollout(job: JobConfig, arch: ModelArch, world_size: int) -> None:
             f"rollout.expert_parallel: true splits a MoE model's experts over a vLLM engine's ranks, and "
             f"this job {what}; remove rollout.expert_parallel"
         )
+    check_rollout_fp8(job, arch)
     per_node = job.cluster.gpus_per_node
     if r.tp > per_node and not r.span_nodes:
         raise MliteError(

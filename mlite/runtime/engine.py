@@ -124,6 +124,16 @@ class Runtime:
         torch.distributed.all_reduce(t, group=group)
         return t if tensor else t.item()
 
+    def dp_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        """Numbers summed (op "sum") or maximised ("max") over the data-parallel ranks, in one collective;
+        the ranks of one dp rank (tp, cp, pp) hold the same numbers, so each is counted once."""
+        if self.dp_size == 1 or not values:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
+        torch.distributed.all_reduce(t, op=reduce_op, group=self.dp_group)
+        return t.tolist()
+
     def close(self, clean: bool = True) -> None:
         """End the process group if this runtime started it (a no-op for one process); `clean=False`
         after an error (no closing barrier). Python's automatic garbage collection comes back on."""
@@ -139,12 +149,14 @@ class Runtime:
         with_entropy: bool = False,
         temperature: float = 1.0,
         ends_step: bool = True,
+        aux_weights: list[float] | None = None,
     ) -> list[dict[str, Any]]:
         """Run each micro-batch forward (and backward unless forward_only); gradients accumulate
         (mlite.runtime.forward.forward_backward). `ends_step` False: another call adds micro-batches to
-        this optimizer step, so the gradients are not reduced yet."""
+        this optimizer step, so the gradients are not reduced yet. `aux_weights`: each micro-batch's
+        weight in the step's MoE balance loss (default: the mean over micro-batches and dp ranks)."""
         return forward.forward_backward(self, micro_batches, loss_fn, forward_only, with_entropy, temperature,
-                                        ends_step)
+                                        ends_step, aux_weights)
 
     def set_gradient_sync(self, chunk: int, last: bool) -> None:
         """Whether the next backward through pipeline chunk `chunk` (0 without a pipeline) is the step's last:
@@ -285,13 +297,13 @@ class Runtime:
         return self.optim.weight_shards(dtype)
 
     def tp_group_weights(self, dtype: torch.dtype | None, tp_size: int, stats: dict | None = None,
-                         expert_parallel: bool = False, v4_fp8_at_sync: bool | None = None
+                         expert_parallel: bool = False, v4_fp8: str | None = None
                          ) -> Iterator[tuple[str, torch.Tensor]]:
         """For a rollout engine of `tp_size` consecutive ranks (collective, every rank drains it): each HF
         tensor in full shape, holding the slab this rank's engine reads (NaN elsewhere); with
-        `expert_parallel`, the engine's experts whole on the rank that holds them; `v4_fp8_at_sync`:
+        `expert_parallel`, the engine's experts whole on the rank that holds them; `v4_fp8`:
         DeepSeek-V4 in vLLM's dtypes (mlite.runtime.ckpt.sync.vllm_send_as)."""
-        return self.optim.tp_group_weights(dtype, tp_size, stats, expert_parallel, v4_fp8_at_sync)
+        return self.optim.tp_group_weights(dtype, tp_size, stats, expert_parallel, v4_fp8)
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:

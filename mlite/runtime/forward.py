@@ -5,8 +5,10 @@ the step's loss (normalised by global counts, see mlite.runtime.loss.sft_loss), 
 over micro-batches and data-parallel ranks gives the exact gradient of the step's loss. `aux_loss` is this
 micro-batch's share of a MoE model's balance loss, weighted here, once for every trainer: the step's balance
 loss is its mean over the micro-batches of every data-parallel rank, so each share is 1 / (micro-batches x
-dp) of the micro-batch's value. The loss_fn adds it. Under pipeline parallel the stages back-propagate
-their own terms of it (mlite.runtime.parallel.pipeline) and the loss_fn receives 0.
+dp) of the micro-batch's value, or the caller's `aux_weights` (a trainer whose ranks hold different numbers
+of real micro-batches gives 0 to the fillers that keep them in lockstep). The loss_fn adds it. Under pipeline
+parallel the stages back-propagate their own terms of it (mlite.runtime.parallel.pipeline) and the loss_fn
+receives 0.
 
 Each rank computes its share of a micro-batch (mlite.runtime.parallel.step.local_share: padded for sequence
 parallel, zigzag-split for context parallel); `whole_stream` turns the share's per-token outputs back into
@@ -67,6 +69,7 @@ def forward_backward(
     with_entropy: bool = False,
     temperature: float = 1.0,
     ends_step: bool = True,
+    aux_weights: list[float] | None = None,
 ) -> list[dict[str, Any]]:
     """Per micro-batch: {"loss", "metrics", "logprobs" [T], "entropy" [T] or None, "num_tokens"}; log-probs
     of IGNORE labels are 0. With loss_fn None (forward_only), only the log-probs are computed. `ends_step`
@@ -79,15 +82,16 @@ def forward_backward(
     if rt.placement.equal_lengths:
         padded = equal_lengths(fulls, rt.placement.host_group)
     shares = [local_share(b, rt.mesh, rt.plan.context_chunk) for b in padded]
-    aux_weight = 1.0 / (len(fulls) * rt.dims.dp)
+    if aux_weights is None:
+        aux_weights = [1.0 / (len(fulls) * rt.dims.dp)] * len(fulls)
     with torch.set_grad_enabled(not forward_only), _autocast(rt), _vocab_parallel(rt):
         if rt.pipeline is not None:
             computed = _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperature,
-                                  aux_weight, ends_step)
+                                  aux_weights, ends_step)
         else:
-            computed = [_one(rt, full, share, loss_fn, forward_only, with_entropy, temperature, aux_weight,
+            computed = [_one(rt, full, share, loss_fn, forward_only, with_entropy, temperature, weight,
                              last=ends_step and i == len(fulls) - 1)
-                        for i, (full, share) in enumerate(zip(fulls, shares))]
+                        for i, (full, share, weight) in enumerate(zip(fulls, shares, aux_weights))]
     if forward_only:  # no backward frees what FSDP2 units kept gathered for one
         rt.release_gathered()
     outputs = []
@@ -133,11 +137,11 @@ def _detached(values: torch.Tensor | None) -> torch.Tensor | None:
     return values.detach() if values is not None else None
 
 
-def _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperature, aux_weight, ends_step):
+def _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperature, aux_weights, ends_step):
     """pp > 1: the 1F1B schedule (interleaved with vpp > 1) for training, the forward-only schedule
     otherwise. The last stage computes log-probs and the loss; its per-micro-batch outputs are then
     broadcast over `pp`, so every rank returns the same outputs as without a pipeline. A MoE model's
-    balance loss is back-propagated by each stage for its own layers (weighted like `aux_weight`); its
+    balance loss is back-propagated by each stage for its own layers (weighted by `aux_weights`); its
     value, summed over the stages, joins each micro-batch's reported loss."""
     dims, chunks = rt.dims, rt.chunks
     last_chunk = dims.pp * dims.vpp - 1
@@ -166,7 +170,7 @@ def _pipelined(rt, fulls, shares, loss_fn, forward_only, with_entropy, temperatu
         result = rt.pipeline.run(
             one_f_one_b(dims.pp, dims.vpp, pp_rank, len(shares)), shares, loss_fn=last_stage,
             before_backward=lambda c, last: rt.set_gradient_sync(c, ends_step and last),
-            dtype=rt.pipeline.activation_dtype, aux_weight=aux_weight,
+            dtype=rt.pipeline.activation_dtype, aux_weights=aux_weights,
         )
     outputs = [broadcast_outputs(computed.get(m), share.num_tokens, with_entropy, rt.mesh, rt.device)
                for m, share in enumerate(shares)]

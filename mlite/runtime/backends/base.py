@@ -88,7 +88,7 @@ class OptimizerBackend(Protocol):
     def weight_shards(self, dtype: torch.dtype | None = None) -> Iterator[Any]: ...
 
     def tp_group_weights(self, dtype: torch.dtype | None, tp_size: int, stats: dict | None = None,
-                         expert_parallel: bool = False, v4_fp8_at_sync: bool | None = None
+                         expert_parallel: bool = False, v4_fp8: str | None = None
                          ) -> Iterator[tuple[str, torch.Tensor]]: ...
 
     # ---- the host
@@ -207,19 +207,19 @@ class BackendBase:
         return weight_shards(self.held_models(), dtype)
 
     def tp_group_weights(self, dtype: torch.dtype | None, tp_size: int, stats: dict | None = None,
-                         expert_parallel: bool = False, v4_fp8_at_sync: bool | None = None
+                         expert_parallel: bool = False, v4_fp8: str | None = None
                          ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every HF tensor whole-shaped on every rank, holding the slab that rank's tensor-parallel rollout
         engine reads (mlite.runtime.ckpt.sync.tp_group_weights); with `expert_parallel`, whole experts of
-        its engine rank; `v4_fp8_at_sync` (DeepSeek-V4 for vLLM): its fp32 tensors unrounded and, when
-        true, wo_a in FP8 with block scales."""
+        its engine rank; `v4_fp8` (DeepSeek-V4 for vLLM): its fp32 tensors unrounded and what the mode
+        names in FP8 with block scales."""
         from mlite.runtime.ckpt.sync import tp_group_weights
 
         self.weights_current()
         moe = self.held.arch.moe
         experts = moe.num_experts if expert_parallel and moe is not None else None
         return tp_group_weights(self.held_models(), dtype, tp_size, self.held.arch.num_kv_heads, stats,
-                                self.held.device, num_experts=experts, v4_fp8_at_sync=v4_fp8_at_sync)
+                                self.held.device, num_experts=experts, v4_fp8=v4_fp8)
 
     # ----------------------------------------------------------------------------------- the counters
     def checkpoint_counters(self) -> dict[str, int]:

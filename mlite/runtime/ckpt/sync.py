@@ -348,7 +348,7 @@ def _slab_transfers(plan: SyncPlan, tensors: dict[str, torch.Tensor], name: str,
 def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype | None, tp_size: int,
                      kv_heads: int | None = None, stats: dict | None = None,
                      device: torch.device | None = None, bucket_bytes: int = SYNC_BUCKET_BYTES,
-                     num_experts: int | None = None, v4_fp8_at_sync: bool | None = None
+                     num_experts: int | None = None, v4_fp8: str | None = None
                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF tensor of the whole model, in one order on every rank, for a consumer run by consecutive
     groups of `tp_size` ranks (vLLM's torchrun launcher: rank r is tensor-parallel rank r % tp_size of its
@@ -363,8 +363,8 @@ def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype
     bytes that came from other ranks. `device`: where the tensors are built and travel (the compute device:
     parameters offloaded to the host move there a piece at a time); default, the parameters'.
     `num_experts`: the consumer runs expert parallel (`consumer_slab`): each rank gets whole experts, its
-    engine rank's, and nothing of the others'. `v4_fp8_at_sync` (DeepSeek-V4 on vLLM; None otherwise): what
-    vLLM keeps in float32 arrives in float32, and with True wo_a arrives as FP8 and its scales
+    engine rank's, and nothing of the others'. `v4_fp8` (DeepSeek-V4 on vLLM; None otherwise): what vLLM
+    keeps in float32 arrives in float32, and what the mode names arrives as FP8 and its scales
     (`vllm_send_as`)."""
     models = _modules(models)
     plan = sync_plan(models)
@@ -380,7 +380,7 @@ def tp_group_weights(models: nn.Module | Iterable[nn.Module], dtype: torch.dtype
     for bucket in _buckets(plan, dtype, bucket_bytes):
         ops, received, filled = [], [], []
         for name, shape, out_dtype in bucket:
-            send_as = vllm_send_as(name, v4_fp8_at_sync)
+            send_as = vllm_send_as(name, v4_fp8)
             cut, out_dtype = _wire_dtypes(send_as, dtype, out_dtype)
             slabs = [consumer_slab(name, shape, tp_size, rank % tp_size, kv_heads, num_experts)
                      for rank in range(world)]
@@ -568,6 +568,12 @@ _VLLM_V4_FP32 = re.compile(r"(?:^|\.)(?:hc_(?:attn|ffn|head)_(?:fn|base|scale)|a
 # the weight it multiplies in FP8 whatever the checkpoint: the output projection's first half, through
 # DeepGEMM's fp8_einsum with (wo_a.weight, wo_a.weight_scale_inv) (nvidia/ops/o_proj.py:63-67)
 _VLLM_V4_FP8 = re.compile(r"(?:^|\.)attn\.wo_a\.weight$")
+# the linears DeepSeek's release keeps in FP8 (the attention's projections, the indexer's query, the shared
+# experts), and the routed experts in its fp8-expert form (`expert_dtype: fp8`): what vLLM builds as
+# block-FP8 under a quantization_config that ignores nothing; the compressors, the indexer's weights_proj
+# and the router are built without one
+_VLLM_V4_FP8_LINEARS = re.compile(r"(?:^|\.)(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
+                                  r"|ffn\.(?:shared_experts|experts\.\d+)\.w[123])\.weight$")
 VLLM_FP8_BLOCK = (128, 128)  # its blocks (the fp8_einsum recipe's, nvidia/ops/o_proj.py:13-25)
 
 
@@ -576,21 +582,26 @@ def vllm_keeps_fp32(name: str) -> bool:
     return _VLLM_V4_FP32.search(name) is not None
 
 
-def vllm_wants_fp8(name: str) -> bool:
-    """Whether DeepSeek-V4's HF tensor `name` is one vLLM 0.25.1 multiplies in FP8 (128x128 block scales)."""
+def vllm_wants_fp8(name: str, v4_fp8: str = "wo_a") -> bool:
+    """Whether DeepSeek-V4's HF tensor `name` reaches vLLM 0.25.1 in FP8 (128x128 block scales) under
+    `v4_fp8` (mlite.plan.policy.vllm_v4_fp8): wo_a, which it always multiplies in FP8, and under "linears"
+    every release-FP8 linear and routed expert too."""
+    if v4_fp8 == "linears":
+        return _VLLM_V4_FP8_LINEARS.search(name) is not None
     return _VLLM_V4_FP8.search(name) is not None
 
 
-def vllm_send_as(name: str, v4_fp8_at_sync: bool | None) -> str:
+def vllm_send_as(name: str, v4_fp8: str | None) -> str:
     """How HF tensor `name` travels to a vLLM engine: "fp32" (a DeepSeek-V4 parameter vLLM keeps in float32:
-    sent unrounded), "fp8" (wo_a as float8_e4m3fn with its float32 128x128 block scales, when the sync
-    quantises it: `v4_fp8_at_sync`) or "rollout" (the rollout dtype). `v4_fp8_at_sync` None: the model is
-    not DeepSeek-V4, and everything goes in the rollout dtype. The one rule; no torch."""
-    if v4_fp8_at_sync is None:
+    sent unrounded), "fp8" (float8_e4m3fn with its float32 128x128 block scales: wo_a under `v4_fp8` "wo_a",
+    every release-FP8 linear and routed expert under "linears") or "rollout" (the rollout dtype; wo_a too
+    under "online", where vLLM quantises it). `v4_fp8` None: the model is not DeepSeek-V4, and everything
+    goes in the rollout dtype. The one rule; no torch."""
+    if v4_fp8 is None:
         return "rollout"
     if vllm_keeps_fp32(name):
         return "fp32"
-    return "fp8" if v4_fp8_at_sync and vllm_wants_fp8(name) else "rollout"
+    return "fp8" if v4_fp8 != "online" and vllm_wants_fp8(name, v4_fp8) else "rollout"
 
 
 def vllm_fp8_weight(name: str, whole: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -614,12 +625,20 @@ def _wire_dtypes(send_as: str, dtype: torch.dtype | None, out_dtype: torch.dtype
 def _as_sent(name: str, whole: torch.Tensor, slab: tuple[int, int, int] | None, send_as: str
              ) -> list[tuple[str, torch.Tensor, int]]:
     """What the consumer gets of one filled tensor: (name, tensor, the elements of its slab), one of them, or
-    the FP8 weight and its scales."""
-    if send_as == "fp8":
-        if slab is not None:
-            raise MliteError(f"weight sync: {name} is quantised whole into 128x128 blocks, but the consumer "
-                             f"reads a slab of it {slab}; a runtime bug (vllm_split_dim)")
-        return [(n, t, t.numel()) for n, t in vllm_fp8_weight(name, whole)]
+    the FP8 weight and its scales. A slab sent in FP8 must lie on 128-wide block boundaries; the blocks
+    outside it go as zeros (the consumer cuts the weight and its scales alike; an empty slab: an expert that
+    another engine rank holds)."""
     kept = whole.numel() if slab is None else whole[tuple(
         slice(slab[1], slab[2]) if d == slab[0] else slice(None) for d in range(whole.dim()))].numel()
-    return [(name, whole, kept)]
+    if send_as != "fp8":
+        return [(name, whole, kept)]
+    if slab is not None:
+        dim, lo, hi = slab
+        block = VLLM_FP8_BLOCK[dim]
+        if hi > lo and (lo % block or (hi % block and hi != whole.shape[dim])):
+            raise MliteError(f"weight sync: {name}'s slab [{lo}, {hi}) on dim {dim} does not lie on FP8's "
+                             f"{block}-wide blocks; choose a rollout.tp that cuts it on block boundaries, "
+                             "or set rollout.fp8_weights: false")
+        whole = torch.nan_to_num(whole, nan=0.0)  # outside the slab: never read, sent as zeros
+    (weight_name, weight), (scale_name, scale) = vllm_fp8_weight(name, whole)
+    return [(weight_name, weight, kept), (scale_name, scale, scale.numel())]

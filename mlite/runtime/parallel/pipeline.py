@@ -195,11 +195,11 @@ class PipelineRunner:
         loss_fn: Callable | None = None,
         before_backward: Callable[[int, bool], None] | None = None,
         dtype: torch.dtype = torch.float32,
-        aux_weight: float = 1.0,
+        aux_weights: Sequence[float] | None = None,
     ) -> dict:
         """Execute. Returns this rank's summed loss (last chunk), its balance-loss terms per micro-batch
-        (times `aux_weight`: the trainers' average over micro-batches and ranks), and with no loss_fn the
-        last chunk's hidden states per micro-batch (a forward-only pass)."""
+        (times its `aux_weights` entry: the trainers' average over micro-batches and ranks; default 1), and
+        with no loss_fn the last chunk's hidden states per micro-batch (a forward-only pass)."""
         training = loss_fn is not None
         saved = {}  # (chunk, micro-batch) -> what its backward needs
         pending_backwards = {c: sum(a.kind == "B" and a.chunk == c for a in actions) for c in self.chunks}
@@ -230,7 +230,8 @@ class PipelineRunner:
                 pending_backwards[c] -= 1
                 if before_backward is not None:
                     before_backward(c, pending_backwards[c] == 0)
-                self._backward(c, m, saved.pop((c, m)), dtype, aux_weight, aux)
+                weight = 1.0 if aux_weights is None else aux_weights[m]
+                self._backward(c, m, saved.pop((c, m)), dtype, weight, aux)
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()

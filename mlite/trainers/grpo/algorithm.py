@@ -194,21 +194,32 @@ def grpo_loss(
 
 
 # ------------------------------------------------------------------------------- rollout vs trainer
-def logprob_mismatch(
+def mismatch_totals(
     trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, threshold: float
 ) -> dict[str, float]:
     """How far the sampler's log-probs of the sampled tokens are from the trainer's forward of the same
-    tokens (the old policy), over the response tokens `mask`: the mean and largest absolute difference and
-    the share of tokens whose difference exceeds `threshold`. A different engine, kernel or precision
-    (vLLM in bf16, say) makes the two policies differ; the share says how many tokens PPO's ratio sees as
-    off-policy."""
+    tokens (the old policy), over the response tokens `mask`, as totals that add up over data-parallel
+    ranks (`max` aside, the largest): the tokens, their absolute differences summed, how many exceed
+    `threshold`, and the largest. A different engine, kernel or precision (vLLM in bf16, say) makes the two
+    policies differ; the share over the threshold says how many tokens PPO's ratio sees as off-policy."""
     diff = (trainer.float() - sampler.float()).abs()[mask.bool()]
-    if diff.numel() == 0:
+    return {
+        "tokens": float(diff.numel()),
+        "abs_sum": float(diff.sum()),
+        "over": float((diff > threshold).sum()),
+        "max": float(diff.max()) if diff.numel() else 0.0,
+    }
+
+
+def logprob_mismatch(totals: dict[str, float]) -> dict[str, float]:
+    """The step's mismatch figures from its `mismatch_totals` (summed over ranks): the mean and largest
+    absolute difference and the share of tokens over the threshold; {} without response tokens."""
+    if not totals["tokens"]:
         return {}
     return {
-        "rollout/logprob_diff_mean": float(diff.mean()),
-        "rollout/logprob_diff_max": float(diff.max()),
-        "rollout/logprob_diff_frac": float((diff > threshold).float().mean()),
+        "rollout/logprob_diff_mean": totals["abs_sum"] / totals["tokens"],
+        "rollout/logprob_diff_max": totals["max"],
+        "rollout/logprob_diff_frac": totals["over"] / totals["tokens"],
     }
 
 

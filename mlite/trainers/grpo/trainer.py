@@ -8,12 +8,14 @@ same path with the initial weights swapped in, when KL is on), compared with the
 `grpo.ppo_epochs` passes over `grpo.mini_batches` mini-batches, one optimizer update each. Rollouts draw
 on a seed of (seed, step), so a resumed run samples exactly what the uninterrupted run sampled.
 
-Under data parallel, each dp rank (with its tp, cp and pp ranks) generates only the prompts it owns, every
-dp-th prompt's whole group of `rollout.n` responses (`owners`); the ranks then exchange the completions, so
-every rank holds the step's rollout, and score, log-probs and update go on as on one process: every logged
-figure is one process's for the same prompts and seeds. (Training each rank on its own groups alone would
-change a MoE's balance loss, which pools router statistics per micro-batch, so the update keeps the step's
-micro-batches as one process plans them.)
+Under data parallel, each dp rank (with its tp, cp and pp ranks) owns every dp-th prompt of the step with its
+whole group of `rollout.n` responses (`owners`): it generates, scores and trains on those alone, so the
+group's advantages need no exchange. Only numbers cross dp: the step's figures as sums and maxima, the
+micro-batch counts that keep the ranks' collectives in lockstep, the loss's global token and sequence
+counts, and the gradient reduction. A mini-batch is the same set of responses as on one process (one
+global shuffle, each rank its own of them), its loss is normalised by global counts, and a MoE's balance
+loss is the mean over the mini-batch's real micro-batches of every rank (the fillers weigh 0), so every
+logged figure is one process's for the same prompts and seeds.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, pairwise
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -45,6 +47,7 @@ from mlite.trainers.grpo.algorithm import (
     kl_estimate,
     kl_penalised_rewards,
     logprob_mismatch,
+    mismatch_totals,
     truncated_importance_weights,
 )
 from mlite.trainers.grpo.prompts import Prompt, read_prompt_rows, render_prompts
@@ -67,6 +70,10 @@ class RolloutBatch:
     rewards: torch.Tensor  # [N]
     groups: torch.Tensor  # [N] prompt index: responses of one prompt form a group
     failures: list[RewardFailure] = field(default_factory=list)
+    # under dp, this rank's responses of the step's: their positions in the step's requests, and how many
+    # the step has over every rank (one process: all of them, in order)
+    index: list[int] = field(default_factory=list)
+    size: int = 0
 
     @property
     def sequences(self) -> list[list[int]]:
@@ -97,24 +104,24 @@ def pack_micro_batches(
     sequences: Sequence[list[int]],
     loss_masks: Sequence[list[int]],
     extras: dict[str, Sequence[torch.Tensor]],
-    max_tokens: int,
-    dp_size: int = 1,
-    dp_rank: int = 0,
+    max_tokens: int | None,
+    micro_batches: int = 0,
+    micro_batch_size: int | None = None,
 ) -> list[tuple[list[int], PackedBatch]]:
-    """This dp rank's share of the sequences in micro-batches of at most `max_tokens` tokens, by the SFT
-    data's planner (mlite.runtime.data.packing.plan_step: balanced by tokens, the same number of micro-batches
-    on every rank). Returns (indices of the sequences, batch) pairs; `extras` are per-sequence per-token
-    tensors. Under dp, a micro-batch left without a sequence is one pad token with no target (zero extras):
-    it adds nothing to the loss and keeps the ranks' collectives in lockstep."""
-    plan = plan_step([len(s) for s in sequences], dp_size, max_tokens=max_tokens)
+    """The sequences in micro-batches of at most `max_tokens` tokens (or of `micro_batch_size` sequences,
+    data.dynamic_batch off), by the SFT data's planner (mlite.runtime.data.packing.plan_step: balanced by
+    tokens), then filled up to `micro_batches` with
+    fillers: one pad token with no target (zero extras), which add nothing to the loss and keep a rank
+    with fewer sequences in lockstep with the others' collectives. Returns (indices of the sequences,
+    batch) pairs, a filler's indices empty; `extras` are per-sequence per-token tensors."""
+    plan = (plan_step([len(s) for s in sequences], 1, max_tokens=max_tokens,
+                      micro_batch_size=micro_batch_size)[0] if sequences else [])
     out = []
-    for idx in plan[dp_rank]:
+    for idx in [i for i in plan if i] + [[]] * max(0, micro_batches - sum(1 for i in plan if i)):
         if not idx:
-            if dp_size == 1:
-                continue
-            pad = PackedBatch.from_sequences([[0]], [[0]])
-            pad.extras = {name: torch.zeros(1, dtype=values[0].dtype) for name, values in extras.items()}
-            out.append((idx, pad))
+            filler = PackedBatch.from_sequences([[0]], [[0]])
+            filler.extras = {name: torch.zeros(1) for name in extras}
+            out.append((idx, filler))
             continue
         batch = PackedBatch.from_sequences([sequences[i] for i in idx], [loss_masks[i] for i in idx])
         batch.extras = {name: torch.cat([values[i] for i in idx]) for name, values in extras.items()}
@@ -147,9 +154,9 @@ class GRPOTrainer:
         self.stop_ids = stop_token_ids(tokenizer)
         # log-probs are those of the sampling distribution (logits / temperature), as verl computes them
         self.temperature = job.rollout.temperature if job.rollout.temperature > 0 else 1.0
-        self.max_tokens = job.data.max_tokens_per_micro_batch or (
-            job.data.micro_batch_size * (job.rollout.max_prompt_length + job.rollout.max_response_length)
-        )
+        # micro-batches packed to a token budget, or of data.micro_batch_size sequences (dynamic_batch off)
+        self.max_tokens = job.data.max_tokens_per_micro_batch
+        self.micro_batch_size = None if job.data.dynamic_batch else job.data.micro_batch_size
 
     # ------------------------------------------------------------------------------------ rollout
     def step_prompts(self, step: int) -> list[Prompt]:
@@ -181,48 +188,40 @@ class GRPOTrainer:
         return [i % self.runtime.dp_size for i in range(prompts) for _ in range(n)]
 
     def rollout(self, step: int) -> RolloutBatch:
+        """This dp rank's responses of step `step`: its prompts' groups, generated and scored here."""
         n = self.rollout_cfg.n
-        prompts = [p for p in self.step_prompts(step) for _ in range(n)]
-        groups = torch.arange(len(prompts)) // n
-        owners = self.owners(len(prompts) // n, n)
+        asked = [p for p in self.step_prompts(step) for _ in range(n)]
+        owners = self.owners(len(asked) // n, n)
         with self.engine.session(self.job.trainer.seed * 1_000_003 + step) as sampler:
-            mine = sampler.generate([p.ids for p in prompts], self.sampling_params(), owners)
-        completions = self._exchanged(mine, owners)
+            completions = sampler.generate([p.ids for p in asked], self.sampling_params(), owners)
+        index = [i for i, owner in enumerate(owners) if owner == self.runtime.dp_rank]
+        prompts = [asked[i] for i in index]
         texts = [self.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
         scores, failures = score_responses(self.reward_fn, texts, [p.sample for p in prompts])
-        return RolloutBatch(prompts, completions, texts, torch.tensor(scores), groups, failures)
+        groups = torch.tensor(index, dtype=torch.long) // n
+        return RolloutBatch(prompts, completions, texts, torch.tensor(scores, dtype=torch.float32), groups,
+                            failures, index, len(asked))
 
-    def _exchanged(self, mine: list[Completion], owners: list[int]) -> list[Completion]:
-        """Every rank's completions, in request order, from this rank's (`mine`: the requests its dp rank
-        owns): one exchange over dp."""
-        rt = self.runtime
-        if rt.dp_size == 1:
-            return mine
-        parts: list = [None] * rt.dp_size
-        torch.distributed.all_gather_object(parts, mine, group=rt.dp_group)
-        turns = [iter(part) for part in parts]
-        return [next(turns[owner]) for owner in owners]
+    def _packed(self, sequences, loss_masks, extras) -> list[tuple[list[int], PackedBatch]]:
+        """This rank's sequences in micro-batches, as many as the dp rank with the most (one number over
+        dp), so that every rank's collectives (FSDP2's gathers, the expert exchange) stay in lockstep."""
+        mine = pack_micro_batches(sequences, loss_masks, extras, self.max_tokens,
+                                  micro_batch_size=self.micro_batch_size)
+        (most,) = self.runtime.dp_reduce([float(len(mine))], "max")
+        return pack_micro_batches(sequences, loss_masks, extras, self.max_tokens, int(most),
+                                  self.micro_batch_size)
 
     # ---------------------------------------------------------------------------------- log-probs
     def _per_sequence_logprobs(
         self, model_fn: Callable[[list[PackedBatch]], list[torch.Tensor]], ro: RolloutBatch
-    ):
-        """Each response's per-token log-probs under `model_fn`. Under dp each rank computes its share (split
-        as the update splits a mini-batch, in lockstep) and writes it into the step's flat stream, zeros
-        elsewhere; one sum over dp (each value written by one rank: exact) gives every rank all of them."""
-        rt = self.runtime
-        lengths = [len(s) for s in ro.sequences]
-        starts = [0, *accumulate(lengths)]
-        stream = torch.zeros(starts[-1], dtype=torch.float32)
-        packed = pack_micro_batches(ro.sequences, ro.loss_masks, {}, self.max_tokens, rt.dp_size, rt.dp_rank)
+    ) -> list[torch.Tensor]:
+        """Each of this rank's responses' per-token log-probs under `model_fn`."""
+        packed = self._packed(ro.sequences, ro.loss_masks, {})
+        out: list[torch.Tensor] = [torch.zeros(0)] * len(ro.sequences)
         for (idx, batch), logprobs in zip(packed, model_fn([b for _, b in packed])):
             for i, values in zip(idx, batch.split(logprobs.cpu())):
-                stream[starts[i] : starts[i + 1]] = values
-        if rt.dp_size > 1:
-            on_device = stream.to(rt.device)
-            torch.distributed.all_reduce(on_device, group=rt.dp_group)
-            stream = on_device.cpu()
-        return list(stream.split(lengths))
+                out[i] = values
+        return out
 
     def old_logprobs(self, ro: RolloutBatch) -> list[torch.Tensor]:
         def run(batches):
@@ -244,7 +243,10 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------- update
     def advantages(self, ro: RolloutBatch, old: list[torch.Tensor], ref: list[torch.Tensor] | None):
+        """Group-normalised advantages of this rank's responses (whole groups: no exchange)."""
         rewards = ro.rewards
+        if not ro.completions:  # more dp ranks than prompts: this one trains on fillers only
+            return rewards
         if self.cfg.kl_in_reward and ref is not None:
             masks = ro.label_masks
             seq_ids = torch.cat([torch.full((len(m),), i) for i, m in enumerate(masks)])
@@ -262,29 +264,28 @@ class GRPOTrainer:
     def update(self, step: int, ro: RolloutBatch, old, ref, adv: torch.Tensor,
                is_weights: list[torch.Tensor] | None = None) -> dict[str, float]:
         """`ppo_epochs` x `mini_batches` optimizer updates over this step's responses (`is_weights`: the
-        rollout's per-token importance weights, when corrected)."""
-        n = len(ro.sequences)
+        rollout's per-token importance weights, when corrected). A mini-batch is a slice of one shuffle of
+        the step's responses over every rank; each rank trains on its own of them."""
         extras = self._loss_extras(ro, old, ref, adv, is_weights)
+        position = {request: i for i, request in enumerate(ro.index)}
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}
         grad_norms = []
         self.runtime.train()
         for epoch in range(self.cfg.ppo_epochs):
-            order = list(range(n))
+            order = list(range(ro.size))
             random.Random(self.job.trainer.seed * 31 + step * 1009 + epoch).shuffle(order)
             for mini in range(self.cfg.mini_batches):
-                idx = order[mini :: self.cfg.mini_batches]
-                seqs = [ro.sequences[i] for i in idx]
+                idx = [position[i] for i in order[mini :: self.cfg.mini_batches] if i in position]
                 masks = [ro.loss_masks[i] for i in idx]
-                mini_extras = {k: [v[i] for i in idx] for k, v in extras.items()}
-                # every rank holds the whole rollout; each dp rank trains on its share of the mini-batch
-                packed = pack_micro_batches(seqs, masks, mini_extras, self.max_tokens,
-                                            self.runtime.dp_size, self.runtime.dp_rank)
-                micro = [b for _, b in packed]
-                norm = self._mini_batch_norm([masks[i] for chosen, _ in packed for i in chosen])
+                packed = self._packed([ro.sequences[i] for i in idx], masks,
+                                      {k: [v[i] for i in idx] for k, v in extras.items()})
+                norm, real = self._mini_batch_norm(masks, sum(1 for chosen, _ in packed if chosen))
                 self.runtime.zero_grad()
                 outs = self.runtime.forward_backward(
-                    micro, self._loss_fn(norm), with_entropy=True, temperature=self.temperature
+                    [b for _, b in packed], self._loss_fn(norm), with_entropy=True,
+                    temperature=self.temperature,
+                    aux_weights=[1.0 / real if chosen else 0.0 for chosen, _ in packed],
                 )
                 grad_norm, _skipped = self.runtime.optimizer_step()
                 grad_norms.append(float(grad_norm))
@@ -310,17 +311,17 @@ class GRPOTrainer:
             extras["is_weights"] = is_weights
         return extras
 
-    def _mini_batch_norm(self, mine: list[list[int]]) -> LossNorm:
-        """The mini-batch's global token and sequence counts, which every rank's loss divides by (`mine`:
-        the loss masks of this dp rank's share)."""
-        # global counts: summed over the loss group (dp_cp), whose cp ranks each hold this dp
-        # rank's whole share (the runtime splits every micro-batch over cp), so divided by cp
-        cp = self.runtime.dims.cp
-        return LossNorm(
-            num_tokens=int(self.runtime.global_sum(sum(sum(m) for m in mine))) // cp,
-            num_sequences=int(self.runtime.global_sum(sum(1 for m in mine if any(m)))) // cp,
-            horizon=self.rollout_cfg.max_response_length,
+    def _mini_batch_norm(self, mine: list[list[int]], micro_batches: int) -> tuple[LossNorm, int]:
+        """The mini-batch's token and sequence counts over every dp rank, which every rank's loss divides
+        by, and its real micro-batches over every rank, over which the balance loss is averaged (`mine`:
+        the loss masks of this rank's responses; `micro_batches`: its real micro-batches). One collective
+        over dp."""
+        tokens, sequences, real = self.runtime.dp_reduce(
+            [float(sum(sum(m) for m in mine)), float(sum(1 for m in mine if any(m))), float(micro_batches)]
         )
+        norm = LossNorm(num_tokens=int(tokens), num_sequences=int(sequences),
+                        horizon=self.rollout_cfg.max_response_length)
+        return norm, max(int(real), 1)
 
     def _loss_fn(self, norm: LossNorm) -> Callable:
         """The runtime's loss callback for one mini-batch (mlite.runtime.forward): GRPO's loss of a
@@ -396,36 +397,59 @@ class GRPOTrainer:
         peak = self.runtime.memory_peak_gb()
         if peak is not None:
             metrics["memory/train_gb"] = peak
-        lengths = torch.tensor([len(c.response_ids) for c in ro.completions], dtype=torch.float32)
-        label_masks = ro.label_masks
-        mask = torch.cat(label_masks)
-        tokens = mask.sum().clamp(min=1)
-        metrics.update(logprob_mismatch(torch.cat(old), torch.cat(sampler), mask,
-                                        self.rollout_cfg.mismatch_threshold))
-        if is_weights is not None:
-            metrics["rollout/is_weight_mean"] = float((torch.cat(is_weights) * mask).sum() / tokens)
         metrics.update(self.engine.stats)
-        if ref is not None:
-            kl = torch.cat(
-                [kl_estimate(o, r, self.cfg.kl_estimator) * m for o, r, m in zip(old, ref, label_masks)]
-            )
-            metrics["actor/kl_ref"] = float(kl.sum() / tokens)
-        metrics.update(
-            {
-                "reward/mean": float(ro.rewards.mean()),
-                "reward/std": float(ro.rewards.std()) if len(ro.rewards) > 1 else 0.0,
-                "reward/failures": float(len(ro.failures)),
-                "response/length_mean": float(lengths.mean()),
-                "response/length_max": float(lengths.max()),
-                "response/clip_ratio": float(
-                    sum(not c.stopped for c in ro.completions) / len(ro.completions)
-                ),
-                "time/rollout_s": rollout_s,
-                "time/rollout_tokens_per_s": float(lengths.sum()) / max(rollout_s, 1e-9),  # generated tokens
-                "tokens": float(sum(len(s) for s in ro.sequences)),
-            }
-        )
+        metrics.update(self._rollout_figures(ro, old, ref, sampler, is_weights, rollout_s))
         return metrics, ro
+
+    def _rollout_figures(self, ro: RolloutBatch, old, ref, sampler, is_weights, rollout_s: float):
+        """The step's rollout figures (rewards, lengths, mismatch, KL to the reference), from this rank's
+        responses: sums and maxima over dp, two collectives of numbers."""
+        masks = ro.label_masks
+        mask = torch.cat(masks) if masks else torch.zeros(0)
+        lengths = [len(c.response_ids) for c in ro.completions]
+        mismatch = mismatch_totals(torch.cat(old) if old else mask, torch.cat(sampler) if sampler else mask,
+                                   mask, self.rollout_cfg.mismatch_threshold)
+        sums = {
+            "responses": float(len(lengths)),
+            "reward": float(ro.rewards.double().sum()),
+            "reward_squares": float((ro.rewards.double() ** 2).sum()),
+            "failures": float(len(ro.failures)),
+            "length": float(sum(lengths)),
+            "clipped": float(sum(not c.stopped for c in ro.completions)),
+            "tokens": float(sum(len(s) for s in ro.sequences)),
+            "response_tokens": float(mask.sum()),
+            **{f"mismatch_{k}": v for k, v in mismatch.items() if k != "max"},
+        }
+        if is_weights is not None:
+            sums["is_weight"] = float(sum(float((w * m).sum()) for w, m in zip(is_weights, masks)))
+        if ref is not None:
+            sums["kl_ref"] = float(sum(float((kl_estimate(o, r, self.cfg.kl_estimator) * m).sum())
+                                       for o, r, m in zip(old, ref, masks)))
+        keys = list(sums)
+        sums = dict(zip(keys, self.runtime.dp_reduce([sums[k] for k in keys])))
+        longest, mismatch_max = self.runtime.dp_reduce([float(max(lengths, default=0)), mismatch["max"]],
+                                                       "max")
+        n, tokens = sums["responses"], max(sums["response_tokens"], 1.0)
+        mean = sums["reward"] / n
+        figures = logprob_mismatch({**{k: sums[f"mismatch_{k}"] for k in ("tokens", "abs_sum", "over")},
+                                    "max": mismatch_max})
+        if is_weights is not None:
+            figures["rollout/is_weight_mean"] = sums["is_weight"] / tokens
+        if ref is not None:
+            figures["actor/kl_ref"] = sums["kl_ref"] / tokens
+        variance = (sums["reward_squares"] - n * mean * mean) / (n - 1) if n > 1 else 0.0
+        figures.update({
+            "reward/mean": mean,
+            "reward/std": math.sqrt(max(variance, 0.0)),
+            "reward/failures": sums["failures"],
+            "response/length_mean": sums["length"] / n,
+            "response/length_max": longest,
+            "response/clip_ratio": sums["clipped"] / n,
+            "time/rollout_s": rollout_s,
+            "time/rollout_tokens_per_s": sums["length"] / max(rollout_s, 1e-9),  # generated tokens
+            "tokens": sums["tokens"],
+        })
+        return figures
 
     # ------------------------------------------------------------------------ the loop's interface
     name, plot_keys, plot_file, eval_at_start = "grpo", PLOT_KEYS, "grpo.png", True
@@ -481,15 +505,19 @@ class GRPOTrainer:
             return {}
         params, n = self.sampling_params(held_out=True), self.rollout_cfg.val_n
         asked = [p for p in prompts for _ in range(n)]
+        owners = self.owners(len(prompts), n)  # each dp rank answers its own prompts; the sums cross dp
         scores: list[float] = []
         with self.engine.session(self.job.trainer.seed * 1_000_003 - 1) as sampler:
             for start in range(0, len(asked), batch_size):
-                chunk = asked[start : start + batch_size]
-                completions = sampler.generate([p.ids for p in chunk], params)
+                chunk = range(start, min(start + batch_size, len(asked)))
+                completions = sampler.generate([asked[i].ids for i in chunk], params,
+                                               [owners[i] for i in chunk])
+                mine = [asked[i] for i in chunk if owners[i] == self.runtime.dp_rank]
                 texts = [self.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
-                chunk_scores, _ = score_responses(self.reward_fn, texts, [p.sample for p in chunk])
+                chunk_scores, _ = score_responses(self.reward_fn, texts, [p.sample for p in mine])
                 scores.extend(chunk_scores)
-        return {"eval/reward_mean": sum(scores) / max(len(scores), 1), "eval/prompts": float(len(prompts))}
+        total, count = self.runtime.dp_reduce([math.fsum(scores), float(len(scores))])
+        return {"eval/reward_mean": total / max(count, 1.0), "eval/prompts": float(len(prompts))}
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:

@@ -48,10 +48,13 @@ _WO_A_ONLY = r"re:^(?!.*\.attn\.wo_a$)"  # online: ignore every linear but the a
 _SINK = ".attn.attn_sink"
 
 
-def v4_fp8_at_sync_config(config: dict, num_layers: int) -> dict:
+def v4_fp8_at_sync_config(config: dict, num_layers: int, linears: bool = False) -> dict:
     """The config.json vLLM builds DeepSeek-V4 from when the sync sends wo_a as FP8: `config` with a block-FP8
-    quantization_config that leaves every layer but wo_a unquantised, and float32 scales."""
-    ignored = [f"model.layers.{i}.{module}" for i in range(num_layers) for module in _OTHER_QUANTISABLE]
+    quantization_config that leaves every layer but wo_a unquantised, and float32 scales. `linears`: the
+    sync sends every quantisable layer in FP8, the routed experts too (DeepSeek's release form with FP8
+    experts), so nothing is ignored."""
+    ignored = [] if linears else [f"model.layers.{i}.{module}" for i in range(num_layers)
+                                  for module in _OTHER_QUANTISABLE]
     quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
              "weight_block_size": [128, 128], "ignored_layers": ignored}
     return dict(config) | {"quantization_config": quant, "expert_dtype": "fp8"}

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from mlite.errors import MliteError
-from mlite.plan.policy import rollout_expert_parallel
+from mlite.plan.policy import rollout_expert_parallel, vllm_v4_fp8
 from mlite.runtime.state import rng_state, set_rng_state
 from mlite.trainers.grpo.rollout import Completion, SamplingParams, request_seed
 from mlite.trainers.grpo.vllm_adapter import (
@@ -97,9 +97,12 @@ class VLLMRollout:
         self.expert_parallel = rollout_expert_parallel(runtime.job, runtime.arch)  # whole experts per rank
         model_dir = Path(model_dir) / f"rank{self.rank}"  # each rank its own: no shared file system needed
         model_dir.mkdir(parents=True, exist_ok=True)
-        # DeepSeek-V4: what vLLM keeps in float32 goes unrounded, wo_a as FP8 (or vLLM quantises it)
-        self.v4_fp8 = None if runtime.arch.v4 is None else r.v4_fp8_at_sync
+        # DeepSeek-V4: what vLLM keeps in float32 goes unrounded, wo_a (or every release-FP8 linear and the
+        # experts) as FP8, or vLLM quantises wo_a itself; its KV cache is fp8 (FlashMLA's fp8_ds_mla)
+        self.v4_fp8 = vllm_v4_fp8(runtime.job, runtime.arch)
         quantization = write_engine_config(model_dir / "config.json", runtime, self.dtype, self.v4_fp8)
+        if self.v4_fp8 is not None:
+            quantization["kv_cache_dtype"] = "fp8"
         dp_of = [runtime.dp_rank] * self.world  # the dp rank of every rank: which requests each one needs
         if self.world > 1:
             dist.all_gather_object(dp_of, runtime.dp_rank)
@@ -140,7 +143,7 @@ class VLLMRollout:
         """The trainer's current weights into vLLM in the rollout dtype: every HF tensor full-shaped with
         this rank's slab filled (on one process: whole), moved between ranks one batch per bucket of
         tensors. Collective: vLLM's load_weights drains the stream on every rank, in one order. DeepSeek-V4:
-        vLLM's float32 parameters in float32, wo_a as FP8 (`rollout.v4_fp8_at_sync`), and the attention
+        vLLM's float32 parameters in float32, its FP8 weights as FP8 (`vllm_v4_fp8`), and the attention
         sinks, which vLLM's reload drops, set again after it (mlite.trainers.grpo.vllm_adapter)."""
         sent = {"tensors": 0, "buckets": 0, "bytes": 0, "received_bytes": 0}
         started = time.perf_counter()
@@ -202,21 +205,21 @@ class VLLMRollout:
         torch.cuda.empty_cache()
 
 
-def write_engine_config(path: Path, runtime, dtype: torch.dtype, v4_fp8_at_sync: bool | None) -> dict:
+def write_engine_config(path: Path, runtime, dtype: torch.dtype, v4_fp8: str | None) -> dict:
     """The config.json vLLM builds its engine from, at `path`, and the LLM(...) quantization arguments.
     A quantized source's quantization_config (DeepSeek's fp8) goes: the sync sends the weights unquantized,
-    so vLLM builds unquantized layers, except DeepSeek-V4's wo_a, which vLLM multiplies in FP8 only: with
-    `v4_fp8_at_sync` the config builds it as a block-FP8 linear the sync fills, else vLLM quantises it
-    online (mlite.trainers.grpo.vllm_adapter)."""
+    so vLLM builds unquantized layers, except DeepSeek-V4's FP8 ones (`v4_fp8`, mlite.plan.policy
+    .vllm_v4_fp8): "wo_a" or "linears" build them as block-FP8 linears the sync fills, "online" has vLLM
+    quantise wo_a itself (mlite.trainers.grpo.vllm_adapter)."""
     from mlite.runtime.ckpt.hf import write_hf_config
 
     write_hf_config(path, runtime.arch, runtime.hf_config, dtype)
     config = json.loads(path.read_text())
     config.pop("quantization_config", None)
-    if v4_fp8_at_sync:
-        config = v4_fp8_at_sync_config(config, runtime.arch.num_layers)
+    if v4_fp8 in ("wo_a", "linears"):
+        config = v4_fp8_at_sync_config(config, runtime.arch.num_layers, linears=v4_fp8 == "linears")
     path.write_text(json.dumps(config, indent=2) + "\n")
-    return v4_online_fp8_engine_args() if v4_fp8_at_sync is False else {}
+    return v4_online_fp8_engine_args() if v4_fp8 == "online" else {}
 
 
 def device_used_gb() -> float:
