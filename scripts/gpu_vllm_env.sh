@@ -9,14 +9,22 @@
 # in .vllm1/, .vllm2/ or /tmp/vllm_parts/. An unpacked bundle with the same sha256 is reused.
 # Attention: 0.25.1 has no VLLM_ATTENTION_BACKEND variable; without the flash-attn extensions the
 # selector falls back to TRITON_ATTN by itself, or pass LLM(..., attention_config={"backend": "TRITON_ATTN"}).
+# DeepSeek-V4: when the add-on that `bash scripts/vllm_bundle.sh --v4` writes is here (.vllmv41/, .vllmv42/)
+# or stashed (/tmp/vllmv4_parts/), it is unpacked on top of /tmp/vllm_site (DeepGEMM, FlashMLA, tilelang,
+# CuTe DSL, quack, Marlin PTX; JIT caches under /tmp/jit_cache). It takes two commands: the first carries
+# .vllmv41 and runs `bash scripts/gpu_vllm_env.sh stash`; the second, sent while the machine is still warm,
+# carries .vllmv42, .vllm1 and .whl and sources gpu_env.sh and this file. `stash` stashes every chunk that is
+# here, of either bundle. Without the add-on (here or stashed) the site is the main bundle alone.
 # _bundle_unpack is shared: scripts/gpu_verl_env.sh unpacks the verl bundle (.verl1/) with it.
 
-# _bundle_unpack NAME DEST [stash]: unpack the bundle whose chunks are .NAME1/, .NAME2/ (or the stash folder
-# /tmp/NAME_parts/) into DEST, unless DEST already holds that sha256, and put DEST on PYTHONPATH; with
-# `stash`, only copy the chunks that are here to /tmp/NAME_parts/. Messages start with gpu_NAME_env.
+# _bundle_unpack NAME DEST [stash|overlay]: unpack the bundle whose chunks are .NAME1/, .NAME2/ (or the stash
+# folder /tmp/NAME_parts/) into DEST, unless DEST already holds that sha256, and put DEST on PYTHONPATH; with
+# `stash`, only copy the chunks that are here to /tmp/NAME_parts/; with `overlay`, unpack on top of what DEST
+# holds (an add-on; its own marker, DEST/.bundle_sha256.NAME). Messages start with gpu_NAME_env.
 _bundle_unpack() {
   local name=$1 dest=$2 mode=${3:-} tag="gpu_$1_env" stash=/tmp/$1_parts manifest="" d sha parts=() part found
-  local dirs=(".${name}1" ".${name}2" "$stash")
+  local dirs=(".${name}1" ".${name}2" "$stash") marker=$2/.bundle_sha256
+  if [ "$mode" = overlay ]; then marker=$dest/.bundle_sha256.$name; fi
   if [ "$mode" = stash ]; then
     mkdir -p "$stash"
     for d in "${dirs[@]:0:2}"; do
@@ -33,7 +41,7 @@ _bundle_unpack() {
     return 1
   fi
   sha=$(awk '$1 == "sha256" {print $2}' "$manifest")
-  if [ "$(cat "$dest/.bundle_sha256" 2>/dev/null)" != "$sha" ]; then
+  if [ "$(cat "$marker" 2>/dev/null)" != "$sha" ]; then
     while read -r kind part; do
       [ "$kind" = part ] || continue
       found=""
@@ -50,14 +58,14 @@ _bundle_unpack() {
       echo "$tag: bundle parts do not match the sha256 in $manifest" >&2
       return 1
     fi
-    rm -rf "$dest"
+    if [ "$mode" != overlay ]; then rm -rf "$dest"; fi
     mkdir -p "$dest"
     if command -v xz >/dev/null; then
       cat "${parts[@]}" | tar -xJf - -C "$dest" || return 1
     else
       cat "${parts[@]}" | python3 -c 'import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall(sys.argv[1], filter="data")' "$dest" || return 1
     fi
-    echo "$sha" >"$dest/.bundle_sha256"
+    echo "$sha" >"$marker"
     echo "$tag: unpacked ${#parts[@]} part(s) into $dest ($(du -sm "$dest" | cut -f1) MiB)"
   fi
   case ":${PYTHONPATH:-}:" in
@@ -67,14 +75,75 @@ _bundle_unpack() {
 }
 
 _vllm_env_main() {
-  _bundle_unpack vllm /tmp/vllm_site "$@" || return 1
-  if [ "${1:-}" = stash ]; then return 0; fi
+  local site=/tmp/vllm_site v4="" d line
+  for d in .vllmv41 .vllmv42 /tmp/vllmv4_parts; do
+    if [ -f "$d/MANIFEST" ]; then v4=1; fi
+  done
+  if [ "${1:-}" = stash ]; then
+    _bundle_unpack vllm "$site" stash || return 1
+    if [ -d .vllmv41 ] || [ -d .vllmv42 ]; then _bundle_unpack vllmv4 "$site" stash || return 1; fi
+    return 0
+  fi
+  # an add-on left in the site by an earlier command, but not here now: start from the main bundle again
+  if [ -z "$v4" ] && [ -f "$site/.bundle_sha256.vllmv4" ]; then rm -f "$site/.bundle_sha256"; fi
+  _bundle_unpack vllm "$site" "$@" || return 1
+  if [ -n "$v4" ]; then
+    _bundle_unpack vllmv4 "$site" overlay || return 1
+    # PYTHONPATH folders get no .pth processing: add what the add-on's .pth files name (the CuTe DSL's
+    # nvidia_cutlass_dsl/python_packages, where `cutlass` lives)
+    for d in "$site"/*.pth; do
+      [ -f "$d" ] || continue
+      while read -r line || [ -n "$line" ]; do  # a .pth may end without a newline
+        case "$line" in "" | "#"* | import*) continue ;; esac
+        if [ -d "$site/$line" ]; then
+          case ":${PYTHONPATH:-}:" in
+            *":$site/$line:"*) ;;
+            *) export PYTHONPATH="$PYTHONPATH:$site/$line" ;;
+          esac
+        fi
+      done <"$d"
+    done
+    # JIT compilers and their caches: DeepGEMM (nvcc), tilelang (nvcc), the CuTe DSL (its own ptxas), the
+    # driver's PTX JIT (Marlin's compute_80 PTX; a bigger cache than the default keeps it across runs)
+    if [ -z "${CUDA_HOME:-}" ]; then
+      for d in /usr/local/cuda /usr/local/cuda-13*; do
+        if [ -x "$d/bin/nvcc" ]; then export CUDA_HOME=$d; break; fi
+      done
+    fi
+    # DeepGEMM's _C links libnvrtc.so.13 without a runpath: if the loader does not know it, use the copy in
+    # torch's nvidia-cuda-nvrtc wheel
+    if ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so\.13 '; then
+      d=$(python3 -c 'import glob, os, sys
+hits = [h for p in sys.path for h in glob.glob(os.path.join(p, "nvidia", "*", "lib", "libnvrtc.so.13"))]
+print(os.path.dirname(hits[0]) if hits else "")')
+      if [ -n "$d" ] && [[ ":${LD_LIBRARY_PATH:-}:" != *":$d:"* ]]; then
+        export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      fi
+    fi
+    export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/jit_cache/deep_gemm}
+    export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/jit_cache/tilelang}
+    export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-/tmp/jit_cache/tvm-ffi}
+    export CUTE_DSL_CACHE_DIR=${CUTE_DSL_CACHE_DIR:-/tmp/jit_cache/cute_dsl}
+    export CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-/tmp/jit_cache/nv} CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
+  fi
   # In-process engine (no EngineCore subprocess, no ZMQ sockets between processes); no FlashInfer here;
   # nothing may phone home; weights and tokenizers come from local paths only.
   export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
   export VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1 DO_NOT_TRACK=1
   export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
   python3 -c 'import vllm; print("vllm", vllm.__version__, "from", vllm.__path__[0])'
+  if [ -n "$v4" ]; then
+    echo "gpu_vllm_env: DeepSeek-V4 add-on, CUDA_HOME=${CUDA_HOME:-unset}"
+    python3 -c '
+import importlib, torch  # noqa: F401  (torch first: the extensions link its CUDA libraries)
+for m in ("vllm._flashmla_C", "vllm.third_party.deep_gemm", "tilelang", "cutlass", "quack"):
+    try:
+        importlib.import_module(m)
+        print("gpu_vllm_env: import", m, "ok")
+    except Exception as e:
+        print("gpu_vllm_env: import", m, "FAILED:", type(e).__name__, e)
+'
+  fi
 }
 
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then

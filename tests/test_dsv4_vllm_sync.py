@@ -258,6 +258,9 @@ def test_the_engine_config_asks_vllm_for_fp8_where_the_sync_sends_it(one, tmp_pa
 
     assert write_engine_config(tmp_path / "config.json", rt, DTYPE, "wo_a") == {}
     config = json.loads((tmp_path / "config.json").read_text())
+    # the release form vLLM reads, without the transformers form newer transformers refuses there
+    assert not {"layer_types", "mlp_layer_types", "compress_rates"} & set(config)
+    assert config["compress_ratios"][:4] == list(rt.arch.v4.compress_ratios) and config["num_hash_layers"]
     quant = config["quantization_config"]
     assert config["model_type"] == "deepseek_v4" and config["expert_dtype"] == "fp8"  # float32 scales
     assert quant["quant_method"] == "fp8" and quant["weight_block_size"] == [128, 128]

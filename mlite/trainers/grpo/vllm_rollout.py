@@ -53,6 +53,7 @@ from mlite.plan.policy import rollout_expert_parallel, vllm_v4_fp8
 from mlite.runtime.state import rng_state, set_rng_state
 from mlite.trainers.grpo.rollout import Completion, SamplingParams, request_seed
 from mlite.trainers.grpo.vllm_adapter import (
+    V4_TRANSFORMERS_ONLY,
     keep_attention_sinks,
     resend_attention_sinks,
     v4_fp8_at_sync_config,
@@ -216,6 +217,9 @@ def write_engine_config(path: Path, runtime, dtype: torch.dtype, v4_fp8: str | N
     write_hf_config(path, runtime.arch, runtime.hf_config, dtype)
     config = json.loads(path.read_text())
     config.pop("quantization_config", None)
+    if v4_fp8 is not None:  # vLLM reads DeepSeek's release form; the transformers form beside it is refused
+        for key in V4_TRANSFORMERS_ONLY:  # by the strict config check of newer transformers (PretrainedConfig)
+            config.pop(key, None)
     if v4_fp8 in ("wo_a", "linears"):
         config = v4_fp8_at_sync_config(config, runtime.arch.num_layers, linears=v4_fp8 == "linears")
     path.write_text(json.dumps(config, indent=2) + "\n")
