@@ -139,10 +139,11 @@ def _context_gb(device: str) -> float:
     """GPU memory in use outside torch's caching allocator (CUDA context, cuBLAS/cuDNN handles)."""
     import torch
 
+    from mlite.runtime.engine import device_used_gb
+
     if not device.startswith("cuda"):
         return 0.0
-    free, total = torch.cuda.mem_get_info()
-    return (total - free - torch.cuda.memory_reserved()) / 2**30
+    return device_used_gb() - torch.cuda.memory_reserved() / 2**30
 
 
 def collective_bus_gbs(device: str, mbytes: int = 128, repeats: int = 5) -> dict[str, float]:

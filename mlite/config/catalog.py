@@ -56,14 +56,14 @@ PRESETS: dict[str, dict] = {
     # widths in 128s, hc_mult x hidden a multiple of 512), in the release form: sliding, CSA, HCA, CSA, the
     # first layer hash-routed; the demo tokenizer's vocabulary. For the V4 rollout on a GPU (docs/GRPO.md)
     "small-deepseek-v4": dict(_DEEPSEEK, model_type="deepseek_v4", hidden_size=512, num_hidden_layers=4,
-                              num_attention_heads=16, num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64,
-                              moe_intermediate_size=256, n_routed_experts=16, num_experts_per_tok=2,
-                              q_lora_rank=256, o_groups=2, o_lora_rank=256, compress_ratios=[0, 4, 128, 4],
-                              num_hash_layers=1, index_n_heads=64, index_head_dim=128, index_topk=512,
-                              sliding_window=128, hc_mult=4, hc_sinkhorn_iters=20, rope_theta=10000.0,
-                              compress_rope_theta=160000.0, max_position_embeddings=4096, vocab_size=384,
-                              scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
-                              router_aux_loss_coef=0.001),
+                              num_attention_heads=16, num_key_value_heads=1, head_dim=512,
+                              qk_rope_head_dim=64, moe_intermediate_size=256, n_routed_experts=16,
+                              num_experts_per_tok=2, q_lora_rank=256, o_groups=2, o_lora_rank=256,
+                              compress_ratios=[0, 4, 128, 4], num_hash_layers=1, index_n_heads=64,
+                              index_head_dim=128, index_topk=512, sliding_window=128, hc_mult=4,
+                              hc_sinkhorn_iters=20, rope_theta=10000.0, compress_rope_theta=160000.0,
+                              max_position_embeddings=4096, vocab_size=384, scoring_func="sqrtsoftplus",
+                              routed_scaling_factor=1.5, router_aux_loss_coef=0.001),
     # ----------------------------------------------------------------------------------- dense Qwen3
     "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, intermediate_size=3072, tie_word_embeddings=True),

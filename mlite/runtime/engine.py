@@ -265,9 +265,8 @@ class Runtime:
         above its reservation now. None on the CPU."""
         if self.device.type != "cuda":
             return None
-        free, total = torch.cuda.mem_get_info(self.device)
         above = torch.cuda.max_memory_reserved(self.device) - torch.cuda.memory_reserved(self.device)
-        return (total - free + above) / 2**30
+        return device_used_gb(self.device) + above / 2**30
 
     def offload_to_host(self, weights: bool = True, grads: bool = True, optimizer: bool = True,
                         host: torch.device | str = "cpu") -> int:
@@ -304,6 +303,13 @@ class Runtime:
         `expert_parallel`, the engine's experts whole on the rank that holds them; `v4_fp8`:
         DeepSeek-V4 in vLLM's dtypes (mlite.runtime.ckpt.sync.vllm_send_as)."""
         return self.optim.tp_group_weights(dtype, tp_size, stats, expert_parallel, v4_fp8)
+
+
+def device_used_gb(device: torch.device | None = None) -> float:
+    """GiB in use on a GPU (default: the current one) by anyone: torch's cache, CUDA contexts, NCCL, a rollout
+    engine's pool."""
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free) / 2**30
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:

@@ -44,11 +44,11 @@ VLLM_CHECKED = "0.25.1"
 # weights_proj and the router are built without a quantization config
 _OTHER_QUANTISABLE = ("attn.fused_wqa_wkv", "attn.wq_b", "attn.wo_b", "attn.indexer.wq_b",
                       "ffn.shared_experts.gate_up_proj", "ffn.shared_experts.down_proj", "ffn.experts")
-_WO_A_ONLY = r"re:^(?!.*\.attn\.wo_a$)"
+_WO_A_ONLY = r"re:^(?!.*\.attn\.wo_a$)"  # online: ignore every linear but the attention's wo_a
 # the transformers form of V4's layer layout, which vLLM never reads (it reads compress_ratios and
 # num_hash_layers): transformers 5.17's PretrainedConfig validates mlp_layer_types against ("sparse", "dense")
 # and refuses ours when vLLM builds its config (transformers_utils/configs/deepseek_v4.py:23)
-V4_TRANSFORMERS_ONLY = ("layer_types", "mlp_layer_types", "compress_rates")  # online: ignore every linear but the attention's wo_a
+V4_TRANSFORMERS_ONLY = ("layer_types", "mlp_layer_types", "compress_rates")
 _SINK = ".attn.attn_sink"
 
 

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from mlite.errors import MliteError
 from mlite.plan.policy import rollout_expert_parallel, vllm_v4_fp8
+from mlite.runtime.engine import device_used_gb
 from mlite.runtime.state import rng_state, set_rng_state
 from mlite.trainers.grpo.rollout import Completion, SamplingParams, request_seed
 from mlite.trainers.grpo.vllm_adapter import (
@@ -176,7 +177,8 @@ class VLLMRollout:
         self.llm.wake_up(tags=["weights"])
         wake_s = time.perf_counter() - started
         self.load_weights()
-        self.stats["memory/sync_gb"] = device_used_gb()  # the sync's peak: vLLM's weights and the trainer's
+        # the sync's peak: vLLM's weights and the trainer's
+        self.stats["memory/sync_gb"] = device_used_gb(self.runtime.device)
         if self.offload:
             started = time.perf_counter()
             moved += self.runtime.offload_to_host(weights=True, grads=False, optimizer=False)
@@ -184,7 +186,7 @@ class VLLMRollout:
         started = time.perf_counter()
         self.llm.wake_up(tags=["kv_cache"])
         self.stats["time/wake_s"] = wake_s + time.perf_counter() - started
-        self.stats["memory/rollout_gb"] = device_used_gb()
+        self.stats["memory/rollout_gb"] = device_used_gb(self.runtime.device)
         sampler = VLLMSampler(self.llm, seed, self.layout, self.rank, self.cell)
         try:
             yield sampler
@@ -217,19 +219,13 @@ def write_engine_config(path: Path, runtime, dtype: torch.dtype, v4_fp8: str | N
     write_hf_config(path, runtime.arch, runtime.hf_config, dtype)
     config = json.loads(path.read_text())
     config.pop("quantization_config", None)
-    if v4_fp8 is not None:  # vLLM reads DeepSeek's release form; the transformers form beside it is refused
-        for key in V4_TRANSFORMERS_ONLY:  # by the strict config check of newer transformers (PretrainedConfig)
+    if v4_fp8 is not None:  # vLLM reads DeepSeek's release form; the transformers form beside it is
+        for key in V4_TRANSFORMERS_ONLY:  # refused by newer transformers' strict config check
             config.pop(key, None)
     if v4_fp8 in ("wo_a", "linears"):
         config = v4_fp8_at_sync_config(config, runtime.arch.num_layers, linears=v4_fp8 == "linears")
     path.write_text(json.dumps(config, indent=2) + "\n")
     return v4_online_fp8_engine_args() if v4_fp8 == "online" else {}
-
-
-def device_used_gb() -> float:
-    """GiB in use on this process's GPU, by anyone (torch's cache, vLLM's pool, CUDA contexts, NCCL)."""
-    free, total = torch.cuda.mem_get_info()
-    return (total - free) / 2**30
 
 
 @dataclass(frozen=True)
