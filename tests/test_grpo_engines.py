@@ -113,6 +113,14 @@ def test_logprob_mismatch_figures_from_totals_that_add_up_over_ranks():
     over = logprob_mismatch(mismatch_totals(trainer, sampler, mask, 0.25))
     assert over["rollout/logprob_diff_frac"] == 0.25
     assert logprob_mismatch(mismatch_totals(trainer, sampler, torch.zeros(5), 0.1)) == {}
+    assert m["rollout/logprob_diff_nonfinite"] == 0.0
+    # a token one side gives no probability (-inf): counted apart and over the threshold, the rest as before
+    broken = logprob_mismatch(mismatch_totals(trainer, torch.tensor([-1.05, -1.8, -0.5, float("-inf"), 0.0]),
+                                              mask, threshold=0.1))
+    assert broken["rollout/logprob_diff_nonfinite"] == pytest.approx(0.25)
+    assert broken["rollout/logprob_diff_mean"] == pytest.approx((0.05 + 0.2 + 0) / 3)
+    assert broken["rollout/logprob_diff_max"] == pytest.approx(0.2)
+    assert broken["rollout/logprob_diff_frac"] == pytest.approx(0.5)
     # two data-parallel ranks' halves: sums added, maxima maxed, give the whole's figures
     halves = [mismatch_totals(trainer[s], sampler[s], mask[s], 0.1) for s in (slice(0, 2), slice(2, 5))]
     pooled = {k: (max if k == "max" else sum)(h[k] for h in halves) for k in halves[0]}

@@ -199,27 +199,34 @@ def mismatch_totals(
 ) -> dict[str, float]:
     """How far the sampler's log-probs of the sampled tokens are from the trainer's forward of the same
     tokens (the old policy), over the response tokens `mask`, as totals that add up over data-parallel
-    ranks (`max` aside, the largest): the tokens, their absolute differences summed, how many exceed
-    `threshold`, and the largest. A different engine, kernel or precision (vLLM in bf16, say) makes the two
-    policies differ; the share over the threshold says how many tokens PPO's ratio sees as off-policy."""
+    ranks (`max` aside, the largest): the tokens, their finite absolute differences summed, how many exceed
+    `threshold`, how many are not finite (a log-prob of -inf or NaN on one side), and the largest finite one.
+    A different engine, kernel or precision (vLLM in bf16, say) makes the two policies differ; the share
+    over the threshold says how many tokens PPO's ratio sees as off-policy."""
     diff = (trainer.float() - sampler.float()).abs()[mask.bool()]
+    finite = diff[diff.isfinite()]
+    nonfinite = diff.numel() - finite.numel()
     return {
         "tokens": float(diff.numel()),
-        "abs_sum": float(diff.sum()),
-        "over": float((diff > threshold).sum()),
-        "max": float(diff.max()) if diff.numel() else 0.0,
+        "abs_sum": float(finite.sum()),
+        "over": float((finite > threshold).sum()) + nonfinite,
+        "nonfinite": float(nonfinite),
+        "max": float(finite.max()) if finite.numel() else 0.0,
     }
 
 
 def logprob_mismatch(totals: dict[str, float]) -> dict[str, float]:
     """The step's mismatch figures from its `mismatch_totals` (summed over ranks): the mean and largest
-    absolute difference and the share of tokens over the threshold; {} without response tokens."""
+    finite absolute difference, the share of tokens over the threshold (non-finite ones included) and the
+    share whose difference is not finite; {} without response tokens."""
     if not totals["tokens"]:
         return {}
+    finite = totals["tokens"] - totals["nonfinite"]
     return {
-        "rollout/logprob_diff_mean": totals["abs_sum"] / totals["tokens"],
+        "rollout/logprob_diff_mean": totals["abs_sum"] / finite if finite else 0.0,
         "rollout/logprob_diff_max": totals["max"],
         "rollout/logprob_diff_frac": totals["over"] / totals["tokens"],
+        "rollout/logprob_diff_nonfinite": totals["nonfinite"] / totals["tokens"],
     }
 
 

@@ -431,7 +431,7 @@ class GRPOTrainer:
                                                        "max")
         n, tokens = sums["responses"], max(sums["response_tokens"], 1.0)
         mean = sums["reward"] / n
-        figures = logprob_mismatch({**{k: sums[f"mismatch_{k}"] for k in ("tokens", "abs_sum", "over")},
+        figures = logprob_mismatch({**{k: sums[f"mismatch_{k}"] for k in mismatch if k != "max"},
                                     "max": mismatch_max})
         if is_weights is not None:
             figures["rollout/is_weight_mean"] = sums["is_weight"] / tokens
