@@ -208,8 +208,7 @@ class GRPOTrainer:
         mine = pack_micro_batches(sequences, loss_masks, extras, self.max_tokens,
                                   micro_batch_size=self.micro_batch_size)
         (most,) = self.runtime.dp_reduce([float(len(mine))], "max")
-        return pack_micro_batches(sequences, loss_masks, extras, self.max_tokens, int(most),
-                                  self.micro_batch_size)
+        return mine + pack_micro_batches([], [], extras, self.max_tokens, int(most) - len(mine))  # fillers
 
     # ---------------------------------------------------------------------------------- log-probs
     def _per_sequence_logprobs(
