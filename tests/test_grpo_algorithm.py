@@ -194,3 +194,17 @@ def test_user_reward_by_import_path_and_failures_reported(tmp_path, monkeypatch)
 def test_bad_reward_spec_is_one_clear_error(spec, message):
     with pytest.raises(MliteError, match=message):
         load_reward(spec)
+
+
+def test_veto_names_the_responses_with_a_token_far_off_or_not_finite():
+    from mlite.trainers.grpo.algorithm import vetoed_responses
+
+    trainer = [torch.tensor([0.0, -1.0, -2.0, 0.0]), torch.tensor([0.0, -1.0, -2.0]),
+               torch.tensor([0.0, -1.0])]
+    sampler = [torch.tensor([0.0, -1.5, -2.1, 0.0]), torch.tensor([0.0, -12.0, -2.0]),
+               torch.tensor([0.0, float("nan")])]
+    masks = [torch.tensor([0.0, 1.0, 1.0, 0.0]), torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 1.0])]
+    assert vetoed_responses(trainer, sampler, masks, 5.0) == {1, 2}
+    assert vetoed_responses(trainer, sampler, masks, 0.3) == {0, 1, 2}
+    masks[2] = torch.tensor([1.0, 0.0])  # the NaN sits outside the response: not a reason
+    assert vetoed_responses(trainer, sampler, masks, 20.0) == set()

@@ -192,3 +192,40 @@ def test_grpo_steps_on_cuda_in_bf16(tmp_path, tokenizer):
         assert len(ro.completions) == 8
     assert not torch.equal(before, params(trainer))
     assert metrics["actor/kl_ref"] > 0
+
+
+def test_a_response_the_sampler_decoded_wrongly_is_vetoed_out_of_the_update(tmp_path, tokenizer):
+    """rollout.mismatch_veto: a response with one token whose sampler log-prob is far from the trainer's (a
+    broken decode gives garbage or NaN there) trains nothing; the others train as before. With every
+    response vetoed the gradient is zero; with a veto no token reaches, the update is the plain one."""
+
+    def corrupted(trainer, which):  # the engine reports a wrong log-prob on the first token of `which`
+        rollout = trainer.rollout
+
+        def broken(step):
+            ro = rollout(step)
+            for i in which(len(ro.completions)):
+                ro.completions[i].logprobs[0] = float("nan") if i % 2 else ro.completions[i].logprobs[0] - 30
+            return ro
+
+        trainer.rollout = broken
+        return trainer
+
+    plain = make_trainer(tmp_path, tokenizer)
+    wide = corrupted(make_trainer(tmp_path, tokenizer, rollout={"mismatch_veto": 1e3}), lambda n: [])
+    one = corrupted(make_trainer(tmp_path, tokenizer, rollout={"mismatch_veto": 5.0}), lambda n: [0, 3])
+    every = corrupted(make_trainer(tmp_path, tokenizer, rollout={"mismatch_veto": 5.0}), range)
+    grads = [record_grads(t) for t in (plain, wide, one, every)]
+    m_plain, _ = plain.train_step(0)
+    m_wide, ro_wide = wide.train_step(0)
+    m_one, ro_one = one.train_step(0)
+    m_every, ro_every = every.train_step(0)
+    n = len(ro_one.completions)
+    assert ro_wide.vetoed == set() and m_wide["rollout/vetoed_frac"] == 0.0
+    assert torch.equal(grads[0][0], grads[1][0])  # nothing reached the veto: the plain update
+    assert ro_one.vetoed == {0, 3} and m_one["rollout/vetoed_frac"] == pytest.approx(2 / n)
+    assert m_one["rollout/logprob_diff_nonfinite"] > 0  # the NaN still shows in the mismatch figures
+    assert grads[2][0].norm() > 0 and not torch.allclose(grads[2][0], grads[0][0])
+    assert ro_every.vetoed == set(range(n)) and m_every["rollout/vetoed_frac"] == 1.0
+    assert float(grads[3][0].abs().max()) == 0.0  # nothing left to learn from
+    assert "rollout/vetoed_frac" not in m_plain

@@ -235,3 +235,17 @@ def truncated_importance_weights(trainer: torch.Tensor, sampler: torch.Tensor, c
     correction for tokens drawn by a sampler whose probabilities differ from the trainer's old policy."""
     log_ratio = torch.clamp(trainer.float() - sampler.float(), min=-LOG_RATIO_LIMIT, max=LOG_RATIO_LIMIT)
     return torch.exp(log_ratio).clamp(max=cap)
+
+
+def vetoed_responses(trainer: list[torch.Tensor], sampler: list[torch.Tensor], masks: list[torch.Tensor],
+                     limit: float) -> set[int]:
+    """The responses (positions in the lists) with a response token whose sampler and trainer log-probs
+    differ by more than `limit` nats, or not finitely (verl's veto, in log space): a token no healthy
+    engine would disagree on by that much marks a decode that went wrong, and truncated importance
+    weights would still train on its tokens at up to the cap."""
+    vetoed = set()
+    for i, (t, s, m) in enumerate(zip(trainer, sampler, masks)):
+        diff = (t.float() - s.float()).abs()[m.bool()]
+        if bool((~diff.isfinite()).any()) or bool((diff > limit).any()):
+            vetoed.add(i)
+    return vetoed

@@ -49,6 +49,7 @@ from mlite.trainers.grpo.algorithm import (
     logprob_mismatch,
     mismatch_totals,
     truncated_importance_weights,
+    vetoed_responses,
 )
 from mlite.trainers.grpo.prompts import Prompt, read_prompt_rows, render_prompts
 from mlite.trainers.grpo.rewards import RewardFailure, load_reward, score_responses
@@ -74,6 +75,7 @@ class RolloutBatch:
     # the step has over every rank (one process: all of them, in order)
     index: list[int] = field(default_factory=list)
     size: int = 0
+    vetoed: set[int] = field(default_factory=set)  # positions left out of the update (rollout.mismatch_veto)
 
     @property
     def sequences(self) -> list[list[int]]:
@@ -88,6 +90,11 @@ class RolloutBatch:
         """Per sequence, 1 where the next token is a response token: the layout of the runtime's log-probs
         (position t holds the log-prob of token t + 1)."""
         return [torch.tensor(m[1:] + [0], dtype=torch.float32) for m in self.loss_masks]
+
+    @property
+    def trained_masks(self) -> list[list[int]]:
+        """The loss masks the update trains on: a vetoed response's are all 0."""
+        return [[0] * len(m) if i in self.vetoed else m for i, m in enumerate(self.loss_masks)]
 
     def sampler_logprobs(self) -> list[torch.Tensor]:
         """The sampler's log-probs of the response tokens, laid out as the runtime's (0 elsewhere)."""
@@ -276,7 +283,7 @@ class GRPOTrainer:
             random.Random(self.job.trainer.seed * 31 + step * 1009 + epoch).shuffle(order)
             for mini in range(self.cfg.mini_batches):
                 idx = [position[i] for i in order[mini :: self.cfg.mini_batches] if i in position]
-                masks = [ro.loss_masks[i] for i in idx]
+                masks = [ro.trained_masks[i] for i in idx]
                 packed = self._packed([ro.sequences[i] for i in idx], masks,
                                       {k: [v[i] for i in idx] for k, v in extras.items()})
                 norm, real = self._mini_batch_norm(masks, sum(1 for chosen, _ in packed if chosen))
@@ -318,7 +325,8 @@ class GRPOTrainer:
         tokens, sequences, real = self.runtime.dp_reduce(
             [float(sum(sum(m) for m in mine)), float(sum(1 for m in mine if any(m))), float(micro_batches)]
         )
-        norm = LossNorm(num_tokens=int(tokens), num_sequences=int(sequences),
+        # at least 1: a mini-batch whose responses are all vetoed has nothing to divide, and trains nothing
+        norm = LossNorm(num_tokens=max(int(tokens), 1), num_sequences=max(int(sequences), 1),
                         horizon=self.rollout_cfg.max_response_length)
         return norm, max(int(real), 1)
 
@@ -386,6 +394,8 @@ class GRPOTrainer:
         logprobs_s = time.perf_counter() - started
         adv = self.advantages(ro, old, ref)
         sampler = ro.sampler_logprobs()
+        if self.rollout_cfg.mismatch_veto is not None:
+            ro.vetoed = vetoed_responses(old, sampler, ro.label_masks, self.rollout_cfg.mismatch_veto)
         is_weights = None
         if self.rollout_cfg.importance_correction == "tis":
             is_weights = [truncated_importance_weights(o, s, self.rollout_cfg.importance_cap)
@@ -418,6 +428,7 @@ class GRPOTrainer:
             "tokens": float(sum(len(s) for s in ro.sequences)),
             "response_tokens": float(mask.sum()),
             **{f"mismatch_{k}": v for k, v in mismatch.items() if k != "max"},
+            "vetoed": float(len(ro.vetoed)),
         }
         if is_weights is not None:
             sums["is_weight"] = float(sum(float((w * m).sum()) for w, m in zip(is_weights, masks)))
@@ -434,6 +445,8 @@ class GRPOTrainer:
                                     "max": mismatch_max})
         if is_weights is not None:
             figures["rollout/is_weight_mean"] = sums["is_weight"] / tokens
+        if self.rollout_cfg.mismatch_veto is not None:
+            figures["rollout/vetoed_frac"] = sums["vetoed"] / n
         if ref is not None:
             figures["actor/kl_ref"] = sums["kl_ref"] / tokens
         variance = (sums["reward_squares"] - n * mean * mean) / (n - 1) if n > 1 else 0.0
