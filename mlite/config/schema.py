@@ -199,11 +199,25 @@ class PrecisionConfig(Section):
     # Adam's two moments: master: in precision.master's dtype; fp8: float8 e4m3 with one power-of-two
     # scale per 128 elements, stochastically rounded (2 bytes per parameter instead of 4 or 8)
     optimizer_state: Literal["master", "fp8"] = "master"
+    # FP8 matmuls in forward and backward (Hopper and newer), for every linear of the decoder layers and the
+    # routed experts' grouped GEMM; the embedding, the LM head, the norms and the router stay in `compute`.
+    # tensorwise / rowwise: torchao.float8's dynamic scaling, one scale per tensor / per row; blockwise:
+    # DeepSeek's 128x128 weight blocks with 1x128 activation tiles (what vLLM's block-FP8 linears run)
+    fp8: Literal["none", "tensorwise", "rowwise", "blockwise"] = "none"
+    # fsdp2, tensorwise: each unit's all-gather moves the weights in FP8 (half of bf16's bytes). `auto`: on
+    # wherever it can be (mlite.plan.policy.fp8_all_gather)
+    fp8_all_gather: Literal["auto"] | bool = "auto"
 
     @model_validator(mode="after")
     def _master(self):
         if self.master == "bf16" and self.compute != "bf16":
             raise ValueError(f"precision.master: bf16 needs precision.compute: bf16 (got {self.compute})")
+        if self.fp8 != "none" and self.compute != "bf16":
+            raise ValueError(f"precision.fp8: {self.fp8} runs beside bf16 compute; set precision.compute: "
+                             f"bf16 (got {self.compute})")
+        if self.fp8_all_gather is True and self.fp8 != "tensorwise":
+            raise ValueError("precision.fp8_all_gather: true needs precision.fp8: tensorwise (one scale per "
+                             f"weight, which the gathered shards share); got precision.fp8: {self.fp8}")
         return self
 
 
@@ -339,6 +353,10 @@ class RolloutConfig(Section):
     # tis: each token's policy-gradient term times min(pi_trainer / pi_sampler, importance_cap)
     importance_correction: Literal["none", "tis"] = "none"
     importance_cap: float = Field(2.0, gt=0)
+    # a response with a token whose log-probs differ by more than this many nats (or on which one side gives
+    # no finite log-prob) is left out of the update and counted in rollout/vetoed_frac: no two healthy
+    # engines differ by that much, a broken decode does (docs/GRPO.md). None: every response trains
+    mismatch_veto: float | None = Field(None, gt=0)
     # held-out prompts (data.val_files): val_n responses each at val_temperature (0: greedy), mean reward
     val_n: int = Field(1, ge=1)
     val_temperature: float = Field(0.0, ge=0)
@@ -351,6 +369,10 @@ class RolloutConfig(Section):
     # as block-FP8 (128x128, float32 scales): the engine holds about half the bytes of bf16. `auto`: where
     # bf16 weights do not fit vLLM's share (the planner's choice, mlite.plan.memory)
     fp8_weights: Literal["auto"] | bool = "auto"
+    # vLLM, DeepSeek-V4: the trainer's forward rounds the linears that the engine multiplies in FP8 the way
+    # the engine does (weights in 128x128 blocks, activations in 1x128 tiles, e4m3 with float32 scales), so
+    # its log-probs are those of the model the sampler ran; the gradient passes the rounding unchanged
+    match_fp8: bool = False
 
     @model_validator(mode="after")
     def _val_sampling(self):
