@@ -36,6 +36,7 @@ LAYERS = {
     "mlite.runtime.loss": 3.3,
     "mlite.runtime.parallel": 3.4,
     "mlite.runtime.ckpt": 3.5,
+    "mlite.runtime.fp8_match": 3.52,  # rounds like the rollout engine, with the weight sync's quantiser
     "mlite.runtime.backends.base": 3.55,  # the backend interface and the duties both backends share
     "mlite.runtime.backends.fsdp2": 3.56,
     "mlite.runtime.backends.dist_opt": 3.56,

@@ -464,3 +464,74 @@ def test_moe_engines_split_whole_experts_over_their_ranks_by_default():
     with pytest.raises(MliteError, match="rollout.expert_parallel: true splits a MoE model's experts"):
         sized("qwen3_30b_a3b_sft", [*vllm, "rollout.tp=4", "rollout.expert_parallel=true",
                                     "model.name=qwen3-8b", "parallel.ep=1"])
+
+
+# ------------------------------------------------------------------------------------------------ FP8
+FP8_DENSE = ["model.name=qwen3-8b", "parallel.ep=1", "cluster.gpus_per_node=4", "cluster.gpu=h200",
+             "parallel.fsdp_unit_layers=1", "parallel.fsdp_reshard_after_forward=true"]
+
+
+def _fp8_gemm(rows: int, n_in: int, n_out: int, scales: int) -> float:
+    """One FP8 GEMM's operands (input, output gradient, weight: 1 byte each) and `scales` fp32 scales, in
+    two layouts, in GiB."""
+    return 2 * (rows * (n_in + n_out) + n_out * n_in + 4 * scales) / GIB
+
+
+def test_fp8_adds_one_gemms_casts_and_keeps_the_bf16_activations():
+    """precision.fp8 without its all-gather: torchao keeps bf16/fp32 parameters and saves each linear's bf16
+    input for the backward, so every item stays; the step adds the FP8 operands of the largest GEMM (Qwen3-8B:
+    the MLP's 4096 x 12288) and their scales: one per tensor, per row, or per 1x128 tile / 128x128 block."""
+    bf16 = sized("qwen3_30b_a3b_sft", FP8_DENSE)
+    tokens = bf16.layout.tokens_per_micro_batch
+    h, ffn = 4096, 12288
+    scales = {"tensorwise": 3, "rowwise": tokens + tokens + ffn,
+              "blockwise": tokens * h // 128 + tokens * ffn // 128 + (h // 128) * (ffn // 128)}
+    for recipe, count in scales.items():
+        fp8 = sized("qwen3_30b_a3b_sft",
+                    [*FP8_DENSE, f"precision.fp8={recipe}", "precision.fp8_all_gather=false"])
+        assert not fp8.refused and not fp8.memory.fp8_all_gather
+        casts = items(fp8).pop("fp8 casts")
+        assert casts == pytest.approx(_fp8_gemm(tokens, h, ffn, count)), recipe
+        assert {k: v for k, v in items(fp8).items() if k != "fp8 casts"} == items(bf16)
+        assert fp8.memory.train_gb - bf16.memory.train_gb == pytest.approx(casts)
+
+
+def test_fp8_all_gather_gathers_the_linears_in_one_byte():
+    """precision.fp8_all_gather: FSDP2 gathers the linear weights (attention and MLP) in FP8, 1 byte instead
+    of bf16's 2; norms and the embedding stay bf16. Kept gathered, the stage's weights lose one byte per
+    linear parameter; resharded, two units of 8 layers (larger than the embedding either way) lose it per
+    layer they hold. Either way the estimate comes out below bf16's by that, less the FP8 casts."""
+    from mlite.config.catalog import layer_params
+
+    arch = preset_arch("qwen3-8b")
+    linears = sum(p.attention + p.mlp for p in (layer_params(arch, i) for i in range(arch.num_layers)))
+    per_layer = linears / arch.num_layers
+    for keys, saved in ((["parallel.fsdp_reshard_after_forward=false"], linears),
+                        (["parallel.fsdp_unit_layers=8"], 2 * 8 * per_layer)):
+        bf16 = sized("qwen3_30b_a3b_sft", [*FP8_DENSE, *keys])
+        fp8 = sized("qwen3_30b_a3b_sft", [*FP8_DENSE, *keys, "precision.fp8=tensorwise",
+                                          "precision.fp8_all_gather=true"])
+        assert fp8.memory.fp8_all_gather and not fp8.refused
+        drop = items(bf16)["gathered weights"] - items(fp8)["gathered weights"]
+        assert drop == pytest.approx(saved / GIB), keys
+        casts = items(fp8)["fp8 casts"]
+        assert bf16.memory.train_gb - fp8.memory.train_gb == pytest.approx(saved / GIB - casts)
+        assert drop > casts
+
+
+def test_fp8_all_gather_auto_resolves_into_the_plan():
+    """`auto`: on for fsdp2 with tensorwise over several data-parallel ranks; the plan's job holds the
+    choice and `mlite plan` prints the recipe."""
+    from mlite.plan.report import runs_line
+
+    plan = plan_job(load_job("qwen3_30b_a3b_sft", [*FP8_DENSE, "precision.fp8=tensorwise"]))
+    assert plan.job.precision.fp8_all_gather is True and "precision.fp8_all_gather" in plan.resolved
+    assert plan.choices()["fp8"] == "tensorwise" and plan.choices()["fp8_all_gather"] is True
+    assert "fp8 tensorwise matmuls, fp8 all-gather" in runs_line(plan)
+    rowwise = plan_job(load_job("qwen3_30b_a3b_sft", [*FP8_DENSE, "precision.fp8=rowwise"]))
+    assert rowwise.job.precision.fp8_all_gather is False and "fp8 rowwise matmuls  " in runs_line(rowwise)
+    one = plan_job(load_job("qwen3_30b_a3b_sft", [*FP8_DENSE, "precision.fp8=tensorwise",
+                                                  "cluster.gpus_per_node=1", "parallel.fsdp_unit_layers=auto",
+                                                  "parallel.fsdp_reshard_after_forward=auto",
+                                                  "precision.grad_reduce=auto"]))
+    assert one.job.precision.fp8_all_gather == "auto" and not one.memory.fp8_all_gather  # no FSDP2 units

@@ -164,8 +164,10 @@ def test_a_plan_is_frozen_and_prints_its_choices():
     assert choices["fsdp_grad_accumulation"] == plan.memory.fsdp_grad_accumulation == "unsharded"
     assert choices["expert_exchange"] == "all_gather" and choices["equal_micro_batch_lengths"]
     assert choices["context_chunk"] is None  # no context parallel
+    assert choices["fp8"] is None and choices["fp8_all_gather"] is False  # no precision.fp8: nothing in FP8
     assert set(plan.resolved) == {"parallel.fsdp_unit_layers", "parallel.fsdp_reshard_after_forward",
-                                  "parallel.fsdp_grad_accumulation"}  # the template sets grad_reduce
+                                  "parallel.fsdp_grad_accumulation",
+                                  "precision.fp8_all_gather"}  # the template sets grad_reduce
 
 
 def test_a_planned_job_is_planned_anew_in_another_world():

@@ -81,6 +81,9 @@ def real_run(tmp_path, command: str, preset: str, overrides: list[str]) -> subpr
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=300, check=False)
 
 
+# one GPU process, bf16 (the demo presets run fp32 on the CPU)
+ON_GPU = ["cluster.gpu=h100", "trainer.device=cuda", "precision.compute=bf16"]
+
 # Bad jobs: (id, preset, overrides, the line's words, real run: None or the mlite command that starts it).
 BAD_JOBS = [
     ("uneven-world", "demo_sft", ["parallel.tp=2"], "world size 1 is not a multiple of pp x cp x tp = 2",
@@ -182,6 +185,39 @@ BAD_JOBS = [
     ("fp8-weights-blocks", "deepseek_v4_flash_grpo", ["rollout.fp8_weights=true", "rollout.tp=32",
                                                       "rollout.span_nodes=true"],
      "the shared experts' width 2048 is not a multiple of 128 x rollout.tp=32", None),
+    ("fp8-cpu", "demo_sft", ["precision.compute=bf16", "precision.fp8=tensorwise"],
+     "precision.fp8: tensorwise multiplies on the FP8 tensor cores of GPUs, and this run is on the CPU",
+     "sft"),
+    ("fp8-a100", "qwen3_30b_a3b_sft", ["cluster.gpu=a100", "precision.fp8=rowwise"],
+     "precision.fp8: rowwise needs torchao's FP8 grouped GEMM (for qwen3-30b-a3b's routed experts), compute "
+     "capability 9.0 or newer, and cluster.gpu a100 has 8.0", None),
+    ("fp8-a100-dense", "demo_sft",
+     [*ON_GPU, "model.name=qwen3-8b", "cluster.gpu=a100", "precision.fp8=tensorwise"],
+     "precision.fp8: tensorwise needs FP8 tensor cores, compute capability 8.9 or newer, and cluster.gpu "
+     "a100 has 8.0", None),
+    ("fp8-blockwise-widths", "demo_sft", [*ON_GPU, "precision.fp8=blockwise"],
+     "precision.fp8: blockwise needs every width of the linears it converts in multiples of 128 (the FP8 "
+     "kernels' tiles), and tiny-qwen3's hidden size is 64; use precision.fp8: rowwise", None),
+    ("fp8-tp", "qwen3_30b_a3b_sft", ["parallel.ep=1", "parallel.tp=2", "precision.fp8=tensorwise"],
+     "precision.fp8: tensorwise with tp=2: torchao's FP8 linears need their own tensor-parallel plans", None),
+    ("fp8-all-gather-dist_opt", "qwen3_30b_a3b_sft",
+     ["optimizer.backend=dist_opt", "precision.fp8=tensorwise", "precision.fp8_all_gather=true"],
+     "precision.fp8_all_gather: true has FSDP2 all-gather its units' linear weights in FP8, and "
+     "optimizer.backend is dist_opt", None),
+    ("fp8-all-gather-one-process", "demo_sft",
+     [*ON_GPU, "precision.fp8=tensorwise", "precision.fp8_all_gather=true"],
+     "precision.fp8_all_gather: true has FSDP2 all-gather its units' linear weights in FP8, and one plain "
+     "process has no FSDP2 units", None),
+    ("match-fp8-dense", "demo_grpo", ["cluster.gpu=h100", "trainer.device=cuda", "rollout.engine=vllm",
+                                      "rollout.match_fp8=true"],
+     "rollout.match_fp8: true rounds the trainer's forward through the linears that DeepSeek-V4's vLLM "
+     "engine multiplies in FP8", None),
+    ("match-fp8-and-fp8", "deepseek_v4_flash_grpo", ["rollout.match_fp8=true", "precision.fp8=rowwise"],
+     "rollout.match_fp8 rounds the forward as vLLM does, and precision.fp8: rowwise multiplies in FP8 its "
+     "own way; choose one", None),
+    ("match-fp8-builtin", "demo_grpo", ["rollout.match_fp8=true"],
+     "so that its log-probs are those of the model the sampler ran, and this job rolls out on the built-in "
+     "engine; remove rollout.match_fp8", None),
     ("tied-pp", "demo_sft", ["cluster.gpus_per_node=2", "parallel.pp=2"],
      "tied embeddings (tie_word_embeddings) with pp=2 are not supported yet", None),
     ("no-native-model", "deepseek_v4_flash_sft", ["model.name=deepseek-v3", "parallel.pp=1",
@@ -327,12 +363,14 @@ for preset, overrides in jobs:
     policy.grad_reduce_dtype(job), policy.compute_dtype(job, "cpu")
     policy.process_group(job, 2), policy.fsdp_units(job, 2), policy.rollout_expert_parallel(job, arch)
     policy.vllm_v4_fp8(job, arch), policy.vllm_fp8_misfit(arch, 8, False)
-    policy.vllm_weight_bytes(arch, 2, True)
+    policy.vllm_weight_bytes(arch, 2, True), policy.fp8_all_gather(job, 2)
     try:
         rules.check_dist_opt_adapter(job, job.parallel)
     except MliteError:
         pass
 rules.check_degrees(8, 2, 2, 1, 2, 2)
+rules.check_fp8_capability(load_job("qwen3_30b_a3b_sft", ["precision.fp8=rowwise"]),
+                           resolve_arch(load_job("qwen3_30b_a3b_sft").model), (9, 0), "H100")
 policy.expert_exchange(8, 6)
 policy.equal_micro_batch_lengths(4, 8, embedding_rows=True)
 rules.split_chunks(61, 12, 1, 6, 5)
@@ -393,3 +431,99 @@ def test_the_expert_exchange_sends_the_fewer_rows_a_token(ep, top_k, exchange):
     assert policy.expert_exchange(ep, top_k) == exchange
     gathered, paired = ep - 1, top_k * (ep - 1) / ep
     assert (gathered <= paired) == (exchange == "all_gather")
+
+
+# ------------------------------------------------------------------------------------------------ FP8
+def test_every_gpu_type_has_a_compute_capability():
+    from mlite.config.catalog import GPU_COMPUTE_CAPABILITY
+    from mlite.config.schema import GPU_TYPES
+
+    assert set(GPU_COMPUTE_CAPABILITY) == set(GPU_TYPES) - {"cpu"}
+    pre_hopper = {gpu for gpu, cc in GPU_COMPUTE_CAPABILITY.items() if cc < rules.FP8_HOPPER}
+    assert pre_hopper == {"a100"}
+
+
+def test_fp8_needs_the_tensor_cores_of_its_recipe_and_model():
+    """Dense tensorwise / rowwise run from sm89 (Ada); blockwise, and any MoE model (torchao's FP8 grouped
+    GEMM for its routed experts), from sm90. The runtime asks the same rule with its device."""
+    from mlite.config.catalog import preset_arch
+
+    dense, moe = preset_arch("qwen3-8b"), preset_arch("qwen3-30b-a3b")
+    for recipe, arch, need, below in [("tensorwise", dense, "8.9", (8, 6)), ("rowwise", dense, "8.9", (8, 6)),
+                                      ("blockwise", dense, "9.0", (8, 9)), ("rowwise", moe, "9.0", (8, 9))]:
+        job = load_job("qwen3_30b_a3b_sft", [f"precision.fp8={recipe}"])
+        rules.check_fp8_capability(job, arch, tuple(int(n) for n in need.split(".")), "the GPU")
+        with pytest.raises(MliteError, match=rf"capability {need} or newer, and the GPU has {below[0]}\."):
+            rules.check_fp8_capability(job, arch, below, "the GPU")
+    rules.check_fp8_capability(load_job("qwen3_30b_a3b_sft"), moe, (7, 0), "V100")  # no precision.fp8
+
+
+def test_fp8_names_the_width_its_kernels_cannot_tile():
+    """Widths of the converted linears in 16s (blockwise: 128s); the routed experts' grouped GEMM is rowwise
+    under every recipe (16s); the embedding, head, norms and router do not count."""
+    from dataclasses import replace
+
+    from mlite.config.catalog import preset_arch
+    from mlite.plan.rules import check_fp8
+
+    job = load_job("demo_sft", [*ON_GPU, "precision.fp8=rowwise"])
+    dense = preset_arch("tiny-qwen3")
+    check_fp8(job, dense, 1, "cuda")
+    check_fp8(job, replace(dense, vocab=257), 1, "cuda")  # the embedding and head stay bf16
+    with pytest.raises(MliteError, match=r"tiny-qwen3's MLP width \(intermediate_size\) is 136; set "
+                                         r"precision.fp8: none$"):
+        check_fp8(job, replace(dense, ffn=136), 1, "cuda")
+    with pytest.raises(MliteError, match=r"KV width \(kv_heads x head_dim\) is 24"):
+        check_fp8(job, replace(dense, num_kv_heads=2, head_dim=12, num_heads=4), 1, "cuda")
+    moe = preset_arch("tiny-qwen3-moe")
+    with pytest.raises(MliteError, match=r"routed expert width \(moe_intermediate_size\) is 40"):
+        check_fp8(job, replace(moe, moe=replace(moe.moe, expert_ffn=40)), 1, "cuda")
+    blockwise = load_job("demo_sft", [*ON_GPU, "precision.fp8=blockwise"])
+    with pytest.raises(MliteError, match=r"of 128 .* hidden size is 64; use precision.fp8: rowwise"):
+        check_fp8(blockwise, moe, 1, "cuda")
+    wide = replace(moe, hidden=128, num_heads=8, head_dim=16, num_kv_heads=8)
+    check_fp8(blockwise, wide, 1, "cuda")  # experts of 32: 16s suffice for their rowwise grouped GEMM
+    for preset in ("qwen3-8b", "qwen3-30b-a3b", "qwen3-235b-a22b", "llama-3.1-70b", "deepseek-v4-flash"):
+        check_fp8(blockwise, preset_arch(preset), 8, "cuda")  # the published models tile in 128s
+
+
+def test_fp8_runs_with_the_layouts_the_runtime_has():
+    """dist_opt multiplies in FP8 too (its weights stay bf16 / fp32); cp, pp and ep do; tp does not."""
+    base = ["cluster.gpu=h100", "precision.fp8=tensorwise"]
+    for overrides in (["optimizer.backend=dist_opt", "offload.optimizer=false", "precision.grad_reduce=fp32"],
+                      ["parallel.ep=4", "parallel.cp=2"], ["parallel.ep=4", "parallel.pp=2"]):
+        job = load_job("qwen3_30b_a3b_sft", [*base, *overrides])
+        arch = resolve_arch(job.model)
+        rules.check_layout(job, arch, 8)
+        rules.check_runtime(job, arch, 8, "cuda", has_megatron=True)
+
+
+@pytest.mark.parametrize("overrides, shards, on", [
+    (["precision.fp8=tensorwise"], 8, True),
+    (["precision.fp8=tensorwise"], 1, False),  # nothing gathered from other ranks
+    (["precision.fp8=rowwise"], 8, False),  # a scale per row: the shards do not share one
+    (["precision.fp8=blockwise"], 8, False),
+    ([], 8, False),
+    (["precision.fp8=tensorwise", "optimizer.backend=dist_opt"], 8, False),  # Megatron gathers its buffers
+    (["precision.fp8=tensorwise", "precision.fp8_all_gather=false"], 8, False),
+    (["precision.fp8=tensorwise", "precision.fp8_all_gather=true"], 1, True),
+])
+def test_fp8_all_gather_auto_is_on_for_fsdp2_tensorwise_over_several_shards(overrides, shards, on):
+    assert policy.fp8_all_gather(load_job("qwen3_30b_a3b_sft", overrides), shards) is on
+
+
+def test_match_fp8_goes_with_deepseek_v4_on_vllm():
+    job = load_job("deepseek_v4_flash_grpo", ["rollout.match_fp8=true"])
+    rules.check_match_fp8(job, resolve_arch(job.model))
+    assert plan_verdict_free(job) is None
+
+
+def plan_verdict_free(job) -> str | None:
+    """The rule book's verdict on a job on its own cluster, without the CLI."""
+    from mlite.plan import plan_job
+
+    try:
+        plan_job(job)
+    except MliteError as err:
+        return str(err)
+    return None

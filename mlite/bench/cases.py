@@ -32,6 +32,7 @@ class BenchCase:
     backend: str = "fsdp2"
     # the one-GPU reference's master weights where the case's own do not fit one GPU (None: the case's)
     reference_master: str | None = None
+    fp8: str = "none"  # precision.fp8 on GPUs (the CPU runs it refuses)
     note: str = ""
     config: dict = field(default_factory=dict)  # HF config keys set over the preset's (after num_layers)
 
@@ -78,6 +79,13 @@ CASES: dict[str, BenchCase] = {
         # runs out of memory
         BenchCase("dsv4-flash-4l-16k", "deepseek-v4-flash", 16384, num_layers=4, config=_DSV4_4L,
                   baseline=False),
+        # FP8 twins of the one-GPU cases (precision.fp8): `mlite bench CASE CASE-fp8` compares the two in one
+        # launch; transformers' side is the bf16 case's, so the twins run no baseline of their own
+        BenchCase("dense-1.7b-4k-fp8", "qwen3-1.7b", 4096, baseline=False, fp8="tensorwise"),
+        BenchCase("moe-30b-a3b-6l-4k-fp8", "qwen3-30b-a3b", 4096, num_layers=6, baseline=False,
+                  fp8="rowwise"),
+        BenchCase("dsv4-flash-4l-4k-fp8", "deepseek-v4-flash", 4096, num_layers=4, config=_DSV4_4L,
+                  baseline=False, fp8="blockwise"),
         # the CPU suite's cases: exercise every code path in seconds (the multi-rank ones on gloo)
         BenchCase("tiny-cpu", "tiny-qwen3-moe", 128, packing="mixed"),
         BenchCase("tiny-cpu-dp2", "tiny-qwen3", 128, packing="mixed", gpus=2, dp=2, baseline=False),
@@ -116,12 +124,14 @@ def case_arch(case: BenchCase) -> ModelArch:
 
 def case_precision(case: BenchCase, cuda: bool, one_gpu: bool = False) -> dict:
     """bf16 parameters and Adam state on GPUs (the precision of the HF baseline beside it), fp32 masters
-    under dist_opt; fp32 on CPU. `one_gpu`: a multi-rank case's one-GPU reference (its reference_master)."""
+    under dist_opt, the case's FP8 matmuls; fp32 on CPU. `one_gpu`: a multi-rank case's one-GPU reference
+    (its reference_master)."""
     if not cuda:
         return {"compute": "fp32", "master": "fp32"}
+    fp8 = {"fp8": case.fp8} if case.fp8 != "none" else {}
     if one_gpu and case.reference_master:
-        return {"compute": "bf16", "master": case.reference_master}
-    return {"compute": "bf16", "master": backend_traits(case.backend).master_dtype}
+        return {"compute": "bf16", "master": case.reference_master, **fp8}
+    return {"compute": "bf16", "master": backend_traits(case.backend).master_dtype, **fp8}
 
 
 def case_job(case: BenchCase, device: str, one_gpu: bool = False, overrides: Sequence[str] = ()):

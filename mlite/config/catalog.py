@@ -107,6 +107,15 @@ PRESETS: dict[str, dict] = {
                               routed_scaling_factor=1.5),
 }
 
+# CUDA compute capability of each GPU type of `cluster.gpu` (mlite.config.schema.GPU_TYPES, "cpu" aside), for
+# the rules that need tensor-core generations (mlite.plan.rules.check_fp8): FP8 matmuls need 8.9 (Ada) or
+# newer, torchao's blockwise FP8 linear and FP8 grouped GEMM 9.0 (Hopper) or newer.
+GPU_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {
+    "h100": (9, 0), "h800": (9, 0), "h200": (9, 0), "h20": (9, 0),
+    "b200": (10, 0), "gb200": (10, 0), "b300": (10, 3), "gb300": (10, 3),
+    "a100": (8, 0),
+}
+
 # Published sizes (billions of parameters, total / active per token, MTP excluded) from the model cards.
 PUBLISHED_SIZES: dict[str, tuple[float, float]] = {
     "qwen3-0.6b": (0.6, 0.6),

@@ -62,10 +62,11 @@ class Plan:
     layout: Layout  # the degrees, the stage split (`stage_layers`, `chunk_layers`), micro-batches
     memory: MemoryEstimate
     # dotted keys of `job` that said `auto` and now hold the plan's choice. Keys resolve where their subject
-    # exists: FSDP2's unit keys where there are FSDP2 units, precision.grad_reduce where a process group
-    # reduces gradients. Elsewhere a key keeps `auto`, the one value the rule book accepts for a knob the
-    # run does not have, so that `plan_job(plan.job)` is this plan again. (trainer.device `auto` is the
-    # world's device, `world.device_type`: the runtime picks it before it plans.)
+    # exists: FSDP2's unit keys (and precision.fp8_all_gather, how the units gather) where there are FSDP2
+    # units, precision.grad_reduce where a process group reduces gradients. Elsewhere a key keeps `auto`,
+    # the one value the rule book accepts for a knob the run does not have, so that `plan_job(plan.job)`
+    # is this plan again. (trainer.device `auto` is the world's device, `world.device_type`: the runtime
+    # picks it before it plans.)
     resolved: tuple[str, ...]
     process_group: bool  # a process group and meshes (policy.process_group)
     fsdp_units: bool  # the parameters live in FSDP2 units (policy.fsdp_units)
@@ -96,6 +97,8 @@ class Plan:
             "expert_exchange": self.expert_exchange,
             "equal_micro_batch_lengths": self.equal_micro_batch_lengths,
             "context_chunk": self.context_chunk if self.layout.cp > 1 else None,
+            "fp8": self.job.precision.fp8 if self.job.precision.fp8 != "none" else None,
+            "fp8_all_gather": self.memory.fp8_all_gather if self.fsdp_units else None,
             "offload_trainer": self.memory.offload_trainer,
             "rollout_fp8_weights": self.memory.rollout_fp8_weights,
             "recompute": {"granularity": r.granularity, "method": r.method, "num_layers": r.num_layers},
@@ -139,7 +142,7 @@ def plan_job(job: JobConfig, arch: ModelArch | None = None, *, world: World | No
 # the keys a plan may resolve (`Plan.resolved`): FSDP2's units where they exist, the reduction dtype where a
 # process group reduces
 RESOLVABLE = ("parallel.fsdp_unit_layers", "parallel.fsdp_reshard_after_forward",
-              "parallel.fsdp_grad_accumulation", "precision.grad_reduce")
+              "parallel.fsdp_grad_accumulation", "precision.fp8_all_gather", "precision.grad_reduce")
 
 
 def for_another_world(job: dict[str, Any]) -> dict[str, Any]:
@@ -165,6 +168,8 @@ def _resolve(job: JobConfig, world: World, memory: MemoryEstimate) -> tuple[JobC
         # one micro-batch a step accumulates nothing (the estimate says None): a caller that brings more
         # micro-batches to a step (verl) gets a reduce-scatter after each
         choices["parallel.fsdp_grad_accumulation"] = memory.fsdp_grad_accumulation or "sharded"
+        # off without precision.fp8 tensorwise or without ranks to gather from (mlite.plan.policy)
+        choices["precision.fp8_all_gather"] = memory.fp8_all_gather
     if memory.offload_trainer is not None:  # a vLLM rollout
         choices["rollout.offload_trainer"] = memory.offload_trainer
         choices["rollout.fp8_weights"] = memory.rollout_fp8_weights

@@ -17,6 +17,7 @@ from mlite.config.schema import JobConfig
 from mlite.plan.policy import (
     SYNC_BUCKET_BYTES,
     expert_exchange,
+    fp8_all_gather,
     fsdp_units,
     grad_reduce_dtype,
     rollout_expert_parallel,
@@ -59,6 +60,10 @@ AUTO_UNIT_MAX_LAYERS = 4
 # tests/test_bench.py), since a run that no longer fits would only find out at its first step
 KEEP_GATHERED_MARGIN = 1.15
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# precision.fp8: an FP8 element, and what one fp32 scale covers (blockwise: 1x128 activation tiles, 128x128
+# weight blocks; the routed experts' grouped GEMM is rowwise under every recipe)
+FP8_BYTES = 1
+FP8_BLOCK = 128
 
 
 # the rollout item that says vLLM's weights exceed its share of the GPU (no total makes that fit)
@@ -101,6 +106,9 @@ class MemoryEstimate:
     # whether FSDP2 frees a unit's gathered weights after its forward (parallel.fsdp_reshard_after_forward,
     # `auto` resolved here); True where there are no FSDP2 units
     fsdp_reshard_after_forward: bool = True
+    # whether FSDP2 all-gathers the FP8 linears' weights in FP8 (precision.fp8_all_gather, `auto` resolved by
+    # mlite.plan.policy.fp8_all_gather on this layout)
+    fp8_all_gather: bool = False
 
     @property
     def train_gb(self) -> float:
@@ -148,6 +156,7 @@ class MemoryEstimate:
             "notes": self.notes, "fsdp_grad_accumulation": self.fsdp_grad_accumulation,
             "fsdp_unit_layers": self.fsdp_unit_layers,
             "fsdp_reshard_after_forward": self.fsdp_reshard_after_forward,
+            "fp8_all_gather": self.fp8_all_gather,
         }
 
 
@@ -159,33 +168,49 @@ class StageParams:
     dense: float  # sharded by fsdp2 / dist_opt over dp x cp
     experts: float  # sharded over edp
     largest_unit: float  # largest FSDP2 unit on this GPU (parallel.fsdp_unit_layers layers, embedding, head)
+    # the decoder's linear weights (attention, dense / shared-expert MLP): what precision.fp8_all_gather
+    # gathers in FP8 (the routed experts' weights gather in the compute dtype: torchao's grouped-GEMM
+    # weights have no FP8 all-gather)
+    linears: float = 0.0
+    # the largest unit as FP8's all-gather gathers it, in compute-dtype (bf16) parameters: its linears count
+    # half (1 byte of 2)
+    largest_unit_fp8: float = 0.0
 
 
 def stage_params(arch: ModelArch, layout: Layout, stage: int, unit_layers: int = 1) -> StageParams:
     """This stage's parameters per GPU; `unit_layers`: consecutive layers FSDP2 gathers as one unit."""
-    dense = experts = 0.0
-    per_layer = []
+    dense = experts = linears = 0.0
+    per_layer, per_layer_fp8 = [], []
     for i in layout.stage_layers[stage]:
         d, e = _layer_params_per_gpu(arch, layout, i)
-        dense, experts = dense + d, experts + e
+        lin = _layer_linears_per_gpu(arch, layout, i)
+        dense, experts, linears = dense + d, experts + e, linears + lin
         per_layer.append(d + e)
-    largest = max((sum(per_layer[k : k + unit_layers]) for k in range(len(per_layer))), default=0.0)
+        per_layer_fp8.append(d + e - lin * (1 - FP8_BYTES / 2))
+    largest, largest_fp8 = (max((sum(sizes[k : k + unit_layers]) for k in range(len(sizes))), default=0.0)
+                            for sizes in (per_layer, per_layer_fp8))
     table = arch.vocab * arch.hidden / layout.tp  # vocab-parallel embedding / head
     if stage == 0:
         dense += table
-        largest = max(largest, table)
+        largest, largest_fp8 = max(largest, table), max(largest_fp8, table)
     if stage == layout.pp - 1:
         # tied: a copy with pp > 1
         head = embedding_params(arch) / layout.tp - table if layout.pp == 1 else table
         dense += head + final_params(arch)
-        largest = max(largest, table)
-    return StageParams(dense, experts, largest)
+        largest, largest_fp8 = max(largest, table), max(largest_fp8, table)
+    return StageParams(dense, experts, largest, linears, largest_fp8)
 
 
 def _layer_params_per_gpu(arch: ModelArch, layout: Layout, layer: int) -> tuple[float, float]:
     """(dense, expert) parameters of one layer that a GPU computes with, after the tp and ep x etp splits."""
     lp = layer_params(arch, layer)
     return (lp.attention + lp.mlp) / layout.tp + lp.replicated, lp.experts / (layout.ep * layout.etp)
+
+
+def _layer_linears_per_gpu(arch: ModelArch, layout: Layout, layer: int) -> float:
+    """The linear weights of one layer a GPU computes with (attention and dense / shared-expert MLP)."""
+    lp = layer_params(arch, layer)
+    return (lp.attention + lp.mlp) / layout.tp
 
 
 # ------------------------------------------------------------------------------------------ activations
@@ -246,6 +271,56 @@ def v4_gather_bytes(arch: ModelArch, layers, seq_len: int, tokens: float, tp: in
     w, heads = v4.sliding_window, arch.num_heads / tp
     chunk = max(1, V4_KEY_SET_LOGITS // int(w * heads * (2 * w + picked))) * w
     return min(tokens, chunk) * picked * arch.head_dim * act * 2
+
+
+def fp8_cast_bytes(job: JobConfig, arch: ModelArch, layout: Layout, layers, tokens: float) -> float:
+    """precision.fp8: the FP8 operands of the largest GEMM the stage's layers run, which live while it runs:
+    its input, its output gradient and its weight cast to FP8 with their fp32 scales, each in the two
+    layouts the backward's GEMMs read. Nothing else changes in the activations: torchao (0.18:
+    Float8Linear, the blockwise linear and the FP8 grouped GEMM alike) saves the bf16 input and weight for
+    the backward and casts them again there, so what a layer keeps is what it keeps in bf16 (under
+    model.compile the partitioner may keep the 1-byte casts instead: a saving not counted)."""
+    recipe = job.precision.fp8
+    if recipe == "none":
+        return 0.0
+    h, tp, heads, hd = arch.hidden, layout.tp, arch.num_heads, arch.head_dim
+    shapes: list[tuple[int, float]] = []  # (in, out) of the converted linears, this GPU's share
+    if arch.v4 is not None:
+        v4, q = arch.v4, heads * hd
+        lora = v4.o_groups * v4.o_lora_rank
+        shapes += [(h, v4.q_lora_rank), (v4.q_lora_rank, q), (h, hd), (q // v4.o_groups, lora), (lora, h),
+                   (v4.q_lora_rank, v4.index_n_heads * v4.index_head_dim), (h, 2 * hd)]
+    elif arch.mla is None:
+        shapes += [(h, heads * hd / tp), (h, arch.num_kv_heads * hd / tp), (heads * hd / tp, h)]
+    moe = arch.moe
+    ffns = [arch.ffn] if moe is None or not all(moe.is_moe_layer(i) for i in layers) else []
+    routed = moe is not None and any(moe.is_moe_layer(i) for i in layers)
+    if routed and moe.shared_expert_ffn:
+        ffns.append(moe.shared_expert_ffn)
+    for ffn in ffns:
+        shapes += [(h, ffn / tp), (ffn / tp, h)]
+    largest = max((_fp8_gemm_bytes(tokens, n_in, n_out, recipe) for n_in, n_out in shapes), default=0.0)
+    if routed:  # the grouped GEMMs (gate and up fused, then down), rowwise under every recipe
+        rows, local = tokens * moe.top_k * MOE_IMBALANCE, moe.num_experts / (layout.ep * layout.etp)
+        for n_in, n_out in ((h, 2 * moe.expert_ffn), (moe.expert_ffn, h)):
+            largest = max(largest, _fp8_gemm_bytes(rows, n_in, n_out, "rowwise", local))
+    return largest
+
+
+def _fp8_gemm_bytes(rows: float, n_in: float, n_out: float, recipe: str, weights: float = 1) -> float:
+    """One FP8 GEMM's operands (`rows` x n_in input, rows x n_out output gradient, `weights` n_out x n_in
+    weights), each in two layouts."""
+    return 2 * (_fp8_operand(rows, n_in, recipe) + _fp8_operand(rows, n_out, recipe)
+                + weights * _fp8_operand(n_out, n_in, recipe, weight=True))
+
+
+def _fp8_operand(rows: float, cols: float, recipe: str, weight: bool = False) -> float:
+    """rows x cols FP8 elements and their fp32 scales: one per tensor (tensorwise), per row (rowwise), per
+    1x128 tile (blockwise activations) or 128x128 block (blockwise weights)."""
+    blocks = math.ceil(cols / FP8_BLOCK)
+    scales = {"tensorwise": 1, "rowwise": rows,
+              "blockwise": math.ceil(rows / FP8_BLOCK) * blocks if weight else rows * blocks}[recipe]
+    return rows * cols * FP8_BYTES + 4 * scales
 
 
 def layer_input_bytes(arch: ModelArch, act: int) -> int:
@@ -339,7 +414,11 @@ def _fsdp2_state(ledger: _Ledger, job: JobConfig, arch: ModelArch, layout: Layou
     ledger.put("master weights", sharded * mb,
                f"{master} FSDP2 shards over dp x cp={layout.dp * layout.cp} / edp={layout.edp}",
                1.0 if off.params else 0.0)
-    units, held = job.parallel.fsdp_unit_layers, FSDP_PREFETCH_LAYERS * sp.largest_unit
+    # precision.fp8_all_gather: the linears arrive in FP8 (1 byte; compute is bf16 under precision.fp8); their
+    # one fp32 scale per weight tensor (some bytes a layer) is left out
+    fp8 = fp8_all_gather(job, layout.dp * layout.cp)
+    units = job.parallel.fsdp_unit_layers
+    held = FSDP_PREFETCH_LAYERS * (sp.largest_unit_fp8 if fp8 else sp.largest_unit)
     # parallel.fsdp_embedding rows: the first stage's embedding is never gathered (its exchange moves
     # token rows, a few MB)
     rows = job.parallel.fsdp_embedding == "rows" and stage == 0
@@ -347,12 +426,13 @@ def _fsdp2_state(ledger: _Ledger, job: JobConfig, arch: ModelArch, layout: Layou
     if job.parallel.fsdp_reshard_after_forward:
         gathered, how = held, f"{FSDP_PREFETCH_LAYERS} units of {units} layer(s) unsharded at a time"
     else:
-        gathered = max(full - never_gathered, held)
+        gathered = max(full - never_gathered - (sp.linears * (1 - FP8_BYTES / w) if fp8 else 0.0), held)
         how = (f"every unit of {units} layer(s) kept unsharded from its forward to its backward "
                "(parallel.fsdp_reshard_after_forward: false)")
+    dtype = job.precision.compute + (", linears fp8 (precision.fp8_all_gather)" if fp8 else "")
     ledger.put("gathered weights", gathered * w if sharded < full or master != job.precision.compute
                else 0.0,  # one unsharded bf16 copy needs none
-               f"{job.precision.compute}, {how}")
+               f"{dtype}, {how}")
     # FSDP2 without gradient sync keeps each unit's gradient whole, in the reduce dtype, until the step's
     # last backward reduce-scatters it unit by unit into the shards (which exist only from then on)
     whole = (full * (g if master == "fp32" else mb)
@@ -400,6 +480,11 @@ def _activation_items(ledger: _Ledger, job: JobConfig, arch: ModelArch, layout: 
     gather = v4_gather_bytes(arch, layers, job.data.seq_len, tokens, layout.tp, act)
     if gather:
         ledger.put("key-set gather", gather, "one chunk of CSA queries' picked entries and their gradient")
+    casts = fp8_cast_bytes(job, arch, layout, layers, tokens)
+    if casts:
+        ledger.put("fp8 casts", casts,
+                   f"precision.fp8 {job.precision.fp8}: the largest GEMM's FP8 input, output gradient and "
+                   "weight with their scales, in both backward layouts; the saved inputs stay bf16")
     if stage == layout.pp - 1:
         # one chunk at a time
         logit_tokens = min(layout.tokens_per_micro_batch / layout.cp, LOGIT_CHUNK_TOKENS)
@@ -595,8 +680,12 @@ def _auto_units(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstima
     the estimate fits."""
     units = 1
     if fsdp_units(job, layout.world):
-        layer = max(sum(_layer_params_per_gpu(arch, layout, i)) for i in range(arch.num_layers))
-        fitting = AUTO_UNIT_BYTES // (layer * DTYPE_BYTES[job.precision.compute])
+        # a layer as gathered, in compute-dtype parameters: FP8's all-gather moves its linears in fewer bytes
+        w = DTYPE_BYTES[job.precision.compute]
+        cut = 1 - FP8_BYTES / w if fp8_all_gather(job, layout.dp * layout.cp) else 0.0
+        layer = max(sum(_layer_params_per_gpu(arch, layout, i))
+                    - cut * _layer_linears_per_gpu(arch, layout, i) for i in range(arch.num_layers))
+        fitting = AUTO_UNIT_BYTES // (layer * w)
         most = max(len(layers) for layers in layout.stage_layers)  # no unit beyond a stage's layers
         units = int(min(AUTO_UNIT_MAX_LAYERS, most, max(1, fitting)))
     while True:
@@ -650,4 +739,5 @@ def _estimate(job: JobConfig, arch: ModelArch, layout: Layout, accumulation: str
                           notes=notes,
                           fsdp_grad_accumulation=accumulation,
                           fsdp_unit_layers=job.parallel.fsdp_unit_layers,
-                          fsdp_reshard_after_forward=job.parallel.fsdp_reshard_after_forward)
+                          fsdp_reshard_after_forward=job.parallel.fsdp_reshard_after_forward,
+                          fp8_all_gather=fp8_all_gather(job, layout.dp * layout.cp))

@@ -8,6 +8,7 @@ the job with them once, so the runtime reads the choice from the plan instead of
     process_group(job, world_size)               # whether the run starts a process group and meshes
     fsdp_units(job, world_size)                  # whether its parameters live in FSDP2 units
     compute_dtype(job, device_type)              # what the run computes in
+    fp8_all_gather(job, shards)                  # precision.fp8_all_gather `auto`: FP8 all-gathers or not
     rollout_expert_parallel(job, arch)           # whether vLLM engines split the experts whole
     vllm_v4_fp8(job, arch)                       # how a DeepSeek-V4 engine gets its FP8 weights
     vllm_fp8_misfit(arch, tp, expert_parallel)   # what an engine's FP8 blocks would cut, if anything
@@ -131,3 +132,16 @@ def fsdp_units(job: JobConfig, world_size: int) -> bool:
 def compute_dtype(job: JobConfig, device_type: str) -> str:
     """What the run computes in: precision.compute on GPUs; the CPU computes in fp32."""
     return job.precision.compute if device_type == "cuda" else "fp32"
+
+
+def fp8_all_gather(job: JobConfig, shards: int) -> bool:
+    """Whether FSDP2 all-gathers its units' FP8 linear weights in FP8 (precision.fp8_all_gather; torchao's
+    `enable_fsdp_float8_all_gather`): half of bf16's bytes on the wire and in the gathered unit, at the cost
+    of one scale reduction over all weights after each optimizer step. `auto`: on for fsdp2 with
+    precision.fp8 tensorwise (one scale per weight, which the gathered shards share) where the dense
+    parameters are sharded over `shards` = dp x cp > 1 ranks; off where nothing is gathered from others."""
+    value = job.precision.fp8_all_gather
+    if value != "auto":
+        return value
+    fsdp = backend_traits(job.optimizer.backend).fsdp_units
+    return fsdp and job.precision.fp8 == "tensorwise" and shards > 1

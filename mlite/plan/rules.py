@@ -22,7 +22,9 @@ Who calls what, with which arguments:
   model is built, and builds everything from that plan without asking again;
 - `ParallelDims` (mlite.runtime.parallel.mesh) checks degrees given by hand with `data_parallel_size` and
   `check_degrees` (the runtime's come from the plan's layout), the dist_opt adapter with
-  `check_dist_opt_adapter`, the pipeline cuts with `split_chunks`.
+  `check_dist_opt_adapter`, the pipeline cuts with `split_chunks`;
+- precision.fp8: the plan judges the job's cluster.gpu; `check_fp8_capability` is for the runtime's
+  start-up, with the compute capability of the device it holds.
 
 Rank folding (as in mlite.runtime.parallel.mesh): world = pp x dp x cp x tp, and on the dp x cp x tp ranks of
 each pipeline stage the experts fold as edp x ep x etp.
@@ -37,6 +39,7 @@ from typing import Protocol
 
 from mlite.config.arch import V4_CSA, ModelArch
 from mlite.config.backends import backend_traits
+from mlite.config.catalog import GPU_COMPUTE_CAPABILITY
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
 from mlite.plan.policy import rollout_expert_parallel, vllm_fp8_misfit
@@ -524,6 +527,7 @@ def check_runtime_keys(
     check_fsdp_units(job, world_size)
     check_fsdp_embedding(job, arch)
     check_overlaps(job)
+    check_fp8(job, arch, world_size, device_type)
     check_backend_trained(job, device_type, has_megatron)
     check_precision(job, world_size, device_type)
     check_offload(job, world_size, device_type)
@@ -579,6 +583,7 @@ def check_model_layout(job: JobConfig, arch: ModelArch) -> None:
             f"tied embeddings (tie_word_embeddings) with pp={p.pp} are not supported yet; use pp=1 (data, "
             "tensor, context and expert parallel work) or a model with an untied LM head"
         )
+    check_fp8_layout(job)
 
 
 def _adapter_gaps(job: JobConfig, dims: Degrees) -> list[tuple[str, str]]:
@@ -670,6 +675,138 @@ def check_precision(job: JobConfig, world_size: int, device_type: str) -> None:
             f"precision.grad_reduce: {precision.grad_reduce} sets the dtype of the gradient reduction "
             "across ranks, and this run has one process; remove it, start several ranks (torchrun), or "
             "shard one rank with FSDP2 (parallel.fsdp_one_rank: true)"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ FP8
+FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper and newer
+FP8_HOPPER = (9, 0)  # torchao's blockwise FP8 linear and its FP8 grouped GEMM (the routed experts)
+FP8_TILE = 16  # torch._scaled_mm tiles every width of an FP8 GEMM in multiples of this
+FP8_BLOCK = 128  # blockwise: 128x128 weight blocks, 1x128 activation tiles
+
+
+def check_fp8(job: JobConfig, arch: ModelArch, world_size: int, device_type: str) -> None:
+    """precision.fp8 (FP8 matmuls through torchao, mlite.runtime.adapters.torchao) and its FSDP2 all-gather
+    on this device and world, for this model; and rollout.match_fp8. The cluster's GPU type stands for the
+    device here (a device in hand: `check_fp8_capability`). Under tensor parallel: `check_fp8_layout`, per
+    layout."""
+    check_match_fp8(job, arch)
+    precision = job.precision
+    recipe = precision.fp8
+    if recipe == "none":
+        return
+    if device_type != "cuda":
+        raise MliteError(
+            f"precision.fp8: {recipe} multiplies on the FP8 tensor cores of GPUs, and this run is on the "
+            "CPU; set precision.fp8: none, or run on GPUs"
+        )
+    capability = GPU_COMPUTE_CAPABILITY.get(job.cluster.gpu)
+    if capability is not None:
+        check_fp8_capability(job, arch, capability, f"cluster.gpu {job.cluster.gpu}")
+    for what, width, tile in fp8_widths(arch, recipe):
+        if width % tile:
+            rowwise = all(w % t == 0 for _, w, t in fp8_widths(arch, "rowwise"))
+            fix = ("use precision.fp8: rowwise (multiples of 16), or none" if rowwise
+                   else "set precision.fp8: none")
+            raise MliteError(
+                f"precision.fp8: {recipe} needs every width of the linears it converts in multiples of "
+                f"{tile} (the FP8 kernels' tiles), and {arch.name}'s {what} is {width}; {fix}"
+            )
+    if precision.fp8_all_gather is True:
+        does = "precision.fp8_all_gather: true has FSDP2 all-gather its units' linear weights in FP8"
+        if not backend_traits(job.optimizer.backend).fsdp_units:
+            raise MliteError(
+                f"{does}, and optimizer.backend is {job.optimizer.backend} (Megatron's distributed optimizer "
+                "gathers its own bf16 buffers); use optimizer.backend fsdp2, or remove "
+                "precision.fp8_all_gather"
+            )
+        if world_size == 1 and not job.parallel.fsdp_one_rank:
+            raise MliteError(
+                f"{does}, and one plain process has no FSDP2 units; start several ranks (torchrun), set "
+                "parallel.fsdp_one_rank: true, or remove precision.fp8_all_gather"
+            )
+
+
+def fp8_min_capability(job: JobConfig, arch: ModelArch) -> tuple[tuple[int, int], str]:
+    """The compute capability precision.fp8 needs with this model, and what needs it."""
+    if job.precision.fp8 == "blockwise":
+        return FP8_HOPPER, "torchao's blockwise FP8 linear"
+    if arch.moe is not None:  # the routed experts' grouped GEMM takes torchao's rowwise FP8 one
+        return FP8_HOPPER, f"torchao's FP8 grouped GEMM (for {arch.name}'s routed experts)"
+    return FP8_CAPABILITY, "FP8 tensor cores"
+
+
+def check_fp8_capability(job: JobConfig, arch: ModelArch, capability: tuple[int, int], gpu: str) -> None:
+    """precision.fp8 on a GPU of this compute capability (`gpu` names it in the line: the job's
+    cluster.gpu for the planner, the device itself at the runtime's start-up)."""
+    if job.precision.fp8 == "none":
+        return
+    need, what = fp8_min_capability(job, arch)
+    if tuple(capability) < need:
+        raise MliteError(
+            f"precision.fp8: {job.precision.fp8} needs {what}, compute capability {need[0]}.{need[1]} or "
+            f"newer, and {gpu} has {capability[0]}.{capability[1]}; set precision.fp8: none, or run on GPUs "
+            "that have it (H100 and newer)"
+        )
+
+
+def fp8_widths(arch: ModelArch, recipe: str) -> list[tuple[str, int, int]]:
+    """(what, width, the multiple it must be) for every width of the linears precision.fp8 converts: the
+    decoder's projections and dense / shared-expert MLPs in the recipe's tile (16; blockwise 128), the
+    routed experts in 16 (their grouped GEMM is rowwise under every recipe). The embedding, the LM head,
+    the norms and the router stay in the compute dtype, so their widths do not count. MLA (DeepSeek-V3)
+    has no native model, which check_model_built refuses first."""
+    tile = FP8_BLOCK if recipe == "blockwise" else FP8_TILE
+    widths = [("hidden size", arch.hidden)]
+    if arch.v4 is not None:
+        v4, query = arch.v4, arch.num_heads * arch.head_dim
+        widths += [("q_lora_rank", v4.q_lora_rank), ("query width (heads x head_dim)", query),
+                   ("KV width (head_dim)", arch.head_dim),
+                   ("output group width (heads x head_dim / o_groups)", query // v4.o_groups),
+                   ("output rank (o_groups x o_lora_rank)", v4.o_groups * v4.o_lora_rank),
+                   ("indexer width (index_n_heads x index_head_dim)", v4.index_n_heads * v4.index_head_dim)]
+    elif arch.mla is None:
+        widths += [("attention width (heads x head_dim)", arch.num_heads * arch.head_dim),
+                   ("KV width (kv_heads x head_dim)", arch.num_kv_heads * arch.head_dim)]
+    moe = arch.moe
+    if moe is None or not all(moe.is_moe_layer(i) for i in range(arch.num_layers)):
+        widths.append(("MLP width (intermediate_size)", arch.ffn))
+    if moe is not None and moe.shared_expert_ffn:
+        widths.append(("shared expert width", moe.shared_expert_ffn))
+    checked = [(what, width, tile) for what, width in widths]
+    if moe is not None:
+        checked.append(("routed expert width (moe_intermediate_size)", moe.expert_ffn, FP8_TILE))
+    return checked
+
+
+def check_fp8_layout(job: JobConfig) -> None:
+    """precision.fp8 under tensor parallel: torchao's FP8 linears need its own tensor-parallel plans
+    (Float8ColwiseParallel / Float8RowwiseParallel), which mlite's tensor parallel does not use."""
+    p = job.parallel
+    if job.precision.fp8 != "none" and p.tp > 1:
+        raise MliteError(
+            f"precision.fp8: {job.precision.fp8} with tp={p.tp}: torchao's FP8 linears need their own "
+            "tensor-parallel plans, which mlite's tensor parallel does not use; set parallel.tp: 1 (scale "
+            "with dp, cp, pp and ep), or precision.fp8: none"
+        )
+
+
+def check_match_fp8(job: JobConfig, arch: ModelArch) -> None:
+    """rollout.match_fp8: the trainer rounds what DeepSeek-V4's vLLM engine multiplies in FP8."""
+    r = job.rollout
+    if r is None or not r.match_fp8:
+        return
+    if r.engine != "vllm" or arch.v4 is None:
+        what = "rolls out on the built-in engine" if r.engine != "vllm" else f"trains {arch.name}"
+        raise MliteError(
+            "rollout.match_fp8: true rounds the trainer's forward through the linears that DeepSeek-V4's "
+            "vLLM engine multiplies in FP8 (128x128 weight blocks, 1x128 activation tiles), so that its "
+            f"log-probs are those of the model the sampler ran, and this job {what}; remove rollout.match_fp8"
+        )
+    if job.precision.fp8 != "none":
+        raise MliteError(
+            f"rollout.match_fp8 rounds the forward as vLLM does, and precision.fp8: {job.precision.fp8} "
+            "multiplies in FP8 its own way; choose one (remove rollout.match_fp8 or set precision.fp8: none)"
         )
 
 

@@ -327,6 +327,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     job_dict = meta["job"]
     job_dict["trainer"]["device"] = "cpu"
     job_dict["optimizer"]["backend"] = "fsdp2"  # the format is the same for both; dist_opt needs GPUs
+    job_dict["precision"]["fp8"] = "none"  # FP8 matmuls leave the weights as they are; the CPU has none
+    job_dict["precision"]["fp8_all_gather"] = "auto"
     job_dict = for_another_world(job_dict)  # the run's resolved `auto`s, planned again for this process
     runtime = Runtime(job_from_dict(job_dict), hf_config=meta["hf_config"])
     runtime.load_checkpoint(path, weights_only=True)

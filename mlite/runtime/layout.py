@@ -30,8 +30,10 @@ from mlite.config.arch import ModelArch
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
 from mlite.plan import Plan, World, megatron_installed, plan_job
+from mlite.plan.policy import vllm_v4_fp8
 from mlite.plan.rules import Layout
 from mlite.runtime.adapters.pytorch import apply_to_tensors
+from mlite.runtime.kernels.grouped_gemm import use_fp8_experts
 from mlite.runtime.models import build_model, seeded_init
 from mlite.runtime.parallel.mesh import ParallelDims, ParallelMesh
 from mlite.runtime.parallel.parallelize import (
@@ -187,11 +189,28 @@ def rank_chunks(plan: Plan, mesh: ParallelMesh | None, dtype: torch.dtype = torc
     attention backend is chosen for it, not for the meta device)."""
     job, arch = plan.job, plan.arch
     model = job.model
+    if job.precision.fp8 != "none" and runs_on == "cuda":  # the rule book saw cluster.gpu; this is the GPU
+        from mlite.plan.rules import check_fp8_capability
+
+        check_fp8_capability(job, arch, torch.cuda.get_device_capability(), torch.cuda.get_device_name())
 
     def build(layers):
-        return build_model(arch, model.attention_backend, dtype=dtype, device="meta", layers=layers,
-                           mtp_weight=model.mtp_loss_weight, indexer_loss_weight=model.indexer_loss_weight,
-                           runs_on=runs_on)
+        chunk = build_model(arch, model.attention_backend, dtype=dtype, device="meta", layers=layers,
+                            mtp_weight=model.mtp_loss_weight, indexer_loss_weight=model.indexer_loss_weight,
+                            runs_on=runs_on)
+        # FP8 linears swap in before any layout wraps them (same parameter names: checkpoints unchanged);
+        # FP8 all-gather only where FSDP2 gathers (an `auto` the plan left unresolved counts as off)
+        if job.precision.fp8 != "none":
+            from mlite.runtime.adapters.torchao import convert_to_fp8
+
+            convert_to_fp8(chunk, job.precision.fp8,
+                           all_gather=mesh is not None and job.precision.fp8_all_gather is True)
+            use_fp8_experts(chunk)
+        if job.rollout is not None and job.rollout.match_fp8:  # round what the rollout engine runs in FP8
+            from mlite.runtime.fp8_match import match_vllm_fp8
+
+            match_vllm_fp8(chunk, vllm_v4_fp8(job, arch))
+        return chunk
 
     if mesh is None:
         whole = build(None)

@@ -43,11 +43,12 @@ class Fsdp2Backend(BackendBase, LocalAdamW):
     name = "fsdp2"
 
     def __init__(self, held: HeldModel, cfg: OptimizerConfig, state: str = "master", seed: int = 0,
-                 reduce_every_micro_batch: bool = False):
+                 reduce_every_micro_batch: bool = False, fp8_all_gather: bool = False):
         LocalAdamW.__init__(self, held.model.parameters(), cfg,
                             grad_norm_fn=grad_norm if held.mesh is not None else None, state=state, seed=seed)
         BackendBase.__init__(self, held)
         self.reduce_every_micro_batch = reduce_every_micro_batch
+        self.fp8_all_gather = fp8_all_gather and held.mesh is not None
 
     @classmethod
     def build(cls, plan: Plan, held: HeldModel, dims: ParallelDims) -> Fsdp2Backend:
@@ -56,7 +57,19 @@ class Fsdp2Backend(BackendBase, LocalAdamW):
         that brings more micro-batches than the plan's (verl's) gets a reduce-scatter after each."""
         job = plan.job
         return cls(held, job.optimizer, state=job.precision.optimizer_state, seed=job.trainer.seed,
-                   reduce_every_micro_batch=plan.fsdp_grad_accumulation != "unsharded")
+                   reduce_every_micro_batch=plan.fsdp_grad_accumulation != "unsharded",
+                   fp8_all_gather=job.precision.fp8 != "none" and job.precision.fp8_all_gather is True)
+
+    def step(self):
+        """LocalAdamW's step; under FP8 all-gather, then the new weights' FP8 scales (torchao's precompute:
+        one reduction for every weight instead of an amax per unit's all-gather)."""
+        result = LocalAdamW.step(self)
+        if self.fp8_all_gather:
+            from mlite.runtime.adapters.torchao import precompute_fp8_scales
+
+            for chunk in self.held.chunks.values():
+                precompute_fp8_scales(chunk)
+        return result
 
     # --------------------------------------------------------------------------------- the step
     def set_gradient_sync(self, chunk: int, last: bool) -> None:

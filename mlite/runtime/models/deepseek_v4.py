@@ -469,6 +469,12 @@ class Indexer(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------- attention
+def grouped_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The output projection's first half, one matrix per head group: x [T, groups, in], w [groups, out, in]
+    -> [T, groups, out]."""
+    return torch.einsum("tgi,goi->tgo", x, w)
+
+
 class Attention(nn.Module):
     """One shared 512-wide K=V head; low-rank queries with a weightless per-head norm; partial interleaved
     RoPE (undone on the output, since values carry it too); a learned sink per head; a grouped low-rank
@@ -494,11 +500,17 @@ class Attention(nn.Module):
         self.indexer = Indexer(arch) if self.ratio == CSA else None
         self.indexer_loss_weight = 0.0  # > 0 trains the indexer towards the attention's own distribution
         self.core = key_set_attention
+        self.output_product = grouped_product
 
     def set_core(self, core) -> None:
         """The seam: `core(q, kv, window_mask, entries, entry_keys, entry_mask, sinks, scale, entry_limits=)`
         replaces the key-set attention (recompute, a fused GPU kernel)."""
         self.core = core
+
+    def set_output_product(self, product) -> None:
+        """The seam: `product(x [T, groups, in], w [groups, o_lora_rank, in])` replaces the output
+        projection's grouped first half (rounded as an inference engine rounds it, say)."""
+        self.output_product = product
 
     @property
     def rope_kind(self) -> str:
@@ -544,7 +556,7 @@ class Attention(nn.Module):
         t = out.shape[0]
         grouped = out.reshape(t, self.groups, -1)  # [T, groups, heads * d / groups]
         w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])  # [groups, o_lora_rank, in]
-        low_rank = torch.einsum("tgi,goi->tgo", grouped, w).reshape(t, -1)
+        low_rank = self.output_product(grouped, w).reshape(t, -1)
         return self.o_b_proj(low_rank), indexer_loss
 
     def _indexer_loss(self, q, entries, picked, picked_mask, scored, geo, batch) -> torch.Tensor:

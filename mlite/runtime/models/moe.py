@@ -145,6 +145,14 @@ class Experts(nn.Module):
         self.act = act
         self.limit = limit  # DeepSeek-V4 clamps gate (above) and up (both sides) before the product
         self.local_view: Callable[[torch.Tensor], torch.Tensor] = whole
+        # the two grouped GEMMs, each (tokens, weights [E, out, in], counts) -> rows
+        self.gate_up_gemm: Callable[..., torch.Tensor] = grouped_gemm
+        self.down_gemm: Callable[..., torch.Tensor] = grouped_gemm
+
+    def set_gemms(self, gate_up: Callable[..., torch.Tensor], down: Callable[..., torch.Tensor]) -> None:
+        """The seam: the grouped GEMMs of the fused gate/up product and of the down product (in FP8 for
+        precision.fp8, or rounded as the rollout engine rounds them for rollout.match_fp8)."""
+        self.gate_up_gemm, self.down_gemm = gate_up, down
 
     def set_local_view(self, view: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The seam: how this rank sees its experts' stacked weights (expert parallel: its slice of them)."""
@@ -153,10 +161,10 @@ class Experts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """tokens [M, hidden] grouped by local expert, counts[e] rows each -> [M, hidden]."""
         gate_up, down = self.local_view(self.gate_up), self.local_view(self.down)
-        gate, up = grouped_gemm(tokens, gate_up, counts).chunk(2, dim=-1)  # [M, ffn] each
+        gate, up = self.gate_up_gemm(tokens, gate_up, counts).chunk(2, dim=-1)  # [M, ffn] each
         if self.limit is not None:
             gate, up = clamp_gate_up(gate, up, self.limit)
-        return grouped_gemm(self.act(gate) * up, down, counts)
+        return self.down_gemm(self.act(gate) * up, down, counts)
 
 
 class MoE(nn.Module):

@@ -1,0 +1,298 @@
+"""FP8 training (precision.fp8) through torchao: which linears the conversion swaps, the FP8 forward against
+the full-precision one, the routed experts' FP8 grouped GEMM, and training steps through the Runtime with a
+checkpoint that loads into a model without FP8.
+
+On CPU everything runs under the adapter's test switch (MLITE_FP8_EMULATE=1: torchao's emulation of the
+tensorwise and rowwise recipes, the experts' plain-torch emulation). The `gpu` tests run the real kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from cli_runs import one_thread  # noqa: F401 (autouse: one intra-op thread)
+from torch import nn
+
+from mlite.config import job_from_dict
+from mlite.config.catalog import preset_arch
+from mlite.runtime.adapters.torchao import EMULATE_ENV, convert_to_fp8, fp8_linear_names
+from mlite.runtime.data.packed import PackedBatch
+from mlite.runtime.engine import Runtime
+from mlite.runtime.kernels.grouped_gemm import fp8_round, grouped_gemm, grouped_gemm_loop, use_fp8_experts
+from mlite.runtime.loss import sft_loss
+from mlite.runtime.models import build_model
+
+E4M3_MAX = 448.0
+
+
+@pytest.fixture
+def emulate(monkeypatch):
+    monkeypatch.setenv(EMULATE_ENV, "1")
+
+
+@pytest.fixture
+def plan_as_on_gpus(monkeypatch):
+    """The rule book refuses precision.fp8 on the CPU (users get no emulation): the runtime tests plan it as
+    for GPUs, every other FP8 rule still applied."""
+    from mlite.plan import rules
+
+    check = rules.check_fp8
+    monkeypatch.setattr(rules, "check_fp8", lambda job, arch, world, device: check(job, arch, world, "cuda"))
+
+
+def to_fp8(model, recipe: str) -> list[str]:
+    """What the runtime does at build (mlite.runtime.layout.rank_chunks): the linears, then the experts."""
+    names = convert_to_fp8(model, recipe)
+    use_fp8_experts(model)
+    return names
+
+
+def experts_fp8(experts) -> str | None:
+    """The FP8 mode both of the experts' grouped GEMMs were set to (their `set_gemms` seam)."""
+    modes = {getattr(g, "keywords", {}).get("fp8") for g in (experts.gate_up_gemm, experts.down_gemm)}
+    assert len(modes) == 1, modes
+    return modes.pop()
+
+
+def tiny(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return build_model(preset_arch(name), attention_backend="torch")
+
+
+def sequences(lengths, seed=0, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def swapped(model: nn.Module) -> set[str]:
+    return {name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
+
+
+# --------------------------------------------------------------------------------------- the conversion
+def test_qwen3_dense_swaps_every_decoder_linear_and_keeps_head_and_embedding(emulate):
+    model = tiny("tiny-qwen3")
+    names = to_fp8(model, "tensorwise")
+    expected = {f"layers.{i}.{p}" for i in range(2) for p in
+                ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert set(names) == swapped(model) == expected
+    assert type(model.output) is nn.Linear and type(model.embed) is nn.Embedding
+    assert all(type(m).__name__ == "RMSNorm" for n, m in model.named_modules() if n.endswith("norm"))
+
+
+def test_qwen3_moe_keeps_the_router_and_runs_the_experts_in_fp8(emulate):
+    model = tiny("tiny-qwen3-moe")
+    to_fp8(model, "rowwise")
+    assert swapped(model) == {f"layers.{i}.attn.{p}" for i in range(2)
+                              for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    for i in range(2):
+        moe = model.layers[str(i)].mlp
+        assert type(moe.router) is nn.Linear
+        assert experts_fp8(moe.experts) == "emulate"  # the seam the grouped GEMMs go through
+    assert type(model.output) is nn.Linear
+
+
+def test_deepseek_v4_keeps_router_indexer_weights_hyper_connections_and_grouped_output(emulate):
+    model = tiny("tiny-deepseek-v4")
+    names = set(to_fp8(model, "rowwise"))
+    assert names == swapped(model)
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    kept = linears - names
+    # by name: LM head, routers, indexer weights, the grouped output projection (its weight is read directly)
+    assert {n.rsplit(".", 1)[-1] for n in kept} == {"output", "router", "weights_proj", "o_a_proj"}
+    assert {f"layers.{i}.attn.{p}" for i in range(4) for p in ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj")
+            } <= names
+    assert {"layers.1.attn.indexer.q_proj", "layers.1.mlp.shared.down_proj"} <= names
+    # hyper-connections and norms are parameters of their own modules, never linears
+    assert not any(n.endswith(("_hc", ".head")) for n in names)
+    assert all(experts_fp8(model.layers[str(i)].mlp.experts) == "emulate" for i in range(4))
+
+
+def test_widths_not_multiples_of_the_tile_stay_high_precision():
+    model = nn.Module()
+    model.fits, model.narrow_out, model.narrow_in = nn.Linear(32, 48), nn.Linear(32, 40), nn.Linear(24, 32)
+    model.block, model.block_narrow = nn.Linear(128, 256, bias=False), nn.Linear(128, 64, bias=False)
+    assert fp8_linear_names(model, "tensorwise") == ["fits", "block", "block_narrow"]
+    assert fp8_linear_names(model, "blockwise") == ["block"]
+
+
+def test_state_dict_names_are_unchanged(emulate):
+    model = tiny("tiny-qwen3-moe")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    to_fp8(model, "rowwise")
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+# ------------------------------------------------------------------------------------- the numerics
+# e4m3 keeps 3 mantissa bits: an operand's relative rounding is at most 2^-4 (6%), about 2.6% rms; a product
+# of two rounded operands is off by about sqrt(2) x 2.6% = 3.7% (measured: 3.5-4% for one linear). Through
+# the tiny models' 2 layers (7 FP8 linears each, residual stream and norms between) the logits are off by
+# 4-5% (Qwen3, dense and MoE, both recipes, two seeds): twice one linear's error bounds it. DeepSeek-V4's 4
+# layers chain two low-rank projections per query and flip some top-k choices (routing, indexer): 7%.
+FP8_LINEAR_REL = 0.05  # one FP8 linear (GPU tests)
+FP8_LOGIT_REL = {"tiny-qwen3": 0.075, "tiny-qwen3-moe": 0.075, "tiny-deepseek-v4": 0.10}
+QUANTISED = 0.005  # far above bf16's own rounding of the same model (0.4% per operand at most)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("name,recipe", [("tiny-qwen3", "tensorwise"), ("tiny-qwen3", "rowwise"),
+                                         ("tiny-qwen3-moe", "rowwise"), ("tiny-deepseek-v4", "tensorwise")])
+def test_fp8_forward_is_close_to_full_precision_and_differs_from_it(emulate, name, recipe):
+    reference = tiny(name)
+    model = copy.deepcopy(reference)
+    to_fp8(model, recipe)
+    batch = PackedBatch.from_sequences(sequences([40, 24, 56]))
+    with torch.no_grad():
+        want = reference.compute_logits(reference(batch).hidden)
+        got = model.compute_logits(model(batch).hidden)
+    error = relative_error(got, want)
+    assert QUANTISED < error < FP8_LOGIT_REL[name], error  # quantised (not bit-equal), yet close
+
+
+def reference_fp8_grouped(x, w, counts):
+    """Per expert: each row of x and of w (along `in`) to e4m3 with a power-of-two scale, back, multiplied."""
+    def round_rows(t):
+        amax = t.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+        scale = 2.0 ** torch.floor(torch.log2(E4M3_MAX / amax))
+        return (t * scale).to(torch.float8_e4m3fn).to(torch.float32) / scale
+
+    rows = torch.split(x, counts.tolist())
+    return torch.cat([round_rows(r) @ round_rows(w[e]).t() for e, r in enumerate(rows)])
+
+
+def test_emulated_fp8_grouped_gemm_equals_per_expert_reference_and_trains():
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 17, 3])  # an expert without tokens, groups not multiples of 16
+    x = torch.randn(int(counts.sum()), 32, requires_grad=True)
+    w = (torch.randn(4, 48, 32) / 6).requires_grad_()
+    out = grouped_gemm(x, w, counts, fp8="emulate")
+    torch.testing.assert_close(out, reference_fp8_grouped(x.detach(), w.detach(), counts), rtol=0, atol=1e-6)
+    assert not torch.equal(out, grouped_gemm_loop(x, w, counts))  # it does quantise
+
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    grouped_gemm_loop(x_ref, w_ref, counts).backward(grad)
+    assert relative_error(x.grad, x_ref.grad) < FP8_LINEAR_REL
+    assert relative_error(w.grad, w_ref.grad) < FP8_LINEAR_REL
+    assert relative_error(x.grad, x_ref.grad) > QUANTISED  # the gradient GEMMs quantise too
+    assert torch.count_nonzero(w.grad[1]) == 0 and torch.count_nonzero(w.grad[2]) > 0
+
+
+def test_fp8_round_keeps_representable_values_and_bounds_the_error():
+    t = torch.tensor([[448.0, -0.5, 1.0, 3.25], [1e-3, 2e-3, -4e-3, 0.0]])
+    torch.testing.assert_close(fp8_round(t[:1], -1), t[:1], rtol=0, atol=0)  # already e4m3 at scale 1
+    x = torch.randn(64, 256)
+    assert ((fp8_round(x, -1) - x).abs() <= x.abs() * 2 ** -4 + 1e-6).all()
+
+
+# ------------------------------------------------------------------------------------- the runtime
+def fp8_job(model="tiny-qwen3-moe", fp8="rowwise"):
+    return job_from_dict({
+        "model": {"name": model},
+        "precision": {"compute": "bf16", "fp8": fp8},
+        "optimizer": {"lr": 3e-3},
+        "data": {"seq_len": 128},
+        "trainer": {"device": "cpu", "steps": 6, "seed": 7},
+    })
+
+
+def train(rt: Runtime, batch: PackedBatch, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        (out,) = rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
+        rt.optimizer_step()
+        rt.zero_grad()
+        losses.append(float(out["loss"]))
+    return losses
+
+
+@pytest.mark.parametrize("model,recipe", [("tiny-qwen3", "tensorwise"), ("tiny-qwen3-moe", "rowwise")])
+def test_runtime_fp8_steps_reduce_the_loss_and_the_checkpoint_loads_without_fp8(
+        emulate, plan_as_on_gpus, monkeypatch, tmp_path, model, recipe):
+    rt = Runtime(fp8_job(model, recipe))
+    assert swapped(rt.model)  # the runtime built its model through the conversion
+    batch = PackedBatch.from_sequences(sequences([40, 30, 50]))
+    losses = train(rt, batch, 6)
+    assert losses[-1] < losses[0] - 0.3, losses
+    rt.save_checkpoint(tmp_path / "ck")
+    exported = dict(rt.export_weights())
+
+    monkeypatch.delenv(EMULATE_ENV)
+    plain = Runtime(fp8_job(model, "none"))
+    assert not swapped(plain.model)
+    assert list(plain.model.state_dict()) == list(rt.model.state_dict())
+    plain.load_checkpoint(tmp_path / "ck")
+    for (name, ours), (_, theirs) in zip(rt.model.state_dict().items(), plain.model.state_dict().items()):
+        assert torch.equal(ours, theirs), name
+    plain_exported = dict(plain.export_weights())
+    assert list(plain_exported) == list(exported)  # HF export: the same names
+    assert all(torch.equal(plain_exported[k], exported[k]) for k in exported)
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+def gpu_pair(recipe: str, hidden: int = 256):
+    """A bf16 linear stack and its FP8 copy on the GPU."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(hidden, 2 * hidden, bias=False), nn.SiLU(),
+                          nn.Linear(2 * hidden, hidden, bias=False)).cuda().bfloat16()
+    fp8 = copy.deepcopy(model)
+    assert len(to_fp8(fp8, recipe)) == 2
+    return model, fp8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_gpu_fp8_linears_match_bf16_within_fp8_tolerance(monkeypatch, recipe):
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
+    model, fp8 = gpu_pair(recipe)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x8 = x.detach().clone().requires_grad_()
+    want, got = model(x), fp8(x8)
+    assert QUANTISED < relative_error(got, want) < 2 * FP8_LINEAR_REL  # two linears
+    grad = torch.randn_like(want)
+    want.backward(grad)
+    got.backward(grad)
+    assert relative_error(x8.grad, x.grad) < 2 * FP8_LINEAR_REL
+    for (name, p), p8 in zip(model.named_parameters(), fp8.parameters()):
+        assert relative_error(p8.grad, p.grad) < 2 * FP8_LINEAR_REL, name
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_grouped_gemm_matches_bf16_and_its_emulation():
+    torch.manual_seed(0)
+    counts = torch.tensor([37, 0, 16, 130, 5], device="cuda")  # unaligned groups and an empty one
+    x = torch.randn(int(counts.sum()), 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(5, 256, 128, device="cuda") / 11).bfloat16().requires_grad_()
+    out = grouped_gemm(x, w, counts, fp8="rowwise")
+    want = grouped_gemm(x, w, counts)
+    emulated = grouped_gemm(x, w, counts, fp8="emulate")
+    assert QUANTISED < relative_error(out, want) < FP8_LINEAR_REL
+    assert relative_error(out, emulated) < 0.01  # the same rounding; bf16 output and fast accumulation
+    grad = torch.randn_like(out)
+    (gx, gw), (wx, ww) = (torch.autograd.grad(o, (x, w), grad) for o in (out, want))
+    assert relative_error(gx, wx) < FP8_LINEAR_REL and relative_error(gw, ww) < FP8_LINEAR_REL
+    assert torch.count_nonzero(gw[1]) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_runtime_trains_moe_in_fp8(monkeypatch):
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
+    job = job_from_dict({
+        "model": {"name": "tiny-qwen3-moe"},
+        "precision": {"compute": "bf16", "fp8": "rowwise"},
+        "optimizer": {"lr": 3e-3},
+        "data": {"seq_len": 128},
+        "trainer": {"device": "cuda", "steps": 6, "seed": 7},
+    })
+    rt = Runtime(job)
+    assert swapped(rt.model) and experts_fp8(rt.model.layers["0"].mlp.experts) == "rowwise"
+    losses = train(rt, PackedBatch.from_sequences(sequences([40, 30, 50])), 6)
+    assert losses[-1] < losses[0] - 0.3, losses
