@@ -362,7 +362,7 @@ for preset, overrides in jobs:
         pass
     policy.grad_reduce_dtype(job), policy.compute_dtype(job, "cpu")
     policy.process_group(job, 2), policy.fsdp_units(job, 2), policy.rollout_expert_parallel(job, arch)
-    policy.vllm_v4_fp8(job, arch), policy.vllm_fp8_misfit(arch, 8, False)
+    policy.vllm_v4_fp8(job, arch), policy.vllm_fp8_misfit(arch, 8, False), policy.vllm_v4_width_misfit(arch)
     policy.vllm_weight_bytes(arch, 2, True), policy.fp8_all_gather(job, 2)
     try:
         rules.check_dist_opt_adapter(job, job.parallel)
@@ -527,3 +527,26 @@ def plan_verdict_free(job) -> str | None:
     except MliteError as err:
         return str(err)
     return None
+
+
+@pytest.mark.parametrize("hidden, fits", [(512, False), (1024, False), (2048, True), (4096, True),
+                                          (6144, True), (7168, True), (4608, False)])
+def test_vllm_v4_widths_that_its_small_batch_mhc_kernel_skips(hidden, fits):
+    """vLLM 0.25.1's fused mHC kernel for <= 16 tokens splits the hidden size 8 ways (hidden <= 4096) or 4,
+    each split in whole 256-wide strides: V4-Flash (4096) and V4-Pro (7168) fit, the old small V4 (512)
+    did not, and its decode returned garbage for small batches (docs/GRPO.md). The rule book refuses such a
+    model on vLLM in one line; the built-in engine runs it."""
+    import dataclasses
+
+    job = load_job("demo_grpo", ["model.name=small-deepseek-v4", "model.path=null", "rollout.engine=vllm",
+                                 "trainer.device=cuda", "cluster.gpu=h100", "precision.compute=bf16"])
+    arch = dataclasses.replace(resolve_arch(job.model), hidden=hidden)
+    assert (policy.vllm_v4_width_misfit(arch) is None) is fits
+    if fits:
+        rules.check_rollout(job, arch, 8)
+    else:
+        with pytest.raises(MliteError, match=f"its hidden size {hidden} is not a multiple of .*mHC kernel "
+                                             "for forwards of 16 tokens or fewer skips such widths"):
+            rules.check_rollout(job, arch, 8)
+    rules.check_rollout(load_job("demo_grpo", ["model.name=small-deepseek-v4", "model.path=null"]), arch, 8)
+    assert policy.vllm_v4_width_misfit(resolve_arch(load_job("demo_grpo").model)) is None  # not V4

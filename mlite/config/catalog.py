@@ -52,10 +52,11 @@ PRESETS: dict[str, dict] = {
                              compress_rope_theta=160000.0, max_position_embeddings=512, vocab_size=256,
                              scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
                              router_aux_loss_coef=0.001),
-    # the smallest DeepSeek-V4 vLLM 0.25.1 builds (its kernels fix head 512, index head 128, index top-k 512,
-    # widths in 128s, hc_mult x hidden a multiple of 512), in the release form: sliding, CSA, HCA, CSA, the
-    # first layer hash-routed; the demo tokenizer's vocabulary. For the V4 rollout on a GPU (docs/GRPO.md)
-    "small-deepseek-v4": dict(_DEEPSEEK, model_type="deepseek_v4", hidden_size=512, num_hidden_layers=4,
+    # the smallest DeepSeek-V4 vLLM 0.25.1 runs right (its kernels fix head 512, index head 128, index top-k
+    # 512, widths in 128s, and a hidden size in 2048s: mlite.plan.policy.vllm_v4_width_misfit), in the
+    # release form: sliding, CSA, HCA, CSA, the first layer hash-routed; the demo tokenizer's vocabulary.
+    # For the V4 rollout on a GPU (docs/GRPO.md)
+    "small-deepseek-v4": dict(_DEEPSEEK, model_type="deepseek_v4", hidden_size=2048, num_hidden_layers=4,
                               num_attention_heads=16, num_key_value_heads=1, head_dim=512,
                               qk_rope_head_dim=64, moe_intermediate_size=256, n_routed_experts=16,
                               num_experts_per_tok=2, q_lora_rank=256, o_groups=2, o_lora_rank=256,

@@ -90,6 +90,21 @@ def vllm_v4_fp8(job: JobConfig, arch: ModelArch) -> str | None:
     return "wo_a" if r.v4_fp8_at_sync else "online"
 
 
+def vllm_v4_width_misfit(arch: ModelArch) -> str | None:
+    """What of a DeepSeek-V4's widths vLLM 0.25.1 computes wrongly without an error, or None. Its fused mHC
+    kernel for forwards of 16 tokens or fewer (every decode step once few requests are left, and short
+    prompts) splits the hidden size over 8 blocks (under 8 tokens, hidden <= 4096) or 4, and each block's
+    256 threads take whole 256-wide strides of its split: a split narrower than 256, or not a multiple of
+    it, is skipped, and the layer's output is memory never written (vllm/model_executor/kernels/mhc/
+    tilelang.py:411-415, tilelang_kernels.py:381-393). Measured: docs/GRPO.md."""
+    if arch.v4 is None:
+        return None
+    need = 256 * (8 if arch.hidden <= 4096 else 4)
+    if arch.hidden % need:
+        return f"hidden size {arch.hidden} is not a multiple of {need}"
+    return None
+
+
 def vllm_fp8_misfit(arch: ModelArch, tp: int, expert_parallel: bool) -> str | None:
     """What an engine of `tp` GPUs would cut off FP8's 128-wide blocks (vLLM's block-FP8 linears need each
     rank's share of a split dimension in whole blocks), or None: DeepSeek-V4's attention is whole on every

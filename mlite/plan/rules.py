@@ -42,7 +42,7 @@ from mlite.config.backends import backend_traits
 from mlite.config.catalog import GPU_COMPUTE_CAPABILITY
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
-from mlite.plan.policy import rollout_expert_parallel, vllm_fp8_misfit
+from mlite.plan.policy import rollout_expert_parallel, vllm_fp8_misfit, vllm_v4_width_misfit
 
 MATRIX = "docs/PLANNER.md, backend matrix"
 
@@ -470,6 +470,13 @@ def check_rollout(job: JobConfig, arch: ModelArch, world_size: int) -> None:
             f"this job {what}; remove rollout.expert_parallel"
         )
     check_rollout_fp8(job, arch)
+    misfit = vllm_v4_width_misfit(arch) if r.engine == "vllm" else None
+    if misfit:
+        raise MliteError(
+            f"rollout.engine vllm with {arch.name}: its {misfit}, and vLLM 0.25.1's mHC kernel for forwards "
+            "of 16 tokens or fewer skips such widths without an error, so decoding returns garbage once few "
+            "requests are left; use a multiple of 2048 up to 4096 (V4-Flash: 4096), of 1024 above"
+        )
     per_node = job.cluster.gpus_per_node
     if r.tp > per_node and not r.span_nodes:
         raise MliteError(
