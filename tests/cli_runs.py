@@ -122,10 +122,10 @@ def held_out(out: Path) -> list[float]:
     return [r["val_loss"] for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r]
 
 
-def mlite_cli(tmp_path: Path, job: dict, ranks: int, *overrides: str, timeout: int = 300
-              ) -> subprocess.CompletedProcess:
+def mlite_cli(tmp_path: Path, job: dict, ranks: int, *overrides: str, timeout: int = 300,
+              env: dict | None = None) -> subprocess.CompletedProcess:
     """`mlite <job["job"]> job.yaml --no-progress --set ...` as a user runs it: on one process, or under
-    `torchrun --standalone --nproc-per-node ranks` (gloo on CPU)."""
+    `torchrun --standalone --nproc-per-node ranks` (gloo on CPU); `env`: variables added to the run's."""
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job))
     launcher = (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
@@ -133,7 +133,8 @@ def mlite_cli(tmp_path: Path, job: dict, ranks: int, *overrides: str, timeout: i
     sets = [arg for o in overrides for arg in ("--set", o)]
     return subprocess.run([sys.executable, *launcher, "-m", "mlite", job.get("job", "sft"), str(config),
                            "--no-progress", *sets],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout, check=False)
+                          cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout, check=False)
 
 
 def failure(done: subprocess.CompletedProcess, limit: int = 6000) -> str:

@@ -27,6 +27,7 @@ class BenchCase:
     cp: int = 1
     accum: int = 1  # micro-batches per optimizer step (gradient accumulation), on both sides
     baseline: bool = True  # also run HF transformers
+    titan: bool = False  # torchtitan builds the model (its Qwen3): `mlite bench --titan` runs its side too
     # the parallel side's optimizer.backend; dist_opt keeps fp32 masters (Megatron's optimizer has no bf16
     # ones), and so does its one-GPU reference then, so that the comparison is the backend's cost
     backend: str = "fsdp2"
@@ -42,13 +43,14 @@ _DSV4_4L = {"compress_ratios": [0, 4, 128, 4], "num_hash_layers": 1, "n_routed_e
 CASES: dict[str, BenchCase] = {
     c.name: c
     for c in [
-        BenchCase("dense-1.7b-4k", "qwen3-1.7b", 4096),
-        BenchCase("dense-1.7b-4k-mixed", "qwen3-1.7b", 4096, packing="mixed"),
-        BenchCase("moe-30b-a3b-6l-4k", "qwen3-30b-a3b", 4096, num_layers=6),
-        BenchCase("moe-30b-a3b-6l-4k-mixed", "qwen3-30b-a3b", 4096, packing="mixed", num_layers=6),
+        BenchCase("dense-1.7b-4k", "qwen3-1.7b", 4096, titan=True),
+        BenchCase("dense-1.7b-4k-mixed", "qwen3-1.7b", 4096, packing="mixed", titan=True),
+        BenchCase("moe-30b-a3b-6l-4k", "qwen3-30b-a3b", 4096, num_layers=6, titan=True),
+        BenchCase("moe-30b-a3b-6l-4k-mixed", "qwen3-30b-a3b", 4096, packing="mixed", num_layers=6,
+                  titan=True),
         # the optimizer step amortised over 4 micro-batches, as real training does
-        BenchCase("dense-1.7b-4k-accum4", "qwen3-1.7b", 4096, accum=4),
-        BenchCase("moe-30b-a3b-6l-4k-accum4", "qwen3-30b-a3b", 4096, num_layers=6, accum=4),
+        BenchCase("dense-1.7b-4k-accum4", "qwen3-1.7b", 4096, accum=4, titan=True),
+        BenchCase("moe-30b-a3b-6l-4k-accum4", "qwen3-30b-a3b", 4096, num_layers=6, accum=4, titan=True),
         # several GPUs (torchrun --nproc-per-node GPUS -m mlite bench CASE): fsdp2 over dp, experts over ep;
         # the reference is every rank running the one-GPU step at the same time ("N x one GPU")
         BenchCase("dense-1.7b-4k-dp2", "qwen3-1.7b", 4096, gpus=2, dp=2, baseline=False),
@@ -81,13 +83,14 @@ CASES: dict[str, BenchCase] = {
                   baseline=False),
         # FP8 twins of the one-GPU cases (precision.fp8): `mlite bench CASE CASE-fp8` compares the two in one
         # launch; transformers' side is the bf16 case's, so the twins run no baseline of their own
-        BenchCase("dense-1.7b-4k-fp8", "qwen3-1.7b", 4096, baseline=False, fp8="tensorwise"),
+        # (torchtitan's side, `--titan`, is its float8: the case's recipe on linears, rowwise on MoE experts)
+        BenchCase("dense-1.7b-4k-fp8", "qwen3-1.7b", 4096, baseline=False, fp8="tensorwise", titan=True),
         BenchCase("moe-30b-a3b-6l-4k-fp8", "qwen3-30b-a3b", 4096, num_layers=6, baseline=False,
-                  fp8="rowwise"),
+                  fp8="rowwise", titan=True),
         BenchCase("dsv4-flash-4l-4k-fp8", "deepseek-v4-flash", 4096, num_layers=4, config=_DSV4_4L,
                   baseline=False, fp8="blockwise"),
         # the CPU suite's cases: exercise every code path in seconds (the multi-rank ones on gloo)
-        BenchCase("tiny-cpu", "tiny-qwen3-moe", 128, packing="mixed"),
+        BenchCase("tiny-cpu", "tiny-qwen3-moe", 128, packing="mixed", titan=True),
         BenchCase("tiny-cpu-dp2", "tiny-qwen3", 128, packing="mixed", gpus=2, dp=2, baseline=False),
         BenchCase("tiny-cpu-ep2", "tiny-qwen3-moe", 128, packing="mixed", gpus=2, dp=2, ep=2, baseline=False),
         # the DeepSeek-V4 cases' code path (sliding, CSA, HCA ratio 16, CSA; first layer hash-routed)

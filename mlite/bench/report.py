@@ -12,7 +12,7 @@ from pathlib import Path
 @dataclass
 class BenchResult:
     case: str
-    side: str  # mlite | hf
+    side: str  # mlite | hf | torchtitan (one GPU); mlite xN | N x one GPU (several)
     tokens_per_step: int  # tokens of one optimizer step, every micro-batch and data-parallel replica
     step_ms: float
     tokens_per_s: float
@@ -56,6 +56,12 @@ def environment(device: str) -> dict:
         env["transformers"] = transformers.__version__
     except ImportError:
         pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:  # read from its metadata: importing torchtitan takes seconds, and only its side needs it
+        env["torchtitan"] = version("torchtitan")
+    except PackageNotFoundError:
+        pass
     return env
 
 
@@ -76,6 +82,8 @@ def render_table(results: list[BenchResult]):
             table.add_row(r.case, r.side, "skipped", "", "", "", "", "", "")
             notes.append(f"{r.case} {r.side}: {r.skipped}")
             continue
+        if "torchtitan" in r.extra and f"torchtitan {r.extra['torchtitan']}" not in notes:
+            notes.append(f"torchtitan {r.extra['torchtitan']}")
         err = "" if not r.estimate_gb or not r.peak_gb else f"{(r.estimate_gb - r.peak_gb) / r.peak_gb:+.0%}"
         table.add_row(
             r.case, r.side, f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}", f"{r.step_ms:.1f}", f"{r.peak_gb:.1f}",

@@ -1,6 +1,7 @@
-"""A case's sides measured into results. One GPU (`run_case`): the Runtime's step, then HF's, each built,
-timed and freed in turn. Several GPUs (`run_parallel_cases`, under torchrun): every rank's one-GPU step at
-once (N x one GPU), then each case in its layout; scaling = parallel tokens/s over N x one-GPU tokens/s.
+"""A case's sides measured into results. One GPU (`run_case`): the Runtime's step, then HF's (and
+torchtitan's when asked), each built, timed and freed in turn. Several GPUs (`run_parallel_cases`, under
+torchrun): every rank's one-GPU step at once (N x one GPU), then each case in its layout; scaling = parallel
+tokens/s over N x one-GPU tokens/s.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from mlite.bench.hf_side import hf_skip_reason, hf_step_fn
 from mlite.bench.measure import Measured, collective_bus_gbs, measure
 from mlite.bench.mlite_side import launch_ranks, runtime_step_fn
 from mlite.bench.report import BenchResult
+from mlite.bench.titan_side import compile_settings_restored, titan_step_fn, titan_version
 
 
 def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, sides=("mlite", "hf"),
              gpu: str = "cpu", peak_tflops: float = 1.0, overrides: Sequence[str] = ()) -> list[BenchResult]:
-    """A one-GPU case: the Runtime's step, then (unless the case or `sides` leave it out) HF's.
-    `overrides`: job keys for the Runtime's side (case_job)."""
+    """A one-GPU case: the Runtime's step, then (unless the case or `sides` leave them out) HF's and
+    torchtitan's ("torchtitan": cases with `titan`). `overrides`: job keys for the Runtime's side
+    (case_job)."""
     arch = case_arch(case)
     seq_lens = case_seq_lens(case)
     sequences = random_sequences(seq_lens, arch.vocab, seed=0)
@@ -38,7 +41,7 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
     fpt = flops_per_token(arch, seq_lens)
     results = []
     for side in sides:
-        if side == "hf" and not case.baseline:
+        if (side == "hf" and not case.baseline) or (side == "torchtitan" and not case.titan):
             continue
         if side == "hf" and (reason := hf_skip_reason(arch)):
             results.append(BenchResult(case=case.name, side=side, tokens_per_step=tokens, step_ms=0.0,
@@ -48,6 +51,10 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
         if side == "mlite":
             m = measure(lambda: runtime_step_fn(case, sequences, device, overrides=overrides), device, steps,
                         warmup)
+        elif side == "torchtitan":
+            with compile_settings_restored():
+                m = measure(lambda: titan_step_fn(case, arch, sequences, device, case.accum), device, steps,
+                            warmup)
         else:
             m = measure(lambda: hf_step_fn(arch, sequences, device, case.accum), device, steps, warmup)
         tps = tokens / (m.timing.median_ms / 1e3)
@@ -61,7 +68,9 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
                    "gc_passes": m.timing.gc_passes,
                    "peak_allocated_gb": m.allocated_gb, "accum": case.accum,
                    "outside_allocator_gb": m.outside_allocator_gb,
-                   **({"overrides": list(overrides)} if side == "mlite" and overrides else {}), **m.last},
+                   **({"overrides": list(overrides)} if side == "mlite" and overrides else {}),
+                   **({"torchtitan": titan_version(), "fp8": case.fp8} if side == "torchtitan" else {}),
+                   **m.last},
         ))
     return results
 

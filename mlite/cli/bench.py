@@ -1,4 +1,5 @@
-"""`mlite bench`: the trainers' step (the Runtime) next to the HF-transformers baseline (see mlite.bench)."""
+"""`mlite bench`: the trainers' step (the Runtime) next to the HF-transformers baseline, and torchtitan's step
+with --titan (see mlite.bench)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--no-baseline", action="store_true", help="skip the HF-transformers side")
+    p.add_argument("--titan", action="store_true",
+                   help="also run torchtitan's side (its Qwen3 and float8) on the cases it builds; needs "
+                        "torchtitan installed (not a dependency of mlite)")
     p.add_argument("--out", default="runs/bench/results.json", help="JSON results file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a job key for mlite's side, as for mlite sft (repeatable), e.g. --set "
@@ -36,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
                           f"gpus {case.gpus}")
         return 0
     names = _case_names(args)
+    _check_titan(args, names)
     from mlite.cli.training import launcher_env
 
     multi = [n for n in names if CASES[n].gpus > 1]
@@ -55,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         for name in names:
             console.print(f"[bold]{name}[/bold] on {gpu} ...")
             results += run_case(CASES[name], device, steps=args.steps, warmup=args.warmup,
-                                sides=("mlite",) if args.no_baseline else ("mlite", "hf"), gpu=gpu,
+                                sides=_sides(args), gpu=gpu,
                                 peak_tflops=peak, overrides=args.overrides)
     if not rank0:
         return 0
@@ -92,6 +97,25 @@ def _case_names(args: argparse.Namespace) -> list[str]:
         raise MliteError("multi-GPU and one-GPU bench cases run in separate launches; "
                          "name one kind at a time")
     return names
+
+
+def _sides(args: argparse.Namespace) -> tuple[str, ...]:
+    return ("mlite",) + (() if args.no_baseline else ("hf",)) + (("torchtitan",) if args.titan else ())
+
+
+def _check_titan(args: argparse.Namespace, names: list[str]) -> None:
+    """--titan refused in one line before anything is built: where torchtitan is not importable (with the
+    command that installs it) or the cases are multi-GPU ones (its side is one GPU's)."""
+    if not args.titan:
+        return
+    from mlite.bench.cases import CASES
+    from mlite.bench.titan_side import titan_missing
+    from mlite.errors import MliteError
+
+    if any(CASES[n].gpus > 1 for n in names):
+        raise MliteError("--titan: torchtitan's side runs on one-GPU cases (mlite bench --list)")
+    if missing := titan_missing():
+        raise MliteError(missing)
 
 
 def _bench_device(requested: str, multi: list[str], launch: dict[str, int]) -> str:

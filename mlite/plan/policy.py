@@ -17,6 +17,8 @@ the job with them once, so the runtime reads the choice from the plan instead of
 
 from __future__ import annotations
 
+import os
+
 from mlite.config.arch import ModelArch
 from mlite.config.backends import backend_traits
 from mlite.config.catalog import count_params, layer_params
@@ -88,6 +90,16 @@ def vllm_v4_fp8(job: JobConfig, arch: ModelArch) -> str | None:
     if r.fp8_weights is True:
         return "linears"
     return "wo_a" if r.v4_fp8_at_sync else "online"
+
+
+FP8_EMULATE_ENV = "MLITE_FP8_EMULATE"
+
+
+def fp8_emulated() -> bool:
+    """The developers' switch (MLITE_FP8_EMULATE=1): precision.fp8 runs on any device with its numerics
+    emulated in plain torch (torchao's `emulate`), so that the CPU suite trains FP8 jobs end to end, several
+    processes included; never faster, and blockwise has no emulation."""
+    return os.environ.get(FP8_EMULATE_ENV, "") == "1"
 
 
 def vllm_v4_width_misfit(arch: ModelArch) -> str | None:

@@ -42,7 +42,7 @@ from mlite.config.backends import backend_traits
 from mlite.config.catalog import GPU_COMPUTE_CAPABILITY
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
-from mlite.plan.policy import rollout_expert_parallel, vllm_fp8_misfit, vllm_v4_width_misfit
+from mlite.plan.policy import fp8_emulated, rollout_expert_parallel, vllm_fp8_misfit, vllm_v4_width_misfit
 
 MATRIX = "docs/PLANNER.md, backend matrix"
 
@@ -702,7 +702,7 @@ def check_fp8(job: JobConfig, arch: ModelArch, world_size: int, device_type: str
     recipe = precision.fp8
     if recipe == "none":
         return
-    if device_type != "cuda":
+    if device_type != "cuda" and not fp8_emulated():
         raise MliteError(
             f"precision.fp8: {recipe} multiplies on the FP8 tensor cores of GPUs, and this run is on the "
             "CPU; set precision.fp8: none, or run on GPUs"

@@ -15,22 +15,23 @@ the top-k entries) and grouped `o_a_proj` (`HIGH_PRECISION_NAMES`), and every li
 multiples of 16 (128 for blockwise), which the FP8 kernels cannot tile. The swapped modules keep their
 `weight` (and `bias`), so state-dict names, checkpoints and HF export are those of the model without FP8.
 
-Test switch: MLITE_FP8_EMULATE=1 runs the same conversion with torchao's CPU emulation (tensorwise,
-rowwise) and the experts' pure-torch emulation (mlite.runtime.kernels.grouped_gemm), so the CPU suite covers
-the numerics. It is for tests only: the rule book refuses precision.fp8 on CPU for users.
+Test switch: MLITE_FP8_EMULATE=1 (mlite.plan.policy.fp8_emulated) runs the same conversion with torchao's
+CPU emulation (tensorwise, rowwise) and the experts' pure-torch emulation (mlite.runtime.kernels
+.grouped_gemm), and the rule book then lets precision.fp8 run on the CPU, so the CPU suite trains FP8 jobs
+end to end. Without it the rule book refuses precision.fp8 on the CPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 from torch import nn
 
 from mlite.errors import MliteError
+from mlite.plan.policy import FP8_EMULATE_ENV, fp8_emulated
 
-EMULATE_ENV = "MLITE_FP8_EMULATE"
+EMULATE_ENV = FP8_EMULATE_ENV  # the test switch
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 # linears kept in the compute dtype by name (the last part of their module name): the LM head, the MoE router,
 # DeepSeek-V4's indexer weights (its scores pick entries), and its grouped output projection `o_a_proj`, whose
@@ -40,7 +41,7 @@ HIGH_PRECISION_NAMES = frozenset({"output", "lm_head", "router", "gate", "weight
 
 def emulating() -> bool:
     """The test switch (module docstring): FP8 numerics emulated on any device."""
-    return os.environ.get(EMULATE_ENV, "") == "1"
+    return fp8_emulated()
 
 
 def tile(recipe: str) -> int:

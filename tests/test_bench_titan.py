@@ -1,0 +1,149 @@
+"""torchtitan's side of `mlite bench --titan`: its own Qwen3 with the case's shapes, timed as the HF side.
+
+torchtitan is not a dependency of mlite: these tests need it installed (mlite.bench.titan_side.TITAN_INSTALL)
+and fail with that command where it is not, rather than skip.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from mlite.bench.cases import CASES, BenchCase, case_arch
+
+TINY_DENSE = BenchCase("tiny-cpu-dense", "tiny-qwen3", 128, packing="mixed", titan=True)  # tied embeddings
+TINY_MOE = CASES["tiny-cpu"]
+
+
+def needs_titan() -> None:
+    from mlite.bench.titan_side import titan_missing
+
+    if missing := titan_missing():
+        pytest.fail(missing)
+
+
+@pytest.mark.parametrize("case", [TINY_DENSE, TINY_MOE], ids=lambda c: c.name)
+def test_titan_side_times_its_own_step_on_the_tiny_cases(case):
+    import statistics
+
+    from mlite.bench.run import run_case
+
+    needs_titan()
+    arch = case_arch(case)
+    (result,) = run_case(case, "cpu", steps=2, warmup=1, sides=("torchtitan",), peak_tflops=0.5)
+    assert result.side == "torchtitan" and not result.skipped
+    times = result.extra["step_ms_all"]
+    assert len(times) == 2 and all(math.isfinite(ms) for ms in times)
+    assert result.step_ms == statistics.median(times) > 0
+    assert result.tokens_per_step == 128
+    assert result.tokens_per_s == pytest.approx(128 / (result.step_ms / 1e3))
+    assert result.mfu > 0 and result.estimate_gb is None
+    # torchtitan's own loss and grad norm: random weights predict about uniformly over the 256 tokens
+    assert abs(result.extra["loss"] - math.log(arch.vocab)) < 0.5
+    assert 0 < result.extra["grad_norm"] < math.inf
+    assert result.extra["torchtitan"] and result.extra["fp8"] == "none"
+
+
+def test_titan_side_runs_every_micro_batch_of_the_step():
+    from mlite.bench.run import run_case
+
+    needs_titan()
+    (result,) = run_case(replace(TINY_MOE, accum=2), "cpu", steps=2, warmup=1, sides=("torchtitan",))
+    assert result.tokens_per_step == 256 and result.extra["accum"] == 2
+    # the loss over the step's valid tokens, summed over its micro-batches: one micro-batch's mean
+    assert abs(result.extra["loss"] - math.log(case_arch(TINY_MOE).vocab)) < 0.5
+
+
+@pytest.mark.parametrize("name", ["tiny-cpu-dense", "tiny-cpu", "dense-1.7b-4k", "moe-30b-a3b-6l-4k"])
+def test_titan_builds_exactly_mlites_parameters_for_the_case(name):
+    """torchtitan's model (as built for a GPU, on the meta device: no memory) against mlite's own for the
+    same arch: every shape torchtitan takes from the case (widths, heads, experts, tied head) has to match."""
+    from mlite.bench.titan_side import titan_model
+    from mlite.runtime.models import build_model
+
+    needs_titan()
+    case = TINY_DENSE if name == TINY_DENSE.name else CASES[name]
+    arch = case_arch(case)
+    titan = titan_model(case, arch, device="meta", runs_on="cuda")
+    mlite = build_model(arch, device="meta")
+    assert sum(p.numel() for p in titan.parameters()) == sum(p.numel() for p in mlite.parameters())
+    assert (titan.tok_embeddings.weight is titan.lm_head.weight) == arch.tie_embeddings
+
+
+def test_only_the_cases_torchtitan_builds_have_its_side():
+    from mlite.bench.titan_side import titan_unbuildable
+
+    titan = [c for c in CASES.values() if c.titan]
+    assert {c.name for c in titan} >= {"dense-1.7b-4k", "moe-30b-a3b-6l-4k", "dense-1.7b-4k-fp8",
+                                       "moe-30b-a3b-6l-4k-fp8"}
+    assert all(c.gpus == 1 and not titan_unbuildable(case_arch(c)) for c in titan)
+    assert not CASES["dsv4-flash-4l-4k"].titan and not CASES["dsv4-flash-4l-4k-fp8"].titan
+    assert "deepseek_v4" in titan_unbuildable(case_arch(CASES["dsv4-flash-4l-4k"]))
+
+
+def test_cli_titan_without_torchtitan_says_how_to_install_it_in_one_line(tmp_path):
+    """A shadow package on PYTHONPATH makes `import torchtitan` fail as on a machine without it."""
+    import os
+    import subprocess
+    import sys
+
+    shadow = tmp_path / "torchtitan"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'torchtitan'\")\n")
+    path = [str(tmp_path), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
+    proc = subprocess.run([sys.executable, "-m", "mlite", "bench", "tiny-cpu", "--titan", "--device", "cpu",
+                           "--out", str(tmp_path / "r.json")], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert "--titan needs torchtitan" in proc.stderr and "pip install --no-deps torchtitan==" in proc.stderr
+    assert not (tmp_path / "r.json").exists()  # refused before anything was built
+
+
+def test_cli_titan_refuses_multi_gpu_cases_in_one_line():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "mlite", "bench", "tiny-cpu-dp2", "--titan"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
+    assert "one-GPU cases" in proc.stderr
+
+
+def _small_gpu_case(name: str, fp8: str) -> BenchCase:
+    # two layers of the bench models at 2048: the float8 code path without the full case's compile time
+    return replace(CASES[name], name=f"{name}-2l", num_layers=2, seq_len=2048, fp8=fp8, titan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,fp8", [("dense-1.7b-4k", "tensorwise"), ("moe-30b-a3b-6l-4k", "rowwise"),
+                                      ("dense-1.7b-4k", "none")])
+def test_titan_float8_side_runs_on_a_gpu(name, fp8):
+    from mlite.bench.run import run_case
+    from mlite.bench.titan_side import titan_model
+
+    needs_titan()
+    case = _small_gpu_case(name, fp8)
+    arch = case_arch(case)
+    model = titan_model(case, arch, device="meta", runs_on="cuda")
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert ("Float8Linear" in kinds) == (fp8 != "none")
+    assert type(model.lm_head).__name__ == "Linear"  # the head stays in bf16, as mlite's
+    if arch.moe is not None and fp8 != "none":
+        assert any(k.startswith("Float8") and "Experts" in k for k in kinds)
+    (result,) = run_case(case, "cuda", steps=2, warmup=2, sides=("torchtitan",), peak_tflops=989)
+    assert result.step_ms > 0 and math.isfinite(result.extra["loss"]) and result.peak_gb > 0
+    assert abs(result.extra["loss"] - math.log(arch.vocab)) < 1.0
+
+
+def test_the_compile_switches_torchtitan_sets_are_put_back_for_the_sides_after_it():
+    import torch._dynamo.config as dynamo_config
+
+    from mlite.bench.titan_side import compile_settings_restored
+
+    before = dynamo_config.capture_scalar_outputs
+    with compile_settings_restored():
+        dynamo_config.capture_scalar_outputs = not before  # as torchtitan's apply_compile sets it
+    assert dynamo_config.capture_scalar_outputs == before
