@@ -1,4 +1,5 @@
-"""`mlite bench`: the trainers' training step next to the HF-transformers baseline, in one launch.
+"""`mlite bench`: the trainers' training step next to the HF-transformers baseline (and torchtitan's, with
+`--titan`), in one launch.
 
 The mlite side is `mlite.runtime.engine.Runtime` driven as the SFT trainer drives it, with no step of the
 benchmark's own; the HF side is transformers' own model on the same tokens. We report tokens/s, MFU, peak
@@ -9,6 +10,7 @@ memory, and the planner's memory estimate next to the measured peak (median step
 - `measure`: either side's step timed, its peak memory read; the launch's collective bandwidth.
 - `mlite_side`: the Runtime's step for a case, and the torchrun launch it runs in.
 - `hf_side`: the HF transformers baseline.
+- `titan_side`: torchtitan's own Qwen3 step (bf16 or its float8), the peer of `--titan`.
 - `run`: a case's sides measured into results (one GPU; several GPUs against N x one GPU).
 - `report`: the results, the table `mlite bench` prints, the JSON file it writes.
 

@@ -82,12 +82,15 @@ CASES: dict[str, BenchCase] = {
         BenchCase("dsv4-flash-4l-16k", "deepseek-v4-flash", 16384, num_layers=4, config=_DSV4_4L,
                   baseline=False),
         # FP8 twins of the one-GPU cases (precision.fp8): `mlite bench CASE CASE-fp8` compares the two in one
-        # launch; transformers' side is the bf16 case's, so the twins run no baseline of their own
-        # (torchtitan's side, `--titan`, is its float8: the case's recipe on linears, rowwise on MoE experts)
+        # launch; transformers' side is the bf16 case's, so the twins run no baseline of their own.
+        # tensorwise linears (torchao 0.18's rowwise and blockwise linears measured slower than bf16 on an
+        # H200, docs/PERFORMANCE.md), the routed experts rowwise under every recipe; -blockwise: DeepSeek's
         BenchCase("dense-1.7b-4k-fp8", "qwen3-1.7b", 4096, baseline=False, fp8="tensorwise", titan=True),
         BenchCase("moe-30b-a3b-6l-4k-fp8", "qwen3-30b-a3b", 4096, num_layers=6, baseline=False,
-                  fp8="rowwise", titan=True),
+                  fp8="tensorwise", titan=True),
         BenchCase("dsv4-flash-4l-4k-fp8", "deepseek-v4-flash", 4096, num_layers=4, config=_DSV4_4L,
+                  baseline=False, fp8="tensorwise"),
+        BenchCase("dsv4-flash-4l-4k-fp8-blockwise", "deepseek-v4-flash", 4096, num_layers=4, config=_DSV4_4L,
                   baseline=False, fp8="blockwise"),
         # the CPU suite's cases: exercise every code path in seconds (the multi-rank ones on gloo)
         BenchCase("tiny-cpu", "tiny-qwen3-moe", 128, packing="mixed", titan=True),

@@ -449,6 +449,17 @@ def check_rollout_fp8(job: JobConfig, arch: ModelArch) -> None:
                          "rollout.tp that divides it in 128-wide blocks, or remove rollout.fp8_weights")
 
 
+def check_rollout_v4_widths(job: JobConfig, arch: ModelArch) -> None:
+    """A DeepSeek-V4 on vLLM: widths its kernels compute right (mlite.plan.policy.vllm_v4_width_misfit)."""
+    misfit = vllm_v4_width_misfit(arch) if job.rollout.engine == "vllm" else None
+    if misfit:
+        raise MliteError(
+            f"rollout.engine vllm with {arch.name}: its {misfit}, and vLLM 0.25.1's mHC kernel for forwards "
+            "of 16 tokens or fewer skips such widths without an error, so decoding returns garbage once few "
+            "requests are left; use a multiple of 2048 up to 4096 (V4-Flash: 4096), of 1024 above"
+        )
+
+
 def check_rollout(job: JobConfig, arch: ModelArch, world_size: int) -> None:
     """GRPO's rollout shape against the layout, by design (which engine runs: check_rollout_engine)."""
     if job.rollout is None:
@@ -470,13 +481,7 @@ def check_rollout(job: JobConfig, arch: ModelArch, world_size: int) -> None:
             f"this job {what}; remove rollout.expert_parallel"
         )
     check_rollout_fp8(job, arch)
-    misfit = vllm_v4_width_misfit(arch) if r.engine == "vllm" else None
-    if misfit:
-        raise MliteError(
-            f"rollout.engine vllm with {arch.name}: its {misfit}, and vLLM 0.25.1's mHC kernel for forwards "
-            "of 16 tokens or fewer skips such widths without an error, so decoding returns garbage once few "
-            "requests are left; use a multiple of 2048 up to 4096 (V4-Flash: 4096), of 1024 above"
-        )
+    check_rollout_v4_widths(job, arch)
     per_node = job.cluster.gpus_per_node
     if r.tp > per_node and not r.span_nodes:
         raise MliteError(
