@@ -69,36 +69,32 @@ def titan_model_config(case: BenchCase, arch: ModelArch, device: str):
     from torchtitan.config import ParallelismConfig
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.qwen3 import (
-        _EMBEDDING_INIT,
-        _EMBEDDING_SKIP_INIT,
-        _LINEAR_INIT,
-        Qwen3Model,
-        _build_qwen3_layers,
-        _build_qwen3_moe_layers,
-        _qwen3_norm,
-    )
+    from torchtitan.models.qwen3 import Qwen3Model
+
+    from mlite.runtime.adapters.torchtitan import qwen3_parts
+
+    parts = qwen3_parts()
 
     rope = CosSinRoPE.Config(dim=arch.head_dim, max_seq_len=case.seq_len, theta=arch.rope_theta)
     shapes = dict(n_layers=arch.num_layers, dim=arch.hidden, n_heads=arch.num_heads,
                   n_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim, attn_backend="flex", rope=rope)
     if arch.moe is not None:
-        layers = _build_qwen3_moe_layers(**shapes, moe_hidden_dim=arch.moe.expert_ffn,
+        layers = parts.build_moe_layers(**shapes, moe_hidden_dim=arch.moe.expert_ffn,
                                          num_experts=arch.moe.num_experts, top_k=arch.moe.top_k,
                                          moe_comm_backend="standard")
     else:
-        layers = _build_qwen3_layers(**shapes, hidden_dim=arch.ffn)
+        layers = parts.build_layers(**shapes, hidden_dim=arch.ffn)
     if not device.startswith("cuda"):
         for layer in layers:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
     config = Qwen3Model.Config(
-        vocab_size=arch.vocab, dim=arch.hidden, norm=_qwen3_norm(arch.hidden),
+        vocab_size=arch.vocab, dim=arch.hidden, norm=parts.norm(arch.hidden),
         enable_weight_tying=arch.tie_embeddings,
         # tied: the LM head's init draws the shared weight (the registry's tied flavors skip the embedding's)
         tok_embeddings=Embedding.Config(num_embeddings=arch.vocab, embedding_dim=arch.hidden,
-                                        param_init=_EMBEDDING_SKIP_INIT if arch.tie_embeddings
-                                        else _EMBEDDING_INIT),
-        lm_head=Linear.Config(in_features=arch.hidden, out_features=arch.vocab, param_init=_LINEAR_INIT),
+                                        param_init=parts.embedding_skip_init if arch.tie_embeddings
+                                        else parts.embedding_init),
+        lm_head=Linear.Config(in_features=arch.hidden, out_features=arch.vocab, param_init=parts.linear_init),
         layers=layers,
     )
     config = _float8(case, arch, config, compiled=device.startswith("cuda"))
@@ -200,6 +196,8 @@ def titan_step_fn(case: BenchCase, arch: ModelArch, sequences: list[list[int]], 
     from torchtitan.distributed.compile import apply_compile
     from torchtitan.distributed.utils import clip_grad_norm_
 
+    from mlite.runtime.adapters.torchtitan import skip_lm_head
+
     cuda = device.startswith("cuda")
     model = titan_model(case, arch, device="meta", runs_on=device)
     parallel_dims = _one_device()
@@ -213,7 +211,7 @@ def titan_step_fn(case: BenchCase, arch: ModelArch, sequences: list[list[int]], 
     loss_fn = ChunkedLossWrapper.Config(
         loss_fn=CrossEntropyLoss.Config(global_vocab_size=arch.vocab)).build(compile_config=compile_config)
     loss_fn.set_lm_head(model.lm_head)
-    model._skip_lm_head = True
+    skip_lm_head(model)
     opt_config = default_adamw(lr=1e-5)
     opt_config.implementation = "fused" if cuda else "foreach"
     optimizers = opt_config.build(model_parts=[model])

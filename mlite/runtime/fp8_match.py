@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlite.errors import MliteError
-from mlite.runtime.ckpt.quant import FP8_MAX, _pow2_scales
+from mlite.runtime.ckpt.quant import FP8_MAX, pow2_scales
 from mlite.runtime.kernels.grouped_gemm import grouped_gemm
 
 BLOCK = 128  # vLLM's weight_block_size [128, 128] and its activation groups (1x128)
@@ -51,7 +51,7 @@ def round_weight(w: torch.Tensor, parts: int = 1) -> torch.Tensor:
     gr, gc = -(-rows // BLOCK), -(-cols // BLOCK)
     padded = F.pad(v, (0, gc * BLOCK - cols, 0, gr * BLOCK - rows))
     blocks = padded.reshape(*v.shape[:-2], gr, BLOCK, gc, BLOCK)
-    scales, _ = _pow2_scales(blocks.abs().amax(dim=(-3, -1)), FP8_MAX)
+    scales, _ = pow2_scales(blocks.abs().amax(dim=(-3, -1)), FP8_MAX)
     scales = scales[..., :, None, :, None]
     q = (blocks / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     back = (q.to(torch.float32) * scales).reshape(padded.shape)[..., :rows, :cols]

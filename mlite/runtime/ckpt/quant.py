@@ -140,7 +140,7 @@ def dequantize(
 
 
 # ---------------------------------------------------------------------------------------------- encoding
-def _pow2_scales(amax: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
+def pow2_scales(amax: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The smallest power of two s with amax / s <= top, per block, clamped to e8m0's 2**-127 .. 2**127;
     returns (float32 scales, uint8 biased exponents). All-zero blocks get 1."""
     mantissa, exp = torch.frexp(amax.to(torch.float64) / top)  # ratio = m * 2**e, 0.5 <= m < 1
@@ -178,7 +178,7 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128),
     gr, gc = -(-rows // bm), -(-cols // bn)
     padded = torch.nn.functional.pad(w, (0, gc * bn - cols, 0, gr * bm - rows))
     blocks = padded.reshape(*w.shape[:-2], gr, bm, gc, bn)
-    scales, biased = _pow2_scales(blocks.abs().amax(dim=(-3, -1)), FP8_MAX)
+    scales, biased = pow2_scales(blocks.abs().amax(dim=(-3, -1)), FP8_MAX)
     scaled = (blocks / scales[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     q = scaled.to(torch.float8_e4m3fn).reshape(padded.shape)[..., :rows, :cols].contiguous()
     return q, (scales.to(torch.float32) if scale_dtype == torch.float32 else _as_e8m0(biased))
@@ -209,7 +209,7 @@ def quantize_fp4_rows(w: torch.Tensor, group: int = 32):
     groups = -(-cols // group)
     padded = torch.nn.functional.pad(w, (0, groups * group - cols))
     blocks = padded.reshape(*w.shape[:-1], groups, group)
-    scales, biased = _pow2_scales(blocks.abs().amax(dim=-1), FP4_MAX)
+    scales, biased = pow2_scales(blocks.abs().amax(dim=-1), FP4_MAX)
     scaled = (blocks / scales[..., None]).clamp(-FP4_MAX, FP4_MAX)
     codes = _e2m1_codes(scaled).reshape(padded.shape)[..., :cols]
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
