@@ -55,14 +55,16 @@ def test(c, gpu=False, k="", workers=2, extra=""):
         "steps": "timed steps per side",
         "device": "auto | cpu | cuda",
         "no_baseline": "skip the HF-transformers side",
+        "titan": "add torchtitan's side to the cases it builds (torchtitan installed: docs/PERFORMANCE.md)",
         "out": "JSON results file",
     }
 )
-def bench(c, cases="", steps=8, device="auto", no_baseline=False, out="runs/bench/results.json"):
-    """The trainers' step (the Runtime) vs HF transformers: tokens/s, MFU, peak memory vs the planner."""
+def bench(c, cases="", steps=8, device="auto", no_baseline=False, titan=False, out="runs/bench/results.json"):
+    """The trainers' step (the Runtime) vs HF transformers (and torchtitan): tokens/s, MFU, peak memory vs
+    the planner."""
     args = ["bench", *[n for n in cases.split(",") if n], f"--steps={steps}", f"--device={device}",
             f"--out={out}"]
-    _mlite(c, *args, *(["--no-baseline"] if no_baseline else []))
+    _mlite(c, *args, *(["--no-baseline"] if no_baseline else []), *(["--titan"] if titan else []))
 
 
 @task(
