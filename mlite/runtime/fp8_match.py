@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlite.errors import MliteError
-from mlite.runtime.ckpt.quant import FP8_MAX, pow2_scales
+from mlite.runtime.ckpt.quant import FP8_MAX, fp8_blocks
 from mlite.runtime.kernels.grouped_gemm import grouped_gemm
 
 BLOCK = 128  # vLLM's weight_block_size [128, 128] and its activation groups (1x128)
@@ -45,17 +45,11 @@ def round_weight(w: torch.Tensor, parts: int = 1) -> torch.Tensor:
     the out dim stacks that many HF tensors, each with blocks of its own (the experts' gate_up: w1 and w3)."""
     if parts > 1:
         return torch.cat([round_weight(p) for p in w.chunk(parts, dim=-2)], dim=-2)
-    # quantize_fp8_blocks' steps without its host-side finiteness check (a sync per call, a graph break)
-    v = w.detach().to(torch.float32)
-    rows, cols = v.shape[-2:]
-    gr, gc = -(-rows // BLOCK), -(-cols // BLOCK)
-    padded = F.pad(v, (0, gc * BLOCK - cols, 0, gr * BLOCK - rows))
-    blocks = padded.reshape(*v.shape[:-2], gr, BLOCK, gc, BLOCK)
-    scales, _ = pow2_scales(blocks.abs().amax(dim=(-3, -1)), FP8_MAX)
-    scales = scales[..., :, None, :, None]
-    q = (blocks / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    back = (q.to(torch.float32) * scales).reshape(padded.shape)[..., :rows, :cols]
-    return back.to(w.dtype)
+    # the sync's quantiser without its host-side finiteness check (a sync per call, a graph break)
+    q, scales, _ = fp8_blocks(w.detach().to(torch.float32), (BLOCK, BLOCK))
+    rows, cols = q.shape[-2:]
+    per_value = scales.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)[..., :rows, :cols]
+    return (q.to(torch.float32) * per_value).to(w.dtype)
 
 
 def round_activation(x: torch.Tensor, pow2: bool = False) -> torch.Tensor:

@@ -172,7 +172,15 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128),
     if scale_dtype not in (None, torch.float32):
         raise ValueError(f"quantize_fp8_blocks writes ue8m0 scales (scale_dtype None) or float32, not "
                          f"{scale_dtype}")
-    w = _check_float(w, "quantize_fp8_blocks")
+    q, scales, biased = fp8_blocks(_check_float(w, "quantize_fp8_blocks"), block)
+    return q, (scales.to(torch.float32) if scale_dtype == torch.float32 else _as_e8m0(biased))
+
+
+def fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_fp8_blocks`' rounding of a float32 weight [..., out, in] known to be finite (no host-side
+    check, so no sync): (float8_e4m3fn weight, power-of-two scales [..., ceil(out/bm), ceil(in/bn)], their
+    biased exponents)."""
     bm, bn = block
     rows, cols = w.shape[-2:]
     gr, gc = -(-rows // bm), -(-cols // bn)
@@ -181,7 +189,7 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128),
     scales, biased = pow2_scales(blocks.abs().amax(dim=(-3, -1)), FP8_MAX)
     scaled = (blocks / scales[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     q = scaled.to(torch.float8_e4m3fn).reshape(padded.shape)[..., :rows, :cols].contiguous()
-    return q, (scales.to(torch.float32) if scale_dtype == torch.float32 else _as_e8m0(biased))
+    return q, scales, biased
 
 
 # ties go to the even code (round to nearest even, as the hardware casts do)
