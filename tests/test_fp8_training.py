@@ -208,6 +208,25 @@ def train(rt: Runtime, batch: PackedBatch, steps: int) -> list[float]:
     return losses
 
 
+@pytest.mark.parametrize("recipe,multiple", [("tensorwise", 16), ("none", 1)])
+def test_every_fp8_linear_sees_whole_tiles_of_tokens(emulate, recipe, multiple):
+    """The weight gradient contracts over the tokens, an FP8 GEMM's inner width, which torch._scaled_mm
+    needs in multiples of 16 (a 662-token micro-batch failed the first SFT on an H200): under precision.fp8
+    the runtime pads each share with one ignored sequence (rules.fp8_token_multiple); the loss and the
+    log-probs are the micro-batch's own tokens'."""
+    rt = Runtime(fp8_job("tiny-qwen3", recipe))
+    assert rt.plan.token_multiple == multiple
+    rows = []
+    for m in rt.model.layers.modules():  # the decoder's linears (FP8 ones under the recipe)
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(lambda mod, args, out: rows.append(args[0].numel() // mod.in_features))
+    batch = PackedBatch.from_sequences(sequences([40, 30, 53]))  # 123 tokens
+    (out,) = rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
+    assert rows and set(rows) == {123 + -123 % multiple}, set(rows)
+    assert out["logprobs"].shape == (123,) and out["num_tokens"] == 123
+    assert torch.isfinite(out["loss"])
+
+
 @pytest.mark.parametrize("model,recipe", [("tiny-qwen3", "tensorwise"), ("tiny-qwen3-moe", "rowwise")])
 def test_runtime_fp8_steps_reduce_the_loss_and_the_checkpoint_loads_without_fp8(
         emulate, monkeypatch, tmp_path, model, recipe):

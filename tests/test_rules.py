@@ -372,6 +372,7 @@ rules.check_degrees(8, 2, 2, 1, 2, 2)
 rules.check_fp8_capability(load_job("qwen3_30b_a3b_sft", ["precision.fp8=rowwise"]),
                            resolve_arch(load_job("qwen3_30b_a3b_sft").model), (9, 0), "H100")
 policy.expert_exchange(8, 6)
+assert [rules.fp8_token_multiple(r) for r in ("none", "rowwise", "blockwise")] == [1, 16, 128]
 policy.equal_micro_batch_lengths(4, 8, embedding_rows=True)
 rules.split_chunks(61, 12, 1, 6, 5)
 try:

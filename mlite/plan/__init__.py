@@ -28,6 +28,7 @@ from mlite.plan.rules import (
     check_layout,
     check_runtime,
     context_chunk_multiple,
+    fp8_token_multiple,
     split_chunks,
 )
 from mlite.plan.world import World, megatron_installed, planned_world
@@ -75,6 +76,7 @@ class Plan:
     expert_exchange: str | None  # how routed tokens cross the ep ranks; None without expert parallel
     equal_micro_batch_lengths: bool  # each step pads its micro-batches to one length on every rank
     context_chunk: int  # every context-parallel chunk's length is a multiple of it (context_chunk_multiple)
+    token_multiple: int  # every micro-batch share's length is a multiple of it (fp8_token_multiple)
     refused: str | None = None  # the trainers' refusal of a valid layout (plan_job(size_refused=True))
 
     @property
@@ -135,6 +137,7 @@ def plan_job(job: JobConfig, arch: ModelArch | None = None, *, world: World | No
         expert_exchange=policy.expert_exchange(layout.ep, top_k) if layout.ep > 1 and top_k else None,
         equal_micro_batch_lengths=group and policy.equal_micro_batch_lengths(layout.ep, top_k, rows),
         context_chunk=context_chunk_multiple(arch),
+        token_multiple=fp8_token_multiple(job.precision.fp8),
         refused=refused,
     )
 

@@ -697,6 +697,15 @@ FP8_TILE = 16  # torch._scaled_mm tiles every width of an FP8 GEMM in multiples 
 FP8_BLOCK = 128  # blockwise: 128x128 weight blocks, 1x128 activation tiles
 
 
+def fp8_token_multiple(recipe: str) -> int:
+    """What every micro-batch share's token count must be a multiple of under precision.fp8: the weight
+    gradient (grad_out^T @ x) contracts over the tokens, an FP8 GEMM's inner width, so the runtime pads each
+    share with one ignored sequence to the recipe's tile (`local_share`). 1 without FP8."""
+    if recipe == "none":
+        return 1
+    return FP8_BLOCK if recipe == "blockwise" else FP8_TILE
+
+
 def check_fp8(job: JobConfig, arch: ModelArch, world_size: int, device_type: str) -> None:
     """precision.fp8 (FP8 matmuls through torchao, mlite.runtime.adapters.torchao) and its FSDP2 all-gather
     on this device and world, for this model; and rollout.match_fp8. The cluster's GPU type stands for the

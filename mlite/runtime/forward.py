@@ -81,7 +81,7 @@ def forward_backward(
     padded = fulls  # outputs are the micro-batches' own tokens (`fulls`); padding is computed, then dropped
     if rt.placement.equal_lengths:
         padded = equal_lengths(fulls, rt.placement.host_group)
-    shares = [local_share(b, rt.mesh, rt.plan.context_chunk) for b in padded]
+    shares = [local_share(b, rt.mesh, rt.plan.context_chunk, rt.plan.token_multiple) for b in padded]
     if aux_weights is None:
         aux_weights = [1.0 / (len(fulls) * rt.dims.dp)] * len(fulls)
     with torch.set_grad_enabled(not forward_only), _autocast(rt), _vocab_parallel(rt):

@@ -85,20 +85,22 @@ def marked(batch: PackedBatch) -> PackedBatch:
                                                                        device=batch.input_ids.device)})
 
 
-def local_share(batch: PackedBatch, mesh: ParallelMesh | None, chunk_multiple: int = 1) -> PackedBatch:
+def local_share(batch: PackedBatch, mesh: ParallelMesh | None, chunk_multiple: int = 1,
+                token_multiple: int = 1) -> PackedBatch:
     """This rank's part of a micro-batch: the whole of it (padded to a multiple of tp under sequence
     parallel), or its zigzag share under context parallel, each chunk a multiple of `chunk_multiple`
-    (the rule book's `context_chunk_multiple`) and tp tokens. Under a mesh every share carries the padding
-    mark, zeros where it has none, so every rank's routers take the same path whether or not its share
-    needed padding: under full recompute a rank that ran other code put FSDP2's collectives out of step
-    with the other ranks' (the Qwen3-30B twin's gloo run, with `equal_lengths`' padding)."""
+    (the rule book's `context_chunk_multiple`) and tp tokens; every share a multiple of `token_multiple`
+    tokens (the rule book's `fp8_token_multiple`). Under a mesh every share carries the padding mark, zeros
+    where it has none, so every rank's routers take the same path whether or not its share needed padding:
+    under full recompute a rank that ran other code put FSDP2's collectives out of step with the other
+    ranks' (the Qwen3-30B twin's gloo run, with `equal_lengths`' padding)."""
     if mesh is None:
-        return batch
+        return pad_to_multiple(batch, token_multiple) if token_multiple > 1 else batch
     batch = marked(batch)
     cp, tp = mesh.dims.cp, mesh.dims.tp
     if cp == 1:
-        return pad_to_multiple(batch, tp)
-    multiple = 2 * cp * math.lcm(tp, chunk_multiple)
+        return pad_to_multiple(batch, math.lcm(tp, token_multiple))
+    multiple = 2 * cp * math.lcm(tp, chunk_multiple, token_multiple)
     return split_for_context_parallel(pad_to_multiple(batch, multiple), cp, mesh.rank_in("cp"))
 
 
