@@ -107,6 +107,33 @@ def test_cli_titan_without_torchtitan_says_how_to_install_it_in_one_line(tmp_pat
     assert not (tmp_path / "r.json").exists()  # refused before anything was built
 
 
+def test_cli_titan_names_a_torchtitan_that_does_not_import_on_this_torch(tmp_path):
+    """torchtitan 0.3.0 on torch 2.11 (the device's and the image's) fails inside its own import, asking torch
+    for a name 2.11 lacks: the refusal says that, in one line, rather than to install what is installed."""
+    import os
+    import subprocess
+    import sys
+
+    # a shadow torchtitan, first on the path, whose import asks torch for a name it lacks
+    shadow = tmp_path / "torchtitan"
+    (shadow / "components").mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    (shadow / "components" / "__init__.py").write_text("")
+    (shadow / "components" / "quantization.py").write_text(
+        "from torch.distributed.fsdp import NoSuchMeshDims\n")
+    meta = tmp_path / "torchtitan-9.9.9.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torchtitan\nVersion: 9.9.9\n")
+    path = [str(tmp_path), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
+    proc = subprocess.run([sys.executable, "-m", "mlite", "bench", "tiny-cpu", "--titan", "--device", "cpu",
+                           "--out", str(tmp_path / "r.json")], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert "torchtitan 9.9.9 does not import on torch" in proc.stderr and "NoSuchMeshDims" in proc.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_cli_titan_refuses_multi_gpu_cases_in_one_line():
     import subprocess
     import sys

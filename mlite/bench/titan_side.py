@@ -26,11 +26,23 @@ _MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 def titan_missing() -> str:
     """Why torchtitan's side cannot be imported here, in one line with the install command ('' if it can)."""
+    import importlib.metadata
+
     try:
         import torchtitan.components.quantization  # noqa: F401
         import torchtitan.models.qwen3  # noqa: F401
     except ImportError as e:
-        return f"--titan needs torchtitan ({e}); install it without touching torch: {TITAN_INSTALL}"
+        try:
+            version = importlib.metadata.version("torchtitan")
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        if version is None or "No module named 'torchtitan'" in str(e):
+            return f"--titan needs torchtitan ({e}); install it without touching torch: {TITAN_INSTALL}"
+        import torch
+
+        # installed, but it asks this torch for what it lacks (0.3.0 on torch 2.11: DataParallelMeshDims)
+        return (f"--titan: torchtitan {version} does not import on torch {torch.__version__} ({e}); the side "
+                f"is built for torchtitan {TITAN_VERSION}: run it where torch is one that release imports on")
     return ""
 
 
