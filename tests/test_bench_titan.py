@@ -88,50 +88,46 @@ def test_only_the_cases_torchtitan_builds_have_its_side():
     assert "deepseek_v4" in titan_unbuildable(case_arch(CASES["dsv4-flash-4l-4k"]))
 
 
-def test_cli_titan_without_torchtitan_says_how_to_install_it_in_one_line(tmp_path):
-    """A shadow package on PYTHONPATH makes `import torchtitan` fail as on a machine without it."""
+def refused_titan_bench(tmp_path) -> str:
+    """`mlite bench tiny-cpu --titan` with tmp_path first on PYTHONPATH (where a test puts a shadow
+    torchtitan): the one line it refuses with, after checking it built nothing."""
     import os
     import subprocess
     import sys
 
-    shadow = tmp_path / "torchtitan"
-    shadow.mkdir()
-    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'torchtitan'\")\n")
     path = [str(tmp_path), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
     proc = subprocess.run([sys.executable, "-m", "mlite", "bench", "tiny-cpu", "--titan", "--device", "cpu",
                            "--out", str(tmp_path / "r.json")], capture_output=True, text=True, env=env)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0
-    assert "--titan needs torchtitan" in proc.stderr and "pip install --no-deps torchtitan==" in proc.stderr
     assert not (tmp_path / "r.json").exists()  # refused before anything was built
+    return proc.stderr
+
+
+def test_cli_titan_without_torchtitan_says_how_to_install_it_in_one_line(tmp_path):
+    """A shadow package on PYTHONPATH makes `import torchtitan` fail as on a machine without it."""
+    shadow = tmp_path / "torchtitan"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'torchtitan'\")\n")
+    line = refused_titan_bench(tmp_path)
+    assert "--titan needs torchtitan" in line and "pip install --no-deps torchtitan==" in line
 
 
 def test_cli_titan_names_a_torchtitan_that_does_not_import_on_this_torch(tmp_path):
     """torchtitan 0.3.0 on torch 2.11 (the device's and the image's) fails inside its own import, asking torch
     for a name 2.11 lacks: the refusal says that, in one line, rather than to install what is installed."""
-    import os
-    import subprocess
-    import sys
-
-    # a shadow torchtitan, first on the path, whose import asks torch for a name it lacks
-    shadow = tmp_path / "torchtitan"
+    shadow = tmp_path / "torchtitan"  # installed (its metadata); its import asks torch for a name it lacks
     (shadow / "components").mkdir(parents=True)
     (shadow / "__init__.py").write_text("")
     (shadow / "components" / "__init__.py").write_text("")
-    (shadow / "components" / "quantization.py").write_text(
-        "from torch.distributed.fsdp import NoSuchMeshDims\n")
+    quantization = shadow / "components" / "quantization.py"
+    quantization.write_text("from torch.distributed.fsdp import NoSuchMeshDims\n")
     meta = tmp_path / "torchtitan-9.9.9.dist-info"
     meta.mkdir()
     (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torchtitan\nVersion: 9.9.9\n")
-    path = [str(tmp_path), os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
-    proc = subprocess.run([sys.executable, "-m", "mlite", "bench", "tiny-cpu", "--titan", "--device", "cpu",
-                           "--out", str(tmp_path / "r.json")], capture_output=True, text=True, env=env)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().count("\n") == 0
-    assert "torchtitan 9.9.9 does not import on torch" in proc.stderr and "NoSuchMeshDims" in proc.stderr
-    assert not (tmp_path / "r.json").exists()
+    line = refused_titan_bench(tmp_path)
+    assert "torchtitan 9.9.9 does not import on torch" in line and "NoSuchMeshDims" in line
 
 
 def test_cli_titan_refuses_multi_gpu_cases_in_one_line():
