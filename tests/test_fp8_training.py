@@ -337,3 +337,37 @@ def test_gpu_runtime_trains_moe_in_fp8(monkeypatch):
     assert swapped(rt.model) and experts_fp8(rt.model.layers["0"].mlp.experts) == "rowwise"
     losses = train(rt, PackedBatch.from_sequences(sequences([40, 30, 50])), 6)
     assert losses[-1] < losses[0] - 0.3, losses
+
+
+@pytest.mark.parametrize("first,then", [("none", "tensorwise"), ("tensorwise", "none")])
+def test_a_checkpoint_resumes_across_the_fp8_switch(tmp_path, first, then):
+    """A run preempted after step 2 resumes with precision.fp8 switched (bf16 -> FP8 and FP8 -> bf16,
+    emulated numerics on the CPU): FP8 changes neither the parameters nor the optimizer state, so the
+    checkpoint loads as it is; the resumed steps follow the uninterrupted run within FP8's rounding, and
+    differ from it (the switch took effect)."""
+    import shutil
+
+    from cli_runs import STEPS, job_dict, layout_assets, mlite_cli, records
+
+    from mlite.runtime.ckpt.checkpoint import CheckpointManager
+
+    assets = layout_assets(tmp_path / "assets")
+    emulated = {EMULATE_ENV: "1"}
+    saved, resumed = tmp_path / "saved", tmp_path / "resumed"
+    (tmp_path / "a").mkdir()
+    job = job_dict(assets, "dense", saved, precision={"compute": "bf16"})
+    done = mlite_cli(tmp_path / "a", job, 1, f"precision.fp8={first}", env=emulated)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shutil.copytree(saved, resumed)  # as a job preempted after step 2 leaves its folder
+    for step in range(3, STEPS + 1):
+        shutil.rmtree(CheckpointManager(resumed).path_for(step), ignore_errors=True)
+    (tmp_path / "b").mkdir()
+    job = job_dict(assets, "dense", resumed, precision={"compute": "bf16"})
+    done = mlite_cli(tmp_path / "b", job, 1, f"precision.fp8={then}", "trainer.resume=auto", env=emulated)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want, got = records(saved), records(resumed)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    assert got[:2] == want[:2]  # kept as the preempted run wrote them
+    for ours, ref in zip(got[2:], want[2:]):
+        assert (ours["tokens"], ours["target_tokens"]) == (ref["tokens"], ref["target_tokens"])
+        assert ours["loss"] == pytest.approx(ref["loss"], rel=5e-3) and ours["loss"] != ref["loss"]  # 3e-4
