@@ -250,24 +250,27 @@ def test_runtime_fp8_steps_reduce_the_loss_and_the_checkpoint_loads_without_fp8(
     assert all(torch.equal(plain_exported[k], exported[k]) for k in exported)
 
 
-@pytest.mark.parametrize("model,overrides,rtol", [
+@pytest.mark.parametrize("model,overrides,rtol,ranks", [
     # FSDP2 gathers FP8 weights; bf16 gradients summed over two ranks in another order: 1e-3 to 6e-3 apart
-    ("dense", ["precision.fp8=tensorwise", "precision.fp8_all_gather=true"], 1e-2),
-    ("moe", ["precision.fp8=rowwise", "parallel.ep=2"], 1e-3),  # FP8 experts split over two ranks (bf16)
-    ("dense", ["precision.fp8=tensorwise", "parallel.pp=2"], 1e-2),  # FP8 stages
-    ("dense", ["precision.fp8=rowwise", "parallel.cp=2"], 1e-2),  # a sequence's rows split over two ranks
+    ("dense", ["precision.fp8=tensorwise", "precision.fp8_all_gather=true"], 1e-2, 2),
+    ("moe", ["precision.fp8=rowwise", "parallel.ep=2"], 1e-3, 2),  # FP8 experts split over two ranks (bf16)
+    ("dense", ["precision.fp8=tensorwise", "parallel.pp=2"], 1e-2, 2),  # FP8 stages
+    ("dense", ["precision.fp8=rowwise", "parallel.cp=2"], 1e-2, 2),  # a sequence's rows split over two ranks
+    # FSDP2 at world 1 (parallel.fsdp_one_rank), its units gathered in FP8
+    ("dense", ["precision.fp8=tensorwise", "parallel.fsdp_one_rank=true", "precision.fp8_all_gather=true"],
+     1e-2, 1),
 ])
-def test_fp8_sft_on_two_ranks_matches_one_process(tmp_path, model, overrides, rtol):
-    """An FP8 SFT run (emulated numerics, MLITE_FP8_EMULATE=1) on two gloo ranks follows the one-process FP8
-    run: the scales are the whole tensor's or row's on every layout, so the rounding is too. The rule book
-    lets the switch run FP8 on the CPU; the curve differs from the same run in bf16 (it quantises)."""
+def test_fp8_sft_on_two_ranks_matches_one_process(tmp_path, model, overrides, rtol, ranks):
+    """An FP8 SFT run (emulated numerics, MLITE_FP8_EMULATE=1) on two gloo ranks (or FSDP2 over one) follows
+    the one-process FP8 run: the scales are the whole tensor's or row's on every layout, so the rounding is
+    too. The rule book lets the switch run FP8 on the CPU; the curve differs from the same run in bf16."""
     from cli_runs import assert_same_curve, job_dict, layout_assets, mlite_cli, records
 
     assets = layout_assets(tmp_path / "assets")
     emulated = {EMULATE_ENV: "1"}
     runs = {}
     for name, ranks, extra in (("one", 1, [o for o in overrides if o.startswith("precision.fp8=")]),
-                               ("two", 2, overrides), ("plain", 1, [])):
+                               ("two", ranks, overrides), ("plain", 1, [])):
         out = tmp_path / name
         (tmp_path / name).mkdir()
         job = job_dict(assets, model, out, precision={"compute": "bf16"})  # FP8 runs beside bf16
