@@ -310,6 +310,7 @@ def test_gpu_fp8_linears_match_bf16_within_fp8_tolerance(monkeypatch, recipe):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)  # torchao's Triton kernels autotune on first use (100 s seen); one try died in it
 def test_gpu_fp8_grouped_gemm_matches_bf16_and_its_emulation():
     torch.manual_seed(0)
     counts = torch.tensor([37, 0, 16, 130, 5], device="cuda")  # unaligned groups and an empty one
