@@ -86,6 +86,12 @@ class Plan:
         caller that brings more); None without FSDP2 units."""
         return self.job.parallel.fsdp_grad_accumulation if self.fsdp_units else None
 
+    @property
+    def fp8_all_gather(self) -> bool:
+        """Whether FSDP2 gathers the FP8 linears' weights in FP8 (policy.fp8_all_gather on this layout, as
+        the memory estimate counts them); never without FSDP2 units."""
+        return self.fsdp_units and self.memory.fp8_all_gather
+
     def choices(self) -> dict[str, Any]:
         """What the run does where the job leaves it to mlite: `mlite plan` prints these."""
         p = self.job.parallel
@@ -100,7 +106,7 @@ class Plan:
             "equal_micro_batch_lengths": self.equal_micro_batch_lengths,
             "context_chunk": self.context_chunk if self.layout.cp > 1 else None,
             "fp8": self.job.precision.fp8 if self.job.precision.fp8 != "none" else None,
-            "fp8_all_gather": self.memory.fp8_all_gather if self.fsdp_units else None,
+            "fp8_all_gather": self.fp8_all_gather if self.fsdp_units else None,
             "offload_trainer": self.memory.offload_trainer,
             "rollout_fp8_weights": self.memory.rollout_fp8_weights,
             "recompute": {"granularity": r.granularity, "method": r.method, "num_layers": r.num_layers},

@@ -198,13 +198,11 @@ def rank_chunks(plan: Plan, mesh: ParallelMesh | None, dtype: torch.dtype = torc
         chunk = build_model(arch, model.attention_backend, dtype=dtype, device="meta", layers=layers,
                             mtp_weight=model.mtp_loss_weight, indexer_loss_weight=model.indexer_loss_weight,
                             runs_on=runs_on)
-        # FP8 linears swap in before any layout wraps them (same parameter names: checkpoints unchanged);
-        # FP8 all-gather only where FSDP2 gathers (an `auto` the plan left unresolved counts as off)
+        # FP8 linears swap in before any layout wraps them (same parameter names: checkpoints unchanged)
         if job.precision.fp8 != "none":
             from mlite.runtime.adapters.torchao import convert_to_fp8
 
-            convert_to_fp8(chunk, job.precision.fp8,
-                           all_gather=mesh is not None and job.precision.fp8_all_gather is True)
+            convert_to_fp8(chunk, job.precision.fp8, all_gather=plan.fp8_all_gather)
             use_fp8_experts(chunk)
         if job.rollout is not None and job.rollout.match_fp8:  # round what the rollout engine runs in FP8
             from mlite.runtime.fp8_match import match_vllm_fp8

@@ -48,7 +48,7 @@ class Fsdp2Backend(BackendBase, LocalAdamW):
                             grad_norm_fn=grad_norm if held.mesh is not None else None, state=state, seed=seed)
         BackendBase.__init__(self, held)
         self.reduce_every_micro_batch = reduce_every_micro_batch
-        self.fp8_all_gather = fp8_all_gather and held.mesh is not None
+        self.fp8_all_gather = fp8_all_gather
 
     @classmethod
     def build(cls, plan: Plan, held: HeldModel, dims: ParallelDims) -> Fsdp2Backend:
@@ -58,7 +58,7 @@ class Fsdp2Backend(BackendBase, LocalAdamW):
         job = plan.job
         return cls(held, job.optimizer, state=job.precision.optimizer_state, seed=job.trainer.seed,
                    reduce_every_micro_batch=plan.fsdp_grad_accumulation != "unsharded",
-                   fp8_all_gather=job.precision.fp8 != "none" and job.precision.fp8_all_gather is True)
+                   fp8_all_gather=plan.fp8_all_gather)
 
     def step(self):
         """LocalAdamW's step; under FP8 all-gather, then the new weights' FP8 scales (torchao's precompute:
