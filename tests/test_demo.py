@@ -58,6 +58,7 @@ def test_demo_learns_and_writes_everything(demo):
     assert len(evals) == 2 and evals[1] < evals[0]
 
     assert "mlite demo ->" in log and "demo finished in" in log
+    assert f"2/4 model: qwen3, hidden 128, 4 layers ({out / 'model'})" in log.replace("\n", "")
     assert f"-> {losses[-1]:.4f} (step 60)" in log and "tokens/s" in log
     assert f"plot        {out / 'sft' / 'loss.png'}" in log
     held_out = r"held-out questions answered right \(greedy\): \d+/64, answer stated in \d+/64\n"
@@ -111,6 +112,16 @@ def test_no_grpo_stops_after_sft(tmp_path):
     log = done.stderr.replace(str(tmp_path), "OUT")  # the folder's name holds "grpo"
     assert "3/3 sft: 2 steps" in log and "grpo" not in log and "held-out reward" not in log
     assert (tmp_path / "sft" / "checkpoints" / "lineage").is_file() and not (tmp_path / "grpo").exists()
+
+
+def test_demo_names_the_model_an_override_chose(tmp_path):
+    """The model line describes the model that trains, not the generated config an override replaced."""
+    from mlite.trainers.demo import demo_job, describe_model, prepare_demo
+
+    paths = prepare_demo(tmp_path, train_rows=50)
+    assert describe_model(demo_job(tmp_path, paths)) == f"qwen3, hidden 128, 4 layers ({tmp_path / 'model'})"
+    chosen = demo_job(tmp_path, paths, overrides=("model.name=small-deepseek-v4", "model.path=null"))
+    assert describe_model(chosen) == "deepseek_v4, hidden 2048, 4 layers, 16 experts (preset small-deepseek-v4)"
 
 
 def test_prepare_only_prints_a_runnable_sft_command(tmp_path):

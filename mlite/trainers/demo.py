@@ -97,6 +97,17 @@ def demo_job(out: Path, paths: dict[str, Path], device: str = "auto",
     return load_job("demo_sft", [*demo_overrides(out, paths, device), *overrides])
 
 
+def describe_model(job: JobConfig) -> str:
+    """The model the SFT stage trains, in one phrase: the generated Qwen3 config, or what overrides chose
+    instead (`--set model.name=small-deepseek-v4`)."""
+    from mlite.config.catalog import resolve_arch
+
+    arch = resolve_arch(job.model)
+    where = job.model.path if job.model.path else f"preset {job.model.name}"
+    moe = f", {arch.moe.num_experts} experts" if arch.is_moe else ""
+    return f"{arch.model_type}, hidden {arch.hidden}, {arch.num_layers} layers{moe} ({where})"
+
+
 class DemoStage(NamedTuple):
     """A stage that runs after SFT on its result."""
 
@@ -135,8 +146,7 @@ def run_demo(output_dir: str | Path = "runs/demo", device: str = "auto", overrid
     paths = prepare_demo(out, train_rows=train_rows)
     job = demo_job(out, paths, device, overrides)
     claim_for_demo(job.trainer.output_dir, RUN_ENTRIES)
-    say(f"2/{total} model: Qwen3-shaped, hidden {DEMO_MODEL['hidden_size']}, "
-        f"{DEMO_MODEL['num_hidden_layers']} layers ({paths['model'] / 'config.json'})")
+    say(f"2/{total} model: {describe_model(job)}")
     say(f"3/{total} sft: {job.trainer.steps} steps of {job.data.global_batch_size} sequences")
     sft = train_sft(job, console=console, show_progress=show_progress)
     stages = {"sft": sft, "sft_eval": held_out_accuracy(job, sft.checkpoint, paths["val"])}
