@@ -488,6 +488,31 @@ def test_the_planner_sizes_the_v4_bench_case_within_10_percent_of_the_h100_runs(
     assert estimate == pytest.approx(row["peak_gb"], rel=0.10)
 
 
+@pytest.mark.parametrize(("result", "above"), [
+    ("h200-2026-11-29d-moe-30b-a3b-6l-4k-fp8.json", (0.0, 0.10)),
+    ("h200-2026-11-29d-dense-fp8-persistent-reductions-off.json", (0.0, 0.25)),
+])
+def test_the_planner_sizes_the_one_gpu_fp8_twins_from_above(result, above):
+    """The FP8 twins beside their bf16 cases on one H200: the planner never sizes either below the
+    measured footprint. It errs high by 4-11% on both MoE rows and on dense bf16. On dense FP8 it errs
+    high by up to 25%: the measured peak is 2 GB below bf16's, because under model.compile the partitioner
+    keeps FP8 casts where bf16 keeps the normed inputs and activations, and the planner does not count that
+    saving."""
+    import json
+    from pathlib import Path
+
+    from mlite.bench.cases import CASES, case_arch, planner_estimate_gb
+
+    measured = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench" / result).read_text())
+    rows = measured["results"]
+    assert {row["case"].endswith("-fp8") for row in rows} == {True, False}
+    for row in rows:
+        case = CASES[row["case"]]
+        estimate = planner_estimate_gb(case, case_arch(case), "h200")
+        low, high = above if row["case"].endswith("-fp8") else (0.0, 0.12)
+        assert low <= estimate / row["peak_gb"] - 1 <= high, (row["case"], estimate, row["peak_gb"])
+
+
 @pytest.mark.parametrize("result", [
     "h100x4-2026-11-26-dense-dp4.json", "h100x4-2026-11-26-moe-ep4.json",
     "h100x2-2026-11-26-dense-dp2.json", "h100x2-2026-11-26-moe-ep2.json",

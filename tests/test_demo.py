@@ -121,7 +121,8 @@ def test_demo_names_the_model_an_override_chose(tmp_path):
     paths = prepare_demo(tmp_path, train_rows=50)
     assert describe_model(demo_job(tmp_path, paths)) == f"qwen3, hidden 128, 4 layers ({tmp_path / 'model'})"
     chosen = demo_job(tmp_path, paths, overrides=("model.name=small-deepseek-v4", "model.path=null"))
-    assert describe_model(chosen) == "deepseek_v4, hidden 2048, 4 layers, 16 experts (preset small-deepseek-v4)"
+    assert describe_model(chosen) == ("deepseek_v4, hidden 2048, 4 layers, 16 experts "
+                                      "(preset small-deepseek-v4)")
 
 
 def test_prepare_only_prints_a_runnable_sft_command(tmp_path):
