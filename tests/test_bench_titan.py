@@ -2,7 +2,9 @@
 
 torchtitan is not a dependency of mlite, and it imports triton, which a CPU build of torch lacks: the tests
 that build its model run in the GPU suite (marked `gpu`; the wheels travel in `.whl/`, docs/PERFORMANCE.md),
-and fail with the install command where it is missing, rather than skip. The CLI's refusals and the cases'
+and fail with the install command where it is missing, rather than skip. The dense model's step runs on the
+CPU there; torchtitan 0.2.2's MoE routes its tokens with a Triton kernel and counts them with an integer
+`histc`, neither of which the CPU has, so its MoE steps run on the GPU. The CLI's refusals and the cases'
 flags are checked here on the CPU.
 """
 
@@ -27,15 +29,16 @@ def needs_titan() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [TINY_DENSE, TINY_MOE], ids=lambda c: c.name)
-def test_titan_side_times_its_own_step_on_the_tiny_cases(case):
+@pytest.mark.parametrize(("case", "device"), [(TINY_DENSE, "cpu"), (TINY_MOE, "cuda")], ids=lambda c: c.name
+                         if isinstance(c, BenchCase) else c)
+def test_titan_side_times_its_own_step_on_the_tiny_cases(case, device):
     import statistics
 
     from mlite.bench.run import run_case
 
     needs_titan()
     arch = case_arch(case)
-    (result,) = run_case(case, "cpu", steps=2, warmup=1, sides=("torchtitan",), peak_tflops=0.5)
+    (result,) = run_case(case, device, steps=2, warmup=1, sides=("torchtitan",), peak_tflops=0.5)
     assert result.side == "torchtitan" and not result.skipped
     times = result.extra["step_ms_all"]
     assert len(times) == 2 and all(math.isfinite(ms) for ms in times)
@@ -43,8 +46,10 @@ def test_titan_side_times_its_own_step_on_the_tiny_cases(case):
     assert result.tokens_per_step == 128
     assert result.tokens_per_s == pytest.approx(128 / (result.step_ms / 1e3))
     assert result.mfu > 0 and result.estimate_gb is None
-    # torchtitan's own loss and grad norm: random weights predict about uniformly over the 256 tokens
-    assert abs(result.extra["loss"] - math.log(arch.vocab)) < 0.5
+    # torchtitan's own loss (the mean over the step's tokens, not their sum) and grad norm: random weights
+    # predict about uniformly over the 256 tokens, a little worse where the head is tied to the embedding
+    # (its init leaves each token's own logit high)
+    assert math.log(arch.vocab) - 0.5 < result.extra["loss"] < math.log(arch.vocab) + 3.0
     assert 0 < result.extra["grad_norm"] < math.inf
     assert result.extra["torchtitan"] and result.extra["fp8"] == "none"
 
@@ -54,10 +59,11 @@ def test_titan_side_runs_every_micro_batch_of_the_step():
     from mlite.bench.run import run_case
 
     needs_titan()
-    (result,) = run_case(replace(TINY_MOE, accum=2), "cpu", steps=2, warmup=1, sides=("torchtitan",))
+    (result,) = run_case(replace(TINY_MOE, accum=2), "cuda", steps=2, warmup=1, sides=("torchtitan",))
     assert result.tokens_per_step == 256 and result.extra["accum"] == 2
-    # the loss over the step's valid tokens, summed over its micro-batches: one micro-batch's mean
-    assert abs(result.extra["loss"] - math.log(case_arch(TINY_MOE).vocab)) < 0.5
+    # the loss over the step's valid tokens, summed over its micro-batches: one micro-batch's mean (random
+    # logits of spread about 1 add about 0.5 to ln(vocab))
+    assert abs(result.extra["loss"] - math.log(case_arch(TINY_MOE).vocab)) < 1.0
 
 
 @pytest.mark.gpu
@@ -74,7 +80,7 @@ def test_titan_builds_exactly_mlites_parameters_for_the_case(name):
     titan = titan_model(case, arch, device="meta", runs_on="cuda")
     mlite = build_model(arch, device="meta")
     assert sum(p.numel() for p in titan.parameters()) == sum(p.numel() for p in mlite.parameters())
-    assert (titan.tok_embeddings.weight is titan.lm_head.weight) == arch.tie_embeddings
+    assert (titan.tok_embeddings.weight is titan.output.weight) == arch.tie_embeddings
 
 
 def test_only_the_cases_torchtitan_builds_have_its_side():
@@ -115,14 +121,17 @@ def test_cli_titan_without_torchtitan_says_how_to_install_it_in_one_line(tmp_pat
 
 
 def test_cli_titan_names_a_torchtitan_that_does_not_import_on_this_torch(tmp_path):
-    """torchtitan 0.3.0 on torch 2.11 (the device's and the image's) fails inside its own import, asking torch
-    for a name 2.11 lacks: the refusal says that, in one line, rather than to install what is installed."""
+    """A torchtitan that asks this torch for a name it lacks (0.3.0 on torch 2.11, the device's and the
+    image's) fails inside its own import: the refusal says that, in one line, rather than to install what is
+    installed."""
     shadow = tmp_path / "torchtitan"  # installed (its metadata); its import asks torch for a name it lacks
     (shadow / "components").mkdir(parents=True)
     (shadow / "__init__.py").write_text("")
     (shadow / "components" / "__init__.py").write_text("")
-    quantization = shadow / "components" / "quantization.py"
-    quantization.write_text("from torch.distributed.fsdp import NoSuchMeshDims\n")
+    (shadow / "components" / "quantization").mkdir()
+    (shadow / "components" / "quantization" / "__init__.py").write_text("")
+    float8 = shadow / "components" / "quantization" / "float8.py"
+    float8.write_text("from torch.distributed.fsdp import NoSuchMeshDims\n")
     meta = tmp_path / "torchtitan-9.9.9.dist-info"
     meta.mkdir()
     (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torchtitan\nVersion: 9.9.9\n")
@@ -158,9 +167,10 @@ def test_titan_float8_side_runs_on_a_gpu(name, fp8):
     model = titan_model(case, arch, device="meta", runs_on="cuda")
     kinds = {type(m).__name__ for m in model.modules()}
     assert ("Float8Linear" in kinds) == (fp8 != "none")
-    assert type(model.lm_head).__name__ == "Linear"  # the head stays in bf16, as mlite's
-    if arch.moe is not None and fp8 != "none":
-        assert any(k.startswith("Float8") and "Experts" in k for k in kinds)
+    assert type(model.output).__name__ == "Linear"  # the head stays in bf16, as mlite's
+    if arch.moe is not None and fp8 != "none":  # torchao's FP8 grouped GEMM on the experts' weights
+        experts = [m for m in model.modules() if type(m).__name__ == "GroupedExperts"]
+        assert experts and all(type(m.w1).__name__ == "ScaledGroupedMMTensor" for m in experts)
     (result,) = run_case(case, "cuda", steps=2, warmup=2, sides=("torchtitan",), peak_tflops=989)
     assert result.step_ms > 0 and math.isfinite(result.extra["loss"]) and result.peak_gb > 0
     assert abs(result.extra["loss"] - math.log(arch.vocab)) < 1.0

@@ -1,11 +1,17 @@
 """The torchtitan side: torchtitan's own Qwen3 (dense or MoE) built with the case's shapes, its float8
-converters where the case has FP8, its per-block torch.compile, bf16 parameters, its fused AdamW, its chunked
+converter where the case has FP8, its per-block torch.compile, bf16 parameters, its fused AdamW, its
 cross-entropy and its step (grad-norm clipping, the MoE expert-bias update), timed as the HF side is.
+
+torchtitan 0.2.2: the newest release that does not ask torch for
+`torch.distributed.fsdp.DataParallelMeshDims`, which torch 2.11 (the image's and the GPU machines') lacks and
+0.3.0 imports. Its float8 grouped GEMM converter asks torchao for a config 0.18 no longer has, so the
+routed experts get torchao 0.18's own (`Float8TrainingOpConfig` through `quantize_` on the grouped experts),
+as torchtitan 0.3.0's converter applies it.
 
 The only module that imports torchtitan, always inside a function: torchtitan is not a dependency of mlite
 (`mlite bench --titan` asks for it). What it builds is torchtitan's trainer without its process group and
 FSDP wrapper (one device, as the other sides), and without activation checkpointing (as the HF side).
-torchtitan's private names used here (its Qwen3 layer builders and one-device mesh handling) live here only.
+torchtitan's internals used here live in mlite.runtime.adapters.torchtitan.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ import contextlib
 from mlite.bench.cases import BenchCase
 from mlite.config.arch import ModelArch
 
-TITAN_VERSION = "0.3.0"
-# torchtitan's import path for its models and float8 converters, never torch itself (--no-deps): its other
-# requirements (datasets, wandb, tensorboard, ...) serve its trainer's data and logging, not this path.
+TITAN_VERSION = "0.2.2"
+# what torchtitan's import path for its models and float8 converter needs beyond the image, never torch itself
+# (--no-deps): its config (tyro), and the data loaders its Qwen3 package imports (datasets, torchdata).
 # triton: CUDA builds of torch bring it; a CPU build needs it for the import only.
 TITAN_INSTALL = (f"pip install --no-deps torchtitan=={TITAN_VERSION} tyro==1.0.17 docstring-parser==0.18.0 "
-                 "typeguard==4.6.1 spmd_types==0.2.3 triton")
+                 "typeguard==4.6.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 torchdata==0.11.0 "
+                 "triton")
+EOS = 0  # the token that ends each packed sequence on this side: torchtitan's document masks split at it
 _MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
@@ -29,7 +37,7 @@ def titan_missing() -> str:
     import importlib.metadata
 
     try:
-        import torchtitan.components.quantization  # noqa: F401
+        import torchtitan.components.quantization.float8  # noqa: F401
         import torchtitan.models.qwen3  # noqa: F401
     except ImportError as e:
         try:
@@ -40,7 +48,7 @@ def titan_missing() -> str:
             return f"--titan needs torchtitan ({e}); install it without touching torch: {TITAN_INSTALL}"
         import torch
 
-        # installed, but it asks this torch for what it lacks (0.3.0 on torch 2.11: DataParallelMeshDims)
+        # installed, but it asks this torch for what it lacks (e.g. 0.3.0 on torch 2.11: DataParallelMeshDims)
         return (f"--titan: torchtitan {version} does not import on torch {torch.__version__} ({e}); the side "
                 f"is built for torchtitan {TITAN_VERSION}: run it where torch is one that release imports on")
     return ""
@@ -69,92 +77,88 @@ def titan_unbuildable(arch: ModelArch) -> str:
     return f"torchtitan's Qwen3 has no {', '.join(found)}" if found else ""
 
 
-def titan_model_config(case: BenchCase, arch: ModelArch, device: str):
-    """torchtitan's Qwen3Model.Config for the case, as its registry builds its flavors (qwen3_configs) with
-    the case's shapes, then its float8 converters as its model_registry applies them. Flex attention on
-    GPUs (its default, with document masks from per-sequence positions); on CPU, where flex attention has
-    no backward, its SDPA module (causal over the packed stream)."""
+def titan_model_args(case: BenchCase, arch: ModelArch, device: str):
+    """torchtitan's Qwen3ModelArgs for the case, as its qwen3_args flavors are written (the 30B-A3B flavor's
+    router for MoE), with the case's shapes. Flex attention with document masks on GPUs (its block_causal
+    masks, split at EOS); on CPU, where flex attention has no backward, SDPA (causal over the packed
+    stream)."""
     from mlite.errors import MliteError
 
     if reason := titan_unbuildable(arch):
         raise MliteError(f"bench case {case.name}: {reason}")
-    from torchtitan.config import ParallelismConfig
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.qwen3 import Qwen3Model
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3 import Qwen3ModelArgs
 
-    from mlite.runtime.adapters.torchtitan import qwen3_parts
-
-    parts = qwen3_parts()
-
-    rope = CosSinRoPE.Config(dim=arch.head_dim, max_seq_len=case.seq_len, theta=arch.rope_theta)
-    shapes = dict(n_layers=arch.num_layers, dim=arch.hidden, n_heads=arch.num_heads,
-                  n_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim, attn_backend="flex", rope=rope)
+    cuda = device.startswith("cuda")
+    args = Qwen3ModelArgs(
+        vocab_size=arch.vocab, max_seq_len=case.seq_len, head_dim=arch.head_dim, dim=arch.hidden,
+        n_layers=arch.num_layers, n_heads=arch.num_heads, n_kv_heads=arch.num_kv_heads, qk_norm=True,
+        hidden_dim=arch.ffn, norm_eps=arch.rms_norm_eps, rope_theta=arch.rope_theta,
+        enable_weight_tying=arch.tie_embeddings, attn_type="flex" if cuda else "sdpa",
+        attn_mask_type="block_causal" if cuda else "causal", eos_id=EOS)
     if arch.moe is not None:
-        layers = parts.build_moe_layers(**shapes, moe_hidden_dim=arch.moe.expert_ffn,
-                                         num_experts=arch.moe.num_experts, top_k=arch.moe.top_k,
-                                         moe_comm_backend="standard")
-    else:
-        layers = parts.build_layers(**shapes, hidden_dim=arch.ffn)
-    if not device.startswith("cuda"):
-        for layer in layers:
-            layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    config = Qwen3Model.Config(
-        vocab_size=arch.vocab, dim=arch.hidden, norm=parts.norm(arch.hidden),
-        enable_weight_tying=arch.tie_embeddings,
-        # tied: the LM head's init draws the shared weight (the registry's tied flavors skip the embedding's)
-        tok_embeddings=Embedding.Config(num_embeddings=arch.vocab, embedding_dim=arch.hidden,
-                                        param_init=parts.embedding_skip_init if arch.tie_embeddings
-                                        else parts.embedding_init),
-        lm_head=Linear.Config(in_features=arch.hidden, out_features=arch.vocab, param_init=parts.linear_init),
-        layers=layers,
-    )
-    config = _float8(case, arch, config, compiled=device.startswith("cuda"))
-
-    class _OneDevice:  # update_from_config takes any object with a ParallelismConfig (no trainer)
-        parallelism = ParallelismConfig()
-
-    config.update_from_config(config=_OneDevice())
-    return config
+        args.moe_enabled, args.moe_inter_dim = True, arch.moe.expert_ffn
+        args.moe_args = MoEArgs(num_experts=arch.moe.num_experts, num_shared_experts=0, top_k=arch.moe.top_k,
+                                score_func="softmax", route_norm=True, route_scale=1.0,
+                                score_before_experts=False)
+    return args
 
 
-def _float8(case: BenchCase, arch: ModelArch, config, compiled: bool):
-    """torchtitan's float8 converters for the case's recipe. Linears: Float8LinearConverter with the case's
-    recipe (its config lists the rowwise ones; it hands the name to torchao's Float8LinearConfig, which has
-    tensorwise too), the LM head and the MoE router kept in bf16 as its own float8 flavors do (and as mlite
-    does); MoE experts: Float8GroupedExpertsConverter (rowwise scaled grouped GEMMs, torchao moe_training)."""
+def titan_job_config(case: BenchCase, arch: ModelArch, compiled: bool):
+    """The torchtitan JobConfig fields its converters and its compile read: compile of the model and the
+    loss on GPUs; float8 linears with the case's recipe, the LM head (`output`) and the MoE router kept in
+    bf16 as its float8 flavors do (and as mlite does)."""
+    from torchtitan.config import JobConfig
+
+    job = JobConfig()
+    job.compile.enable, job.compile.components = compiled, ["model", "loss"]
+    if case.fp8 != "none":
+        job.quantize.linear.float8.recipe_name = case.fp8
+        kept = ["output", "router.gate"] if arch.moe is not None else ["output"]
+        job.quantize.linear.float8.filter_fqns = kept
+    return job
+
+
+def _float8(case: BenchCase, arch: ModelArch, model, job) -> None:
+    """torchtitan's float8 for the case's recipe, in place: its Float8LinearConverter (it hands the recipe
+    name to torchao's Float8LinearConfig); the routed experts: torchao's rowwise FP8 grouped GEMM on the
+    grouped experts, their token groups padded to 16 rows (module docstring)."""
     if case.fp8 == "none":
-        return config
+        return
     from mlite.errors import MliteError
 
     if case.fp8 not in ("tensorwise", "rowwise"):
         raise MliteError(f"bench case {case.name}: torchtitan has no float8 recipe {case.fp8!r}")
-    from torchtitan.components.quantization import Float8GroupedExpertsConverter, Float8LinearConverter
-    from torchtitan.models.utils import validate_converter_order
+    from torchtitan.components.quantization.float8 import Float8LinearConverter
 
-    keep = ["lm_head", "router.gate"] if arch.moe is not None else ["lm_head"]
-    converters = [Float8LinearConverter.Config(recipe_name=case.fp8, filter_fqns=keep,
-                                               model_compile_enabled=compiled)]
+    from mlite.runtime.adapters.torchtitan import one_device_dims, pad_expert_groups
+
+    Float8LinearConverter(job, one_device_dims()).convert(model)
     if arch.moe is not None:
-        converters.append(Float8GroupedExpertsConverter.Config(model_compile_enabled=compiled))
-    validate_converter_order(converters)
-    for converter in converters:
-        config = converter.build().convert(config)
-    return config
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+        from torchao.quantization.quant_api import quantize_
+        from torchtitan.models.moe.moe import GroupedExperts
+
+        pad_expert_groups(16)
+        quantize_(model, config=Float8TrainingOpConfig(),
+                  filter_fn=lambda module, _fqn: isinstance(module, GroupedExperts))
 
 
 def titan_model(case: BenchCase, arch: ModelArch, device: str = "meta", runs_on: str | None = None):
-    """torchtitan's model for the case: built on the meta device, as its trainer builds it, in the case's
-    dtype (bf16 parameters on GPUs: its training.dtype=bfloat16; fp32 on CPU); materialised and initialised
-    with its own init on `device` unless that is meta. `runs_on`: the device the config is for (meta)."""
+    """torchtitan's model for the case, converted to float8 where the case has FP8: built on the meta device,
+    as its trainer builds it, in the case's dtype (bf16 parameters on GPUs: its training.dtype=bfloat16; fp32
+    on CPU); materialised and initialised with its own init on `device` unless that is meta. `runs_on`: the
+    device the model is for (meta)."""
     import torch
+    from torchtitan.models.qwen3 import Qwen3Model
     from torchtitan.tools.utils import set_default_dtype
 
     runs_on = runs_on or device
-    dtype = torch.bfloat16 if runs_on.startswith("cuda") else torch.float32
+    cuda = runs_on.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
     with torch.device("meta"), set_default_dtype(dtype):
-        model = titan_model_config(case, arch, runs_on).build()
-    model.verify_module_protocol()
+        model = Qwen3Model(titan_model_args(case, arch, runs_on))
+    _float8(case, arch, model, titan_job_config(case, arch, compiled=cuda))
     if device != "meta":
         model.to_empty(device=device)
         with torch.no_grad():
@@ -181,58 +185,45 @@ def compile_settings_restored():
                     setattr(config, key, value)
 
 
-def _one_device():
-    """torchtitan's ParallelDims of one device. Every mesh it would build is of size 1, so none is needed
-    (its trainer builds them on a process group; this side has none): the optional ones are absent."""
-    from torchtitan.distributed import ParallelDims
-
-    class OneDevice(ParallelDims):
-        def get_optional_mesh(self, dims, *, include_singleton_axes: bool = False):
-            return None
-
-    return OneDevice(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
-
-
 def titan_step_fn(case: BenchCase, arch: ModelArch, sequences: list[list[int]], device: str,
                   accum: int = 1):
     """torchtitan's training step on the same packed tokens as the mlite side (one stream, per-sequence
-    positions): per block torch.compile on GPUs (its apply_compile, the loss compiled too), bf16 parameters
-    and AdamW state, its fused AdamW (foreach on CPU), its ChunkedLossWrapper over CrossEntropyLoss with the
-    LM head outside the model's forward, the loss over the step's valid tokens, grad-norm clipping at 1.0
-    and the MoE expert-bias hook, as its Trainer.train_step runs them. Returns (step, keep, last), as
-    hf_step_fn."""
+    positions, each sequence ending in EOS where its document masks split it): per block torch.compile on
+    GPUs (its apply_compile, the loss compiled too), bf16 parameters and AdamW state, its fused AdamW
+    (foreach on CPU), its cross-entropy summed over the step's valid tokens and divided by their count,
+    grad-norm clipping at 1.0 and the MoE expert-bias hook, as its Trainer.train_step runs them. Returns
+    (step, keep, last), as hf_step_fn."""
     import torch
-    from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.optimizer import default_adamw, register_moe_load_balancing_hook
-    from torchtitan.config import CompileConfig
-    from torchtitan.distributed.compile import apply_compile
+    from torchtitan.components.loss import IGNORE_INDEX, build_cross_entropy_loss
+    from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
     from torchtitan.distributed.utils import clip_grad_norm_
 
-    from mlite.runtime.adapters.torchtitan import skip_lm_head
+    from mlite.runtime.adapters.torchtitan import compile_blocks, one_device_dims
 
     cuda = device.startswith("cuda")
+    job = titan_job_config(case, arch, compiled=cuda)
     model = titan_model(case, arch, device="meta", runs_on=device)
-    parallel_dims = _one_device()
-    compile_config = CompileConfig(enable=cuda)
+    parallel_dims = one_device_dims()
     if cuda:  # after float8 conversion, before materialising: its parallelize_qwen3's order
-        apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
+        compile_blocks(model, job.compile)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
-    loss_fn = ChunkedLossWrapper.Config(
-        loss_fn=CrossEntropyLoss.Config(global_vocab_size=arch.vocab)).build(compile_config=compile_config)
-    loss_fn.set_lm_head(model.lm_head)
-    skip_lm_head(model)
-    opt_config = default_adamw(lr=1e-5)
-    opt_config.implementation = "fused" if cuda else "foreach"
-    optimizers = opt_config.build(model_parts=[model])
-    register_moe_load_balancing_hook(optimizers, [model], parallel_dims)
+    loss_fn = build_cross_entropy_loss(job)
+    job.optimizer.lr, job.optimizer.implementation = 1e-5, "fused" if cuda else "foreach"
+    optimizers = build_optimizers_with_moe_load_balancing([model], job.optimizer, parallel_dims)
 
-    ids = torch.tensor([t for seq in sequences for t in seq])[None].to(device)
-    positions = torch.cat([torch.arange(len(seq)) for seq in sequences])[None].to(device)
-    labels = torch.cat([torch.tensor(seq[1:] + [IGNORE_INDEX]) for seq in sequences])[None].to(device)
+    # the same tokens, each sequence's last one EOS (and no other): its document masks end each there
+    tokens = [[(t if t != EOS else EOS + 1) for t in seq[:-1]] + [EOS] for seq in sequences]
+    ids = torch.tensor([t for seq in tokens for t in seq])[None].to(device)
+    positions = torch.cat([torch.arange(len(seq)) for seq in tokens])[None].to(device)
+    labels = torch.cat([torch.tensor(seq[1:] + [IGNORE_INDEX]) for seq in tokens])[None].to(device)
     valid = (labels != IGNORE_INDEX).sum() * accum
+
+    class _Tokenizer:  # what its get_attention_masks reads of the tokenizer
+        eos_id = EOS
+
     last: dict = {}
 
     def step() -> None:  # no host sync, as the other sides
@@ -240,9 +231,10 @@ def titan_step_fn(case: BenchCase, arch: ModelArch, sequences: list[list[int]], 
         losses = []
         for _ in range(accum):
             # the document masks, per micro-batch as its trainer builds them (post_dataloading_process)
-            masks = model.get_attention_masks(positions=positions) if cuda else None
-            pred = model(ids, positions=positions, attention_masks=masks)
-            loss, _ = loss_fn(pred, labels, valid, positions=positions)
+            masks = model.get_attention_masks(input_batch=ids, tokenizer=_Tokenizer) if cuda else None
+            pred = model(ids, attention_masks=masks, positions=positions)
+            loss = loss_fn(pred, labels) / valid
+            del pred
             loss.backward()
             losses.append(loss.detach())
         last["grad_norm"] = clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
