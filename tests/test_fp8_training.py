@@ -39,6 +39,9 @@ def to_fp8(model, recipe: str) -> list[str]:
     return names
 
 
+ON_GPU = ["trainer.device=cuda", "cluster.gpu=h100"]  # a CLI run's keys for the real kernels on one GPU
+
+
 def experts_fp8(experts) -> str | None:
     """The FP8 mode both of the experts' grouped GEMMs were set to (their `set_gemms` seam)."""
     modes = {getattr(g, "keywords", {}).get("fp8") for g in (experts.gate_up_gemm, experts.down_gemm)}
@@ -256,21 +259,26 @@ def test_runtime_fp8_steps_reduce_the_loss_and_the_checkpoint_loads_without_fp8(
     ("moe", ["precision.fp8=rowwise", "parallel.ep=2"], 1e-3, 2),  # FP8 experts split over two ranks (bf16)
     ("dense", ["precision.fp8=tensorwise", "parallel.pp=2"], 1e-2, 2),  # FP8 stages
     ("dense", ["precision.fp8=rowwise", "parallel.cp=2"], 1e-2, 2),  # a sequence's rows split over two ranks
-    # FSDP2 at world 1 (parallel.fsdp_one_rank), its units gathered in FP8
+    # FSDP2 at world 1 (parallel.fsdp_one_rank), its units gathered in FP8; and the same on one GPU
     ("dense", ["precision.fp8=tensorwise", "parallel.fsdp_one_rank=true", "precision.fp8_all_gather=true"],
      1e-2, 1),
+    pytest.param("dense", ["precision.fp8=tensorwise", "parallel.fsdp_one_rank=true",
+                           "precision.fp8_all_gather=true", *ON_GPU], 1e-2, 1, marks=pytest.mark.gpu,
+                 id="gpu-fsdp2-world-1"),
 ])
 def test_fp8_sft_on_two_ranks_matches_one_process(tmp_path, model, overrides, rtol, ranks):
     """An FP8 SFT run (emulated numerics, MLITE_FP8_EMULATE=1) on two gloo ranks (or FSDP2 over one) follows
     the one-process FP8 run: the scales are the whole tensor's or row's on every layout, so the rounding is
-    too. The rule book lets the switch run FP8 on the CPU; the curve differs from the same run in bf16."""
+    too. The rule book lets the switch run FP8 on the CPU; the curve differs from the same run in bf16. On a
+    GPU (ON_GPU) the real kernels run, without the switch."""
     from cli_runs import assert_same_curve, job_dict, layout_assets, mlite_cli, records
 
     assets = layout_assets(tmp_path / "assets")
-    emulated = {EMULATE_ENV: "1"}
+    gpu = [o for o in overrides if o in ON_GPU]
+    emulated = {} if gpu else {EMULATE_ENV: "1"}
     runs = {}
-    for name, ranks, extra in (("one", 1, [o for o in overrides if o.startswith("precision.fp8=")]),
-                               ("two", ranks, overrides), ("plain", 1, [])):
+    for name, ranks, extra in (("one", 1, [o for o in overrides if o.startswith("precision.fp8=")] + gpu),
+                               ("two", ranks, overrides), ("plain", 1, gpu)):
         out = tmp_path / name
         (tmp_path / name).mkdir()
         job = job_dict(assets, model, out, precision={"compute": "bf16"})  # FP8 runs beside bf16
@@ -309,6 +317,66 @@ def test_gpu_fp8_linears_match_bf16_within_fp8_tolerance(monkeypatch, recipe):
         assert relative_error(p8.grad, p.grad) < 2 * FP8_LINEAR_REL, name
 
 
+def block_arch(name: str):
+    """Real widths (hidden 2048, every FP8 tile whole, 128x128 blocks too), few layers: Qwen3-1.7B's
+    dense block, Qwen3-30B-A3B's MoE block with 16 experts, and small-deepseek-v4 (DeepSeek-V4's attention,
+    mHC, hash and learned routing)."""
+    from dataclasses import replace
+
+    if name == "dense":
+        return replace(preset_arch("qwen3-1.7b"), num_layers=2, vocab=1024)
+    if name == "moe":
+        arch = preset_arch("qwen3-30b-a3b")
+        return replace(arch, num_layers=2, vocab=1024, moe=replace(arch.moe, num_experts=16, top_k=4))
+    return preset_arch("small-deepseek-v4")
+
+
+# Bounds on FP8's relative error against bf16 on these random-init models: (the final hidden states, the
+# median over the decoder weights' gradients). e4m3 rounds 16x coarser than bf16, and the error compounds
+# through the layers and, in the backward, through attention and the routers' top-k picks. Measured with the
+# CPU emulation of tensorwise and rowwise (same rounding): dense 0.148 / 0.198, MoE 0.115 / 0.264, V4
+# 0.250 / 0.424; the bounds are 1.5x that. A wrong kernel (a transposed operand, a lost scale) is off by
+# 100% or more.
+FP8_BLOCK_REL = {"dense": (0.23, 0.30), "moe": (0.18, 0.40), "v4": (0.38, 0.64)}
+
+
+def fp8_block_errors(name: str, recipe: str, device: str) -> tuple[float, dict[str, float]]:
+    """Two copies of `name`'s blocks in bf16, one converted to `recipe`: the relative error of the final
+    hidden states over a packed batch of three sequences, and of each decoder weight's gradient under the
+    same random direction."""
+    torch.manual_seed(0)
+    arch = block_arch(name)
+    reference = build_model(arch, dtype=torch.bfloat16, device=device,
+                            attention_backend="torch" if device == "cpu" else "auto")
+    model = copy.deepcopy(reference)
+    assert to_fp8(model, recipe)
+    batch = PackedBatch.from_sequences(sequences([120, 72, 64], vocab=arch.vocab)).to(device)
+    want, got = reference(batch).hidden, model(batch).hidden
+    direction = torch.randn_like(want)
+    (want.float() * direction).sum().backward()
+    (got.float() * direction).sum().backward()
+    grads = {n: relative_error(p8.grad, p.grad)
+             for (n, p), p8 in zip(reference.named_parameters(), model.parameters())
+             if p.grad is not None and p.dim() >= 2 and ".layers." in f".{n}" and p.grad.norm() > 0}
+    assert len(grads) >= 10
+    return relative_error(got, want), grads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("name", ["dense", "moe", "v4"])
+def test_gpu_fp8_blocks_match_bf16_forward_and_backward(monkeypatch, name, recipe):
+    """Each recipe on real-width dense, MoE and DeepSeek-V4 blocks: the output and the decoder weights'
+    gradients within FP8_BLOCK_REL of bf16's, and not equal to them (the FP8 kernels ran)."""
+    import statistics
+
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
+    out, grads = fp8_block_errors(name, recipe, "cuda")
+    out_bound, grad_bound = FP8_BLOCK_REL[name]
+    assert QUANTISED < out < out_bound, out
+    assert statistics.median(grads.values()) < grad_bound, grads
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)  # torchao's Triton kernels autotune on first use (100 s seen); one try died in it
 def test_gpu_fp8_grouped_gemm_matches_bf16_and_its_emulation():
@@ -343,12 +411,13 @@ def test_gpu_runtime_trains_moe_in_fp8(monkeypatch):
     assert losses[-1] < losses[0] - 0.3, losses
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("first,then", [("none", "tensorwise"), ("tensorwise", "none")])
-def test_a_checkpoint_resumes_across_the_fp8_switch(tmp_path, first, then):
-    """A run preempted after step 2 resumes with precision.fp8 switched (bf16 -> FP8 and FP8 -> bf16,
-    emulated numerics on the CPU): FP8 changes neither the parameters nor the optimizer state, so the
-    checkpoint loads as it is; the resumed steps follow the uninterrupted run within FP8's rounding, and
-    differ from it (the switch took effect)."""
+def test_a_checkpoint_resumes_across_the_fp8_switch(tmp_path, first, then, device):
+    """A run preempted after step 2 resumes with precision.fp8 switched (bf16 -> FP8 and FP8 -> bf16;
+    emulated numerics on the CPU, the kernels on a GPU): FP8 changes neither the parameters nor the
+    optimizer state, so the checkpoint loads as it is; the resumed steps follow the uninterrupted run within
+    FP8's rounding, and differ from it (the switch took effect)."""
     import shutil
 
     from cli_runs import STEPS, job_dict, layout_assets, mlite_cli, records
@@ -356,18 +425,19 @@ def test_a_checkpoint_resumes_across_the_fp8_switch(tmp_path, first, then):
     from mlite.runtime.ckpt.checkpoint import CheckpointManager
 
     assets = layout_assets(tmp_path / "assets")
-    emulated = {EMULATE_ENV: "1"}
+    emulated, gpu = ({}, ON_GPU) if device == "cuda" else ({EMULATE_ENV: "1"}, [])
     saved, resumed = tmp_path / "saved", tmp_path / "resumed"
     (tmp_path / "a").mkdir()
     job = job_dict(assets, "dense", saved, precision={"compute": "bf16"})
-    done = mlite_cli(tmp_path / "a", job, 1, f"precision.fp8={first}", env=emulated)
+    done = mlite_cli(tmp_path / "a", job, 1, f"precision.fp8={first}", *gpu, env=emulated)
     assert done.returncode == 0, done.stderr[-3000:]
     shutil.copytree(saved, resumed)  # as a job preempted after step 2 leaves its folder
     for step in range(3, STEPS + 1):
         shutil.rmtree(CheckpointManager(resumed).path_for(step), ignore_errors=True)
     (tmp_path / "b").mkdir()
     job = job_dict(assets, "dense", resumed, precision={"compute": "bf16"})
-    done = mlite_cli(tmp_path / "b", job, 1, f"precision.fp8={then}", "trainer.resume=auto", env=emulated)
+    done = mlite_cli(tmp_path / "b", job, 1, f"precision.fp8={then}", "trainer.resume=auto", *gpu,
+                     env=emulated)
     assert done.returncode == 0, done.stderr[-3000:]
     want, got = records(saved), records(resumed)
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
