@@ -132,6 +132,7 @@ def _float8(case: BenchCase, arch: ModelArch, model, job) -> None:
     from torchtitan.components.quantization.float8 import Float8LinearConverter
 
     from mlite.runtime.adapters.torchtitan import one_device_dims, pad_expert_groups
+    from mlite.runtime.kernels.grouped_gemm import FP8_GROUP_ROWS
 
     Float8LinearConverter(job, one_device_dims()).convert(model)
     if arch.moe is not None:
@@ -139,16 +140,17 @@ def _float8(case: BenchCase, arch: ModelArch, model, job) -> None:
         from torchao.quantization.quant_api import quantize_
         from torchtitan.models.moe.moe import GroupedExperts
 
-        pad_expert_groups(16)
+        pad_expert_groups(FP8_GROUP_ROWS)
         quantize_(model, config=Float8TrainingOpConfig(),
                   filter_fn=lambda module, _fqn: isinstance(module, GroupedExperts))
 
 
-def titan_model(case: BenchCase, arch: ModelArch, device: str = "meta", runs_on: str | None = None):
+def titan_model(case: BenchCase, arch: ModelArch, device: str = "meta", runs_on: str | None = None,
+                job=None):
     """torchtitan's model for the case, converted to float8 where the case has FP8: built on the meta device,
     as its trainer builds it, in the case's dtype (bf16 parameters on GPUs: its training.dtype=bfloat16; fp32
     on CPU); materialised and initialised with its own init on `device` unless that is meta. `runs_on`: the
-    device the model is for (meta)."""
+    device the model is for (meta); `job`: the step's titan_job_config, when the caller has it."""
     import torch
     from torchtitan.models.qwen3 import Qwen3Model
     from torchtitan.tools.utils import set_default_dtype
@@ -158,7 +160,7 @@ def titan_model(case: BenchCase, arch: ModelArch, device: str = "meta", runs_on:
     dtype = torch.bfloat16 if cuda else torch.float32
     with torch.device("meta"), set_default_dtype(dtype):
         model = Qwen3Model(titan_model_args(case, arch, runs_on))
-    _float8(case, arch, model, titan_job_config(case, arch, compiled=cuda))
+    _float8(case, arch, model, job or titan_job_config(case, arch, compiled=cuda))
     if device != "meta":
         model.to_empty(device=device)
         with torch.no_grad():
@@ -202,7 +204,7 @@ def titan_step_fn(case: BenchCase, arch: ModelArch, sequences: list[list[int]], 
 
     cuda = device.startswith("cuda")
     job = titan_job_config(case, arch, compiled=cuda)
-    model = titan_model(case, arch, device="meta", runs_on=device)
+    model = titan_model(case, arch, device="meta", runs_on=device, job=job)
     parallel_dims = one_device_dims()
     if cuda:  # after float8 conversion, before materialising: its parallelize_qwen3's order
         compile_blocks(model, job.compile)
