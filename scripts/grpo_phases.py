@@ -9,15 +9,22 @@ is a real one whatever the model says.
 
     . scripts/gpu_env.sh && . scripts/gpu_vllm_env.sh && python3 scripts/grpo_phases.py qwen3-8b
 
-Prints one JSON object: the plan's figures, then per step the measured ones (the first step includes vLLM's
-warm-up; later steps are the steady state).
+Under torchrun the same job runs data parallel over the launch's GPUs (fsdp2, one vLLM engine of rollout.tp 1
+a rank, each rank rolling out only its own prompts), so the same command at 1 and N GPUs gives the scaling:
+
+    torchrun --standalone --nproc-per-node 2 scripts/grpo_phases.py qwen3-1.7b --prompts 32
+
+Prints (rank 0) one JSON object: the plan's figures, then per step the measured ones (the first step
+includes vLLM's warm-up; later steps are the steady state).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -62,10 +69,12 @@ def main() -> None:
     parser.add_argument("--master", default="bf16", help="precision.master")
     args = parser.parse_args()
     offload = {"true": True, "false": False}.get(args.offload, args.offload)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    lead = int(os.environ.get("RANK", "0")) == 0
     out = Path(tempfile.mkdtemp())
     job = job_from_dict({
         "job": "grpo", "model": {"name": args.model},
-        "cluster": {"gpus_per_node": 1, "gpu": args.gpu},
+        "cluster": {"gpus_per_node": world, "gpu": args.gpu},
         "precision": {"compute": "bf16", "master": args.master},
         "optimizer": {"lr": 1e-6, "schedule": "constant"},
         "trainer": {"device": "cuda", "output_dir": str(out / "run"), "steps": args.steps},
@@ -79,7 +88,8 @@ def main() -> None:
     })
     plan = plan_job(job)
     m = plan.memory
-    report = {"model": args.model, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    report = {"model": args.model, "gpus": world, "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__,
               "plan": {"offload_trainer": m.offload_trainer, "train_gb": m.train_gb, "sync_gb": m.sync_gb,
                        "rollout_gb": m.rollout_gb, "usable_gb": m.usable_gb, "fits": m.fits,
                        "host_gb": m.host_total_gb},
@@ -93,13 +103,18 @@ def main() -> None:
     trainer = GRPOTrainer(job, runtime, TokenIds(), prompts, engine=engine)
     keys = ("memory/train_gb", "memory/sync_gb", "memory/rollout_gb", "time/rollout_s", "time/sync_s",
             "time/logprobs_s", "time/update_s", "time/offload_s", "time/reload_s", "offload/gb",
-            "offload/gb_per_s", "offload/reload_gb_per_s", "rollout/generated_tokens")
+            "offload/gb_per_s", "offload/reload_gb_per_s", "rollout/generated_tokens",
+            "time/rollout_tokens_per_s")
     for step in range(args.steps):
+        started = time.perf_counter()
         metrics, _ = trainer.train_step(step)
-        report["steps"].append({k: round(metrics[k], 3) for k in keys if k in metrics})
-        print(json.dumps(report["steps"][-1]), flush=True)
+        report["steps"].append({"time/step_s": round(time.perf_counter() - started, 3),
+                                **{k: round(metrics[k], 3) for k in keys if k in metrics}})
+        if lead:
+            print(json.dumps(report["steps"][-1]), flush=True)
     engine.close()
-    print(json.dumps(report))
+    if lead:
+        print(json.dumps(report))
 
 
 if __name__ == "__main__":

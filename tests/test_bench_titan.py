@@ -168,9 +168,9 @@ def test_titan_float8_side_runs_on_a_gpu(name, fp8):
     kinds = {type(m).__name__ for m in model.modules()}
     assert ("Float8Linear" in kinds) == (fp8 != "none")
     assert type(model.output).__name__ == "Linear"  # the head stays in bf16, as mlite's
-    if arch.moe is not None and fp8 != "none":  # torchao's FP8 grouped GEMM on the experts' weights
+    if arch.moe is not None and fp8 != "none":  # torchao 0.18's FP8 grouped GEMM on the experts' weights
         experts = [m for m in model.modules() if type(m).__name__ == "GroupedExperts"]
-        assert experts and all(type(m.w1).__name__ == "ScaledGroupedMMTensor" for m in experts)
+        assert experts and all(type(m.w1).__name__ == "Float8TrainingWeightWrapperTensor" for m in experts)
     (result,) = run_case(case, "cuda", steps=2, warmup=2, sides=("torchtitan",), peak_tflops=989)
     assert result.step_ms > 0 and math.isfinite(result.extra["loss"]) and result.peak_gb > 0
     assert abs(result.extra["loss"] - math.log(arch.vocab)) < 1.0

@@ -55,6 +55,8 @@ def test_wrong_types_are_not_coerced(tmp_path):
     (["rollout.n=4"], "rollout / grpo sections apply to job: grpo only"),
     (["trainer.device=cuda"], "trainer.device: cuda contradicts cluster.gpu: cpu"),
     (["model.path=/x"], "exactly one of model.name"),
+    (["precision.fp8_linears=all"], "precision.fp8_linears: all chooses which linears run in FP8, and "
+                                    "precision.fp8 is none"),
 ])
 def test_contradictions_are_refused(overrides, message):
     assert message in error_of("demo_sft", overrides)

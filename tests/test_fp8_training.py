@@ -9,6 +9,7 @@ tensorwise and rowwise recipes, the experts' plain-torch emulation). The `gpu` t
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -111,6 +112,27 @@ def test_widths_not_multiples_of_the_tile_stay_high_precision():
     assert fp8_linear_names(model, "blockwise") == ["block"]
 
 
+def test_fp8_linears_auto_keeps_the_linears_too_small_to_gain(emulate):
+    """precision.fp8_linears auto: torchao's size rule (mlite.plan.rules.fp8_linear_gains) keeps Qwen3-1.7B's
+    k_proj and v_proj (2048 -> 1024) in bf16 under tensorwise; under rowwise (N <= 2048 loses) only the
+    MLP's gate and up projections (2048 -> 6144) run in FP8; blockwise and `all` convert every linear that
+    tiles. The job's key reaches the Runtime's conversion: the tiny model's linears are all below the rule,
+    so auto swaps none, all every one."""
+    arch = preset_arch("qwen3-1.7b")
+    model = build_model(replace(arch, num_layers=1), "sdpa", dtype=torch.bfloat16, device="meta")
+    every = set(fp8_linear_names(model, "tensorwise"))
+    tensorwise = set(fp8_linear_names(model, "tensorwise", "auto"))
+    assert every - tensorwise == {"layers.0.attn.k_proj", "layers.0.attn.v_proj"}
+    assert set(fp8_linear_names(model, "rowwise", "auto")) == {"layers.0.mlp.gate_proj",
+                                                               "layers.0.mlp.up_proj"}
+    blockwise = set(fp8_linear_names(model, "blockwise", "auto"))
+    assert blockwise == set(fp8_linear_names(model, "blockwise")) == every
+    auto = fp8_job("tiny-qwen3", "tensorwise")
+    auto = auto.model_copy(update={"precision": auto.precision.model_copy(update={"fp8_linears": "auto"})})
+    assert not swapped(Runtime(auto).model)
+    assert swapped(Runtime(fp8_job("tiny-qwen3", "tensorwise")).model)
+
+
 def test_state_dict_names_are_unchanged(emulate):
     model = tiny("tiny-qwen3-moe")
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -194,7 +216,8 @@ def test_fp8_round_keeps_representable_values_and_bounds_the_error():
 def fp8_job(model="tiny-qwen3-moe", fp8="rowwise"):
     return job_from_dict({
         "model": {"name": model},
-        "precision": {"compute": "bf16", "fp8": fp8},
+        # every linear in FP8: the tiny widths are all below torchao's size rule (fp8_linears auto)
+        "precision": {"compute": "bf16", "fp8": fp8, **({"fp8_linears": "all"} if fp8 != "none" else {})},
         "optimizer": {"lr": 3e-3},
         "data": {"seq_len": 128},
         "trainer": {"device": "cpu", "steps": 6, "seed": 7},
@@ -277,8 +300,10 @@ def test_fp8_sft_on_two_ranks_matches_one_process(tmp_path, model, overrides, rt
     gpu = [o for o in overrides if o in ON_GPU]
     emulated = {} if gpu else {EMULATE_ENV: "1"}
     runs = {}
-    for name, ranks, extra in (("one", 1, [o for o in overrides if o.startswith("precision.fp8=")] + gpu),
-                               ("two", ranks, overrides), ("plain", 1, gpu)):
+    every = ["precision.fp8_linears=all"]  # the tiny widths are all below torchao's size rule (auto)
+    recipe = [o for o in overrides if o.startswith("precision.fp8=")]
+    for name, ranks, extra in (("one", 1, recipe + every + gpu), ("two", ranks, overrides + every),
+                               ("plain", 1, gpu)):
         out = tmp_path / name
         (tmp_path / name).mkdir()
         job = job_dict(assets, model, out, precision={"compute": "bf16"})  # FP8 runs beside bf16
@@ -400,7 +425,7 @@ def test_gpu_runtime_trains_moe_in_fp8(monkeypatch):
     monkeypatch.delenv(EMULATE_ENV, raising=False)
     job = job_from_dict({
         "model": {"name": "tiny-qwen3-moe"},
-        "precision": {"compute": "bf16", "fp8": "rowwise"},
+        "precision": {"compute": "bf16", "fp8": "rowwise", "fp8_linears": "all"},
         "optimizer": {"lr": 3e-3},
         "data": {"seq_len": 128},
         "trainer": {"device": "cuda", "steps": 6, "seed": 7},
@@ -429,14 +454,17 @@ def test_a_checkpoint_resumes_across_the_fp8_switch(tmp_path, first, then, devic
     saved, resumed = tmp_path / "saved", tmp_path / "resumed"
     (tmp_path / "a").mkdir()
     job = job_dict(assets, "dense", saved, precision={"compute": "bf16"})
-    done = mlite_cli(tmp_path / "a", job, 1, f"precision.fp8={first}", *gpu, env=emulated)
+    def fp8(recipe: str) -> list[str]:  # every linear: the tiny widths are below torchao's size rule (auto)
+        return [f"precision.fp8={recipe}", *(["precision.fp8_linears=all"] if recipe != "none" else [])]
+
+    done = mlite_cli(tmp_path / "a", job, 1, *fp8(first), *gpu, env=emulated)
     assert done.returncode == 0, done.stderr[-3000:]
     shutil.copytree(saved, resumed)  # as a job preempted after step 2 leaves its folder
     for step in range(3, STEPS + 1):
         shutil.rmtree(CheckpointManager(resumed).path_for(step), ignore_errors=True)
     (tmp_path / "b").mkdir()
     job = job_dict(assets, "dense", resumed, precision={"compute": "bf16"})
-    done = mlite_cli(tmp_path / "b", job, 1, f"precision.fp8={then}", "trainer.resume=auto", *gpu,
+    done = mlite_cli(tmp_path / "b", job, 1, *fp8(then), "trainer.resume=auto", *gpu,
                      env=emulated)
     assert done.returncode == 0, done.stderr[-3000:]
     want, got = records(saved), records(resumed)

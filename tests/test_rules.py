@@ -373,6 +373,11 @@ rules.check_fp8_capability(load_job("qwen3_30b_a3b_sft", ["precision.fp8=rowwise
                            resolve_arch(load_job("qwen3_30b_a3b_sft").model), (9, 0), "H100")
 policy.expert_exchange(8, 6)
 assert [rules.fp8_token_multiple(r) for r in ("none", "rowwise", "blockwise")] == [1, 16, 128]
+# torchao's size rule: Qwen3-1.7B's k_proj (2048 -> 1024) stays bf16 under tensorwise auto; its q_proj not
+assert [rules.fp8_converts(r, mode, 2048, n) for r, mode, n in (
+    ("tensorwise", "auto", 1024), ("tensorwise", "auto", 2048), ("tensorwise", "all", 1024),
+    ("rowwise", "auto", 4096), ("rowwise", "auto", 6144), ("blockwise", "auto", 512), ("none", "all", 4096))
+        ] == [False, True, True, False, True, True, False]
 policy.equal_micro_batch_lengths(4, 8, embedding_rows=True)
 rules.split_chunks(61, 12, 1, 6, 5)
 try:

@@ -51,10 +51,11 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
         if side == "mlite":
             m = measure(lambda: runtime_step_fn(case, sequences, device, overrides=overrides), device, steps,
                         warmup)
-        elif side == "torchtitan":
+        elif side == "torchtitan":  # the same choice of FP8 linears as the mlite side's job
+            linears = case_job(case, device, overrides=overrides).precision.fp8_linears
             with compile_settings_restored():
-                m = measure(lambda: titan_step_fn(case, arch, sequences, device, case.accum), device, steps,
-                            warmup)
+                m = measure(lambda: titan_step_fn(case, arch, sequences, device, case.accum, linears), device,
+                            steps, warmup)
         else:
             m = measure(lambda: hf_step_fn(arch, sequences, device, case.accum), device, steps, warmup)
         tps = tokens / (m.timing.median_ms / 1e3)

@@ -104,10 +104,11 @@ def titan_model_args(case: BenchCase, arch: ModelArch, device: str):
     return args
 
 
-def titan_job_config(case: BenchCase, arch: ModelArch, compiled: bool):
+def titan_job_config(case: BenchCase, arch: ModelArch, compiled: bool, linears: str = "auto"):
     """The torchtitan JobConfig fields its converters and its compile read: compile of the model and the
     loss on GPUs; float8 linears with the case's recipe, the LM head (`output`) and the MoE router kept in
-    bf16 as its float8 flavors do (and as mlite does)."""
+    bf16 as its float8 flavors do (and as mlite does). `linears`: the mlite side's precision.fp8_linears;
+    auto gives torchtitan its `auto_filter_small_kn`, the same size rule from torchao that mlite applies."""
     from torchtitan.config import JobConfig
 
     job = JobConfig()
@@ -115,7 +116,8 @@ def titan_job_config(case: BenchCase, arch: ModelArch, compiled: bool):
     if case.fp8 != "none":
         job.quantize.linear.float8.recipe_name = case.fp8
         kept = ["output", "router.gate"] if arch.moe is not None else ["output"]
-        job.quantize.linear.float8.filter_fqns = kept
+        small = ["auto_filter_small_kn"] if linears == "auto" else []
+        job.quantize.linear.float8.filter_fqns = [*kept, *small]
     return job
 
 
@@ -188,13 +190,13 @@ def compile_settings_restored():
 
 
 def titan_step_fn(case: BenchCase, arch: ModelArch, sequences: list[list[int]], device: str,
-                  accum: int = 1):
+                  accum: int = 1, linears: str = "auto"):
     """torchtitan's training step on the same packed tokens as the mlite side (one stream, per-sequence
     positions, each sequence ending in EOS where its document masks split it): per block torch.compile on
     GPUs (its apply_compile, the loss compiled too), bf16 parameters and AdamW state, its fused AdamW
     (foreach on CPU), its cross-entropy summed over the step's valid tokens and divided by their count,
-    grad-norm clipping at 1.0 and the MoE expert-bias hook, as its Trainer.train_step runs them. Returns
-    (step, keep, last), as hf_step_fn."""
+    grad-norm clipping at 1.0 and the MoE expert-bias hook, as its Trainer.train_step runs them. `linears`:
+    titan_job_config's. Returns (step, keep, last), as hf_step_fn."""
     import torch
     from torchtitan.components.loss import IGNORE_INDEX, build_cross_entropy_loss
     from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
@@ -203,7 +205,7 @@ def titan_step_fn(case: BenchCase, arch: ModelArch, sequences: list[list[int]], 
     from mlite.runtime.adapters.torchtitan import compile_blocks, one_device_dims
 
     cuda = device.startswith("cuda")
-    job = titan_job_config(case, arch, compiled=cuda)
+    job = titan_job_config(case, arch, compiled=cuda, linears=linears)
     model = titan_model(case, arch, device="meta", runs_on=device, job=job)
     parallel_dims = one_device_dims()
     if cuda:  # after float8 conversion, before materialising: its parallelize_qwen3's order

@@ -204,6 +204,9 @@ class PrecisionConfig(Section):
     # tensorwise / rowwise: torchao.float8's dynamic scaling, one scale per tensor / per row; blockwise:
     # DeepSeek's 128x128 weight blocks with 1x128 activation tiles (what vLLM's block-FP8 linears run)
     fp8: Literal["none", "tensorwise", "rowwise", "blockwise"] = "none"
+    # which linears run in FP8. auto: those large enough to gain under the recipe (torchao's size rule,
+    # mlite.plan.rules.fp8_linear_gains; blockwise: all, as DeepSeek's recipe); all: every one that tiles
+    fp8_linears: Literal["auto", "all"] = "auto"
     # fsdp2, tensorwise: each unit's all-gather moves the weights in FP8 (half of bf16's bytes). `auto`: on
     # wherever it can be (mlite.plan.policy.fp8_all_gather)
     fp8_all_gather: Literal["auto"] | bool = "auto"
@@ -215,6 +218,10 @@ class PrecisionConfig(Section):
         if self.fp8 != "none" and self.compute != "bf16":
             raise ValueError(f"precision.fp8: {self.fp8} runs beside bf16 compute; set precision.compute: "
                              f"bf16 (got {self.compute})")
+        if self.fp8_linears != "auto" and self.fp8 == "none":
+            raise ValueError(f"precision.fp8_linears: {self.fp8_linears} chooses which linears run in FP8, "
+                             "and precision.fp8 is none; set precision.fp8 (tensorwise, rowwise or "
+                             "blockwise), or remove precision.fp8_linears")
         if self.fp8_all_gather is True and self.fp8 != "tensorwise":
             raise ValueError("precision.fp8_all_gather: true needs precision.fp8: tensorwise (one scale per "
                              f"weight, which the gathered shards share); got precision.fp8: {self.fp8}")

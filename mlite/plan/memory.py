@@ -24,7 +24,7 @@ from mlite.plan.policy import (
     vllm_fp8_misfit,
     vllm_weight_bytes,
 )
-from mlite.plan.rules import Layout
+from mlite.plan.rules import Layout, fp8_converts
 
 GIB = 2**30
 HEADROOM = 0.90  # an estimate above this share of device (or host) memory does not fit
@@ -284,22 +284,31 @@ def fp8_cast_bytes(job: JobConfig, arch: ModelArch, layout: Layout, layers, toke
     if recipe == "none":
         return 0.0
     h, tp, heads, hd = arch.hidden, layout.tp, arch.num_heads, arch.head_dim
-    shapes: list[tuple[int, float]] = []  # (in, out) of the converted linears, this GPU's share
+    # (in, out, tp's side) of the linears: the whole widths decide whether one runs in FP8 (the runtime
+    # converts before tensor parallel splits), this GPU's share of them its operands' bytes
+    shapes: list[tuple[float, float, str]] = []
     if arch.v4 is not None:
         v4, q = arch.v4, heads * hd
         lora = v4.o_groups * v4.o_lora_rank
-        shapes += [(h, v4.q_lora_rank), (v4.q_lora_rank, q), (h, hd), (q // v4.o_groups, lora), (lora, h),
-                   (v4.q_lora_rank, v4.index_n_heads * v4.index_head_dim), (h, 2 * hd)]
+        shapes += [(h, v4.q_lora_rank, ""), (v4.q_lora_rank, q, ""), (h, hd, ""),
+                   (q // v4.o_groups, lora, ""), (lora, h, ""),
+                   (v4.q_lora_rank, v4.index_n_heads * v4.index_head_dim, ""), (h, 2 * hd, "")]
     elif arch.mla is None:
-        shapes += [(h, heads * hd / tp), (h, arch.num_kv_heads * hd / tp), (heads * hd / tp, h)]
+        shapes += [(h, heads * hd, "out"), (h, arch.num_kv_heads * hd, "out"), (heads * hd, h, "in")]
     moe = arch.moe
     ffns = [arch.ffn] if moe is None or not all(moe.is_moe_layer(i) for i in layers) else []
     routed = moe is not None and any(moe.is_moe_layer(i) for i in layers)
     if routed and moe.shared_expert_ffn:
         ffns.append(moe.shared_expert_ffn)
     for ffn in ffns:
-        shapes += [(h, ffn / tp), (ffn / tp, h)]
-    largest = max((_fp8_gemm_bytes(tokens, n_in, n_out, recipe) for n_in, n_out in shapes), default=0.0)
+        shapes += [(h, ffn, "out"), (ffn, h, "in")]
+    def share(width: float, split: bool) -> float:
+        return width / tp if split else width
+
+    linears = job.precision.fp8_linears
+    largest = max((_fp8_gemm_bytes(tokens, share(n_in, side == "in"), share(n_out, side == "out"), recipe)
+                   for n_in, n_out, side in shapes if fp8_converts(recipe, linears, n_in, n_out)),
+                  default=0.0)
     if routed:  # the grouped GEMMs (gate and up fused, then down), rowwise under every recipe
         rows, local = tokens * moe.top_k * MOE_IMBALANCE, moe.num_experts / (layout.ep * layout.etp)
         for n_in, n_out in ((h, 2 * moe.expert_ffn), (moe.expert_ffn, h)):

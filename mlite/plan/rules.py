@@ -706,6 +706,31 @@ def fp8_token_multiple(recipe: str) -> int:
     return FP8_BLOCK if recipe == "blockwise" else FP8_TILE
 
 
+def fp8_linear_gains(recipe: str, n_in: float, n_out: float) -> bool:
+    """Whether an n_in -> n_out linear is large enough for `recipe`'s FP8 GEMMs to beat bf16 with their
+    casts (precision.fp8_linears: auto converts only these). torchao's own size rule, fitted on its H100
+    tables (torchao 0.18, `torchao/float8/float8_linear_utils.py`: `_auto_filter_for_tensorwise` and
+    `_rowwise`; torchtitan applies it as `auto_filter_small_kn`): tensorwise loses where K <= 4096 and
+    N <= 1024; rowwise where N <= 2048, K <= 1024, or N <= 4096 and K <= 2048 (K the input width, N the
+    output). On one H200 it keeps Qwen3-1.7B's k_proj and v_proj (2048 -> 1024) in bf16, which took the
+    FP8 step from 97.8 to 90.9 ms (docs/PERFORMANCE.md). Blockwise converts every linear, as DeepSeek's
+    recipe and vLLM's block-FP8 linears do."""
+    if recipe == "tensorwise":
+        return not (n_in <= 4096 and n_out <= 1024)
+    if recipe == "rowwise":
+        return not (n_out <= 2048 or n_in <= 1024 or (n_out <= 4096 and n_in <= 2048))
+    return True
+
+
+def fp8_converts(recipe: str, linears: str, n_in: float, n_out: float) -> bool:
+    """Whether precision.fp8 `recipe` runs an n_in -> n_out linear (one that tiles, not kept by name) in
+    FP8, under precision.fp8_linears `linears`: all: every one; auto: those `fp8_linear_gains` picks. The
+    runtime's conversion (mlite.runtime.adapters.torchao) and the planner's FP8 operands ask it alike."""
+    if recipe == "none":
+        return False
+    return linears == "all" or fp8_linear_gains(recipe, n_in, n_out)
+
+
 def check_fp8(job: JobConfig, arch: ModelArch, world_size: int, device_type: str) -> None:
     """precision.fp8 (FP8 matmuls through torchao, mlite.runtime.adapters.torchao) and its FSDP2 all-gather
     on this device and world, for this model; and rollout.match_fp8. The cluster's GPU type stands for the

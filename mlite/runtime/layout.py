@@ -202,7 +202,8 @@ def rank_chunks(plan: Plan, mesh: ParallelMesh | None, dtype: torch.dtype = torc
         if job.precision.fp8 != "none":
             from mlite.runtime.adapters.torchao import convert_to_fp8
 
-            convert_to_fp8(chunk, job.precision.fp8, all_gather=plan.fp8_all_gather)
+            convert_to_fp8(chunk, job.precision.fp8, all_gather=plan.fp8_all_gather,
+                           linears=job.precision.fp8_linears)
             use_fp8_experts(chunk)
         if job.rollout is not None and job.rollout.match_fp8:  # round what the rollout engine runs in FP8
             from mlite.runtime.fp8_match import match_vllm_fp8

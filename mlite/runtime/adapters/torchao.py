@@ -11,9 +11,11 @@ experts to run their grouped GEMM in FP8 (their `set_gemms` seam, mlite.runtime.
 The routed experts take the rowwise grouped GEMM under every recipe (`scaled_grouped_mm_rowwise`): torchao's
 FP8 grouped GEMM is rowwise. What stays in the compute dtype (`keeps_high_precision`): the embedding, the LM
 head, the norms (none is a linear), the MoE router, DeepSeek-V4's indexer `weights_proj` (its scores pick
-the top-k entries) and grouped `o_a_proj` (`HIGH_PRECISION_NAMES`), and every linear whose widths are not
-multiples of 16 (128 for blockwise), which the FP8 kernels cannot tile. The swapped modules keep their
-`weight` (and `bias`), so state-dict names, checkpoints and HF export are those of the model without FP8.
+the top-k entries) and grouped `o_a_proj` (`HIGH_PRECISION_NAMES`), every linear whose widths are not
+multiples of 16 (128 for blockwise), which the FP8 kernels cannot tile, and under precision.fp8_linears auto
+those too small for FP8 to gain (mlite.plan.rules.fp8_linear_gains, torchao's own size rule). The swapped
+modules keep their `weight` (and `bias`), so state-dict names, checkpoints and HF export are those of the
+model without FP8.
 
 Test switch: MLITE_FP8_EMULATE=1 (mlite.plan.policy.fp8_emulated) runs the same conversion with torchao's
 CPU emulation (tensorwise, rowwise) and the experts' pure-torch emulation (mlite.runtime.kernels
@@ -30,6 +32,7 @@ from torch import nn
 
 from mlite.errors import MliteError
 from mlite.plan.policy import FP8_EMULATE_ENV, fp8_emulated
+from mlite.plan.rules import fp8_converts
 
 EMULATE_ENV = FP8_EMULATE_ENV  # the test switch
 RECIPES = ("tensorwise", "rowwise", "blockwise")
@@ -49,18 +52,20 @@ def tile(recipe: str) -> int:
     return 128 if recipe == "blockwise" else 16
 
 
-def keeps_high_precision(name: str, linear: nn.Linear, recipe: str) -> bool:
-    """Whether the linear at module name `name` stays in the compute dtype under `recipe`."""
+def keeps_high_precision(name: str, linear: nn.Linear, recipe: str, linears: str = "all") -> bool:
+    """Whether the linear at module name `name` stays in the compute dtype under `recipe` and
+    precision.fp8_linears `linears` (auto: also those too small to gain, mlite.plan.rules.fp8_converts)."""
     multiple = tile(recipe)
     return (name.rsplit(".", 1)[-1] in HIGH_PRECISION_NAMES
             or linear.in_features % multiple != 0 or linear.out_features % multiple != 0
-            or (recipe == "blockwise" and linear.bias is not None))  # torchao's blockwise linear has none
+            or (recipe == "blockwise" and linear.bias is not None)  # torchao's blockwise linear has none
+            or not fp8_converts(recipe, linears, linear.in_features, linear.out_features))
 
 
-def fp8_linear_names(model: nn.Module, recipe: str) -> list[str]:
+def fp8_linear_names(model: nn.Module, recipe: str, linears: str = "all") -> list[str]:
     """The module names of the linears `convert_to_fp8` swaps (every nn.Linear not kept high precision)."""
     return [name for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and not keeps_high_precision(name, module, recipe)]
+            if isinstance(module, nn.Linear) and not keeps_high_precision(name, module, recipe, linears)]
 
 
 def _float8_config(recipe: str, all_gather: bool, emulate: bool):
@@ -70,17 +75,18 @@ def _float8_config(recipe: str, all_gather: bool, emulate: bool):
                                enable_fsdp_float8_all_gather=all_gather)
 
 
-def convert_to_fp8(model: nn.Module, recipe: str, all_gather: bool = False) -> list[str]:
+def convert_to_fp8(model: nn.Module, recipe: str, all_gather: bool = False,
+                   linears: str = "all") -> list[str]:
     """Swap `model`'s linears (`fp8_linear_names`) for torchao's FP8 linears of `recipe`, in place (the
     routed experts: mlite.runtime.kernels.grouped_gemm.use_fp8_experts). Works on a meta-device model
     (before parallelize and materialise). `all_gather`: FSDP2 all-gathers tensorwise weights in FP8.
-    Returns the swapped names."""
+    `linears`: precision.fp8_linears. Returns the swapped names."""
     if recipe not in RECIPES:
         raise MliteError(f"precision.fp8: {recipe} is not one of {', '.join(RECIPES)}")
     emulate = emulating()
     if all_gather and recipe != "tensorwise":
         raise MliteError(f"precision.fp8_all_gather needs precision.fp8: tensorwise (got {recipe})")
-    names = fp8_linear_names(model, recipe)
+    names = fp8_linear_names(model, recipe, linears)
     if recipe == "blockwise":
         if emulate:
             raise MliteError("precision.fp8: blockwise has no CPU emulation (torchao's blockwise linear "
