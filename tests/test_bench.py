@@ -525,12 +525,14 @@ def test_the_planner_sizes_the_one_gpu_fp8_twins_from_above(result, above):
     "h200x4-2026-11-28d-moe-ep4-dist-opt.json", "h200x4-2026-11-28d-dense-dp4.json",
     "h200x4-2026-11-28e-moe-30b-a3b-8l-4k-ep4-dist-opt.json", "h200x4-2026-11-28e-dense-1.7b-4k-dp4.json",
     "h200x4-2026-11-28e-dense-1.7b-4k-dp2.json", "h200x2-2026-11-29-dense-dp2-fp8.json",
+    "h200x2-2026-11-29e-dense-dp2-fp8-no-fp8-all-gather.json",
 ])
 def test_the_planner_sizes_the_multi_gpu_bench_cases_within_15_percent(result):
     """The planner's calibration on the 2 and 4 x H100 and 4 x H200 runs (footprint per GPU, the fullest
     rank): fsdp2 over dp on the dense case, ep on the MoE case (the expert exchange's allocator slack,
     EP_EXCHANGE_SLACK), and both under dist_opt (fp32 master and Adam shards, Megatron's param and grad
-    buffers; FP8 linears with their weights gathered in FP8). Every parallel row of the launch."""
+    buffers; FP8 linears with their weights gathered in FP8, and without). Every parallel row of the
+    launch."""
     import json
     from pathlib import Path
 
@@ -542,5 +544,6 @@ def test_the_planner_sizes_the_multi_gpu_bench_cases_within_15_percent(result):
     for row in rows:
         case = CASES[row["case"]]
         assert row["side"] == f"mlite x{case.gpus}"
-        estimate = planner_estimate_gb(case, case_arch(case), "h100")
+        # the launch's --set keys (an A/B of one key), as the bench applied them to the job
+        estimate = planner_estimate_gb(case, case_arch(case), "h100", row["extra"].get("overrides", []))
         assert estimate == pytest.approx(row["peak_gb"], rel=0.15), row["case"]
