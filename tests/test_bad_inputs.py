@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_runs import ONE_LAYER, sft_assets
+from cli_runs import ONE_LAYER, sft_assets, write_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -167,6 +167,24 @@ def test_rows_with_bad_roles_say_which_role(assets, tmp_path):
     row = {"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     train.write_text("".join(json.dumps(row) + "\n" for _ in range(3)))
     one_line_error(sft_on(assets, tmp_path, train), "0 of 3 rows usable", "3 malformed", "'human'")
+
+
+def test_token_ids_beyond_the_models_vocabulary_are_one_line(assets, tmp_path):
+    """A model with fewer embedding rows than the tokenizer has tokens (here 32): refused at data loading,
+    naming both sizes, before a step fails on an index."""
+    small = write_model_config(tmp_path / "small", vocab_size=32, moe=False, tied=True)
+    job = write_job(tmp_path / "job.yaml", {
+        "job": "sft",
+        "model": {"path": str(small), "load_weights": False},
+        "cluster": {"gpu": "cpu", "gpus_per_node": 1},
+        "precision": {"compute": "fp32"},
+        "data": {"train_files": [assets["train"]], "tokenizer": assets["tokenizer"], "seq_len": 128},
+        "trainer": {"steps": 1, "device": "cpu", "output_dir": str(tmp_path / "run"), "tensorboard": False},
+    })
+    line = one_line_error(mlite("sft", str(job), "--no-progress"), "data.train_files: token id",
+                          "vocabulary of 32", "vocab_size is at least")
+    assert len(line) < 400
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 # ------------------------------------------------------------------------------------------- export

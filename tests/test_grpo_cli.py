@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_runs import stable
+from cli_runs import stable, write_model_config
 from grpo_helpers import char_tokenizer, grpo_job_dict
 
 from mlite.trainers.metrics import read_metrics
@@ -105,6 +105,19 @@ def test_bad_jobs_fail_with_one_line_and_exit_2(workdir, tmp_path, changes, mess
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_prompts_beyond_the_models_vocabulary_are_one_line_before_the_model_is_built(workdir, tmp_path):
+    """A model whose vocabulary is smaller than the tokenizer's: the prompts' token ids are checked at
+    start-up, so the run stops in one line naming both sizes, not with an index error in the embedding."""
+    small = write_model_config(tmp_path / "small", vocab_size=32, moe=False, tied=True)
+    result = mlite_grpo(write_job(workdir, tmp_path / "bad",
+                                  model={"name": None, "path": str(small), "load_weights": False}))
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "data.train_files: token id" in lines[0] and "vocabulary of 32" in lines[0], lines[0]
+    assert not (tmp_path / "bad" / "checkpoints").exists()
 
 
 TWO_RANKS = """

@@ -19,12 +19,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlite.config.catalog import resolve_arch
 from mlite.config.schema import DataConfig, JobConfig
 from mlite.errors import MliteError
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.data.packing import Sample, StepBatcher
 from mlite.runtime.data.rows import read_rows
-from mlite.runtime.data.tokenizer import load_tokenizer
+from mlite.runtime.data.tokenizer import check_token_ids, load_tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -268,12 +269,17 @@ def build_sft_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> SFTDat
         raise MliteError("no tokenizer: set data.tokenizer (model.name is a preset without one)")
     tokenizer = load_tokenizer(tokenizer_path)
     check_assistant_mask(tokenizer, tokenizer_path)
+    arch = resolve_arch(job.model)
     train, train_report = load_samples(data.train_files, tokenizer, data.seq_len, data.messages_key)
     _refuse_unusable("data.train_files", train, train_report, data.seq_len)
+    check_token_ids((s.input_ids for s in train), arch.vocab, arch.name, tokenizer, tokenizer_path,
+                    "data.train_files")
     val, val_report = [], None
     if data.val_files:  # asked for: none usable is an error too, not a run without evaluation
         val, val_report = load_samples(data.val_files, tokenizer, data.seq_len, data.messages_key)
         _refuse_unusable("data.val_files", val, val_report, data.seq_len)
+        check_token_ids((s.input_ids for s in val), arch.vocab, arch.name, tokenizer, tokenizer_path,
+                        "data.val_files")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     return SFTData(
         train,

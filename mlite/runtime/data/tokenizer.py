@@ -100,3 +100,17 @@ def load_tokenizer(path: str | Path):
     except (OSError, ValueError) as err:
         raise MliteError(f"cannot load the tokenizer from {path} ({type(err).__name__}: {err}); point "
                          "data.tokenizer at a dir with tokenizer.json") from None
+
+
+def check_token_ids(ids: Iterable[list[int]], vocab: int, model: str, tokenizer, source: str,
+                    key: str) -> None:
+    """Refuse data whose token ids the model's embedding has no row for, in one line, before anything trains
+    (the embedding would fail mid-step with an index error): a tokenizer larger than the model's
+    vocabulary, such as the demo's 267-token tokenizer with a 256-row tiny preset."""
+    top = max((max(row) for row in ids if row), default=-1)
+    if top >= vocab:
+        raise MliteError(
+            f"{key}: token id {top} is outside {model}'s vocabulary of {vocab} (the tokenizer in {source} "
+            f"has {len(tokenizer)} tokens); use a tokenizer that fits the model, or a model whose vocab_size "
+            f"is at least {len(tokenizer)}"
+        )

@@ -31,12 +31,13 @@ from pathlib import Path
 
 import torch
 
+from mlite.config.catalog import resolve_arch
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
 from mlite.plan.rules import planned_device_type
 from mlite.runtime.data.packed import IGNORE, PackedBatch
 from mlite.runtime.data.packing import plan_step
-from mlite.runtime.data.tokenizer import load_tokenizer
+from mlite.runtime.data.tokenizer import check_token_ids, load_tokenizer
 from mlite.runtime.engine import Runtime
 from mlite.trainers import loop
 from mlite.trainers.grpo.algorithm import (
@@ -599,6 +600,10 @@ def train_grpo(job: JobConfig, console=None, show_progress: bool = True, tokeniz
         train_prompts = load_prompts(job.data.train_files, tokenizer, job, "train")
         val_prompts = (load_prompts(job.data.val_files, tokenizer, job, "held-out") if job.data.val_files
                        else [])
+        arch = resolve_arch(job.model)
+        for key, prompts in (("data.train_files", train_prompts), ("data.val_files", val_prompts)):
+            check_token_ids((p.ids for p in prompts), arch.vocab, arch.name, tokenizer,
+                            str(source or "the caller's tokenizer"), key)
         watch.beat("start-up: the runtime (process group, model, weights)")
         runtime = Runtime(job, on_placed=lock.acquire)
         engine = None
