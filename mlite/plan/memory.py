@@ -302,6 +302,7 @@ def fp8_cast_bytes(job: JobConfig, arch: ModelArch, layout: Layout, layers, toke
         ffns.append(moe.shared_expert_ffn)
     for ffn in ffns:
         shapes += [(h, ffn, "out"), (ffn, h, "in")]
+
     def share(width: float, split: bool) -> float:
         return width / tp if split else width
 

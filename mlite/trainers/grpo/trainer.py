@@ -577,6 +577,10 @@ def load_prompts(files: Sequence[str], tokenizer, job: JobConfig, what: str) -> 
         )
     if not prompts and what == "train":
         raise MliteError(f"no usable GRPO prompts in {', '.join(files)} (skipped as too long: {too_long})")
+    arch = resolve_arch(job.model)
+    check_token_ids((p.ids for p in prompts), arch.vocab, arch.name, tokenizer,
+                    str(job.data.tokenizer or job.model.path or "the caller's tokenizer"),
+                    "data.train_files" if what == "train" else "data.val_files")
     return prompts
 
 
@@ -600,10 +604,6 @@ def train_grpo(job: JobConfig, console=None, show_progress: bool = True, tokeniz
         train_prompts = load_prompts(job.data.train_files, tokenizer, job, "train")
         val_prompts = (load_prompts(job.data.val_files, tokenizer, job, "held-out") if job.data.val_files
                        else [])
-        arch = resolve_arch(job.model)
-        for key, prompts in (("data.train_files", train_prompts), ("data.val_files", val_prompts)):
-            check_token_ids((p.ids for p in prompts), arch.vocab, arch.name, tokenizer,
-                            str(source or "the caller's tokenizer"), key)
         watch.beat("start-up: the runtime (process group, model, weights)")
         runtime = Runtime(job, on_placed=lock.acquire)
         engine = None
