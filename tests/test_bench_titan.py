@@ -155,23 +155,31 @@ def _small_gpu_case(name: str, fp8: str) -> BenchCase:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,fp8", [("dense-1.7b-4k", "tensorwise"), ("moe-30b-a3b-6l-4k", "rowwise"),
-                                      ("dense-1.7b-4k", "none")])
-def test_titan_float8_side_runs_on_a_gpu(name, fp8):
+@pytest.mark.parametrize("name,fp8,linears", [("dense-1.7b-4k", "tensorwise", "auto"),
+                                              ("moe-30b-a3b-6l-4k", "rowwise", "all"),
+                                              ("dense-1.7b-4k", "none", "auto")])
+def test_titan_float8_side_runs_on_a_gpu(name, fp8, linears):
+    """torchtitan's float8 side runs what the mlite side's job runs in FP8. The MoE case sets fp8_linears
+    all: at these widths and rows torchao's size rule and mlite's experts rule keep everything in bf16."""
     from mlite.bench.run import run_case
-    from mlite.bench.titan_side import titan_model
+    from mlite.bench.titan_side import mlite_fp8_choice, titan_job_config, titan_model
 
     needs_titan()
     case = _small_gpu_case(name, fp8)
     arch = case_arch(case)
-    model = titan_model(case, arch, device="meta", runs_on="cuda")
+    overrides = [f"precision.fp8_linears={linears}"] if fp8 != "none" else []
+    chosen, experts = mlite_fp8_choice(case, arch, "cuda", overrides)
+    assert chosen == linears and experts == (arch.moe is not None and fp8 != "none")
+    job = titan_job_config(case, arch, compiled=True, linears=chosen)
+    model = titan_model(case, arch, device="meta", runs_on="cuda", job=job, experts=experts)
     kinds = {type(m).__name__ for m in model.modules()}
     assert ("Float8Linear" in kinds) == (fp8 != "none")
     assert type(model.output).__name__ == "Linear"  # the head stays in bf16, as mlite's
-    if arch.moe is not None and fp8 != "none":  # torchao 0.18's FP8 grouped GEMM on the experts' weights
-        experts = [m for m in model.modules() if type(m).__name__ == "GroupedExperts"]
-        assert experts and all(type(m.w1).__name__ == "Float8TrainingWeightWrapperTensor" for m in experts)
-    (result,) = run_case(case, "cuda", steps=2, warmup=2, sides=("torchtitan",), peak_tflops=989)
+    if arch.moe is not None:  # torchao 0.18's FP8 grouped GEMM on the experts' weights
+        grouped = [m for m in model.modules() if type(m).__name__ == "GroupedExperts"]
+        assert grouped and all(type(m.w1).__name__ == "Float8TrainingWeightWrapperTensor" for m in grouped)
+    (result,) = run_case(case, "cuda", steps=2, warmup=2, sides=("torchtitan",), peak_tflops=989,
+                         overrides=overrides)
     assert result.step_ms > 0 and math.isfinite(result.extra["loss"]) and result.peak_gb > 0
     assert abs(result.extra["loss"] - math.log(arch.vocab)) < 1.0
 

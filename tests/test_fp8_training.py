@@ -133,6 +133,20 @@ def test_fp8_linears_auto_keeps_the_linears_too_small_to_gain(emulate):
     assert swapped(Runtime(fp8_job("tiny-qwen3", "tensorwise")).model)
 
 
+def test_fp8_linears_auto_keeps_routed_experts_bf16_where_their_casts_cost_more(emulate):
+    """The routed experts' grouped GEMMs follow precision.fp8_linears too: auto runs them in FP8 only where
+    mlite.plan.rules.fp8_experts_gain says the GEMMs gain more than their casts cost (never at the tiny
+    model's 16 rows an expert); all always. The key reaches the Runtime's experts (their set_gemms seam)."""
+    def experts_of(job):
+        model = Runtime(job).model
+        return {experts_fp8(m) for m in model.modules() if type(m).__name__ == "Experts"}
+
+    every = fp8_job("tiny-qwen3-moe", "rowwise")
+    auto = every.model_copy(update={"precision": every.precision.model_copy(update={"fp8_linears": "auto"})})
+    assert experts_of(every) == {"emulate"}
+    assert experts_of(auto) == {None}
+
+
 def test_state_dict_names_are_unchanged(emulate):
     model = tiny("tiny-qwen3-moe")
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -378,6 +378,21 @@ assert [rules.fp8_converts(r, mode, 2048, n) for r, mode, n in (
     ("tensorwise", "auto", 1024), ("tensorwise", "auto", 2048), ("tensorwise", "all", 1024),
     ("rowwise", "auto", 4096), ("rowwise", "auto", 6144), ("blockwise", "auto", 512), ("none", "all", 4096))
         ] == [False, True, True, False, True, True, False]
+# the experts' FP8 rule: Qwen3-30B-A3B at 4k tokens (256 rows an expert: 570 flops a cast element) and the
+# V4 bench's 4 layers (768 rows: 1,600) lose on an H200; Qwen3-235B-A22B's experts gain from ~4,900 rows
+assert [rules.fp8_experts_gain(h, i, r) for h, i, r in (
+    (2048, 768, 256), (4096, 2048, 768), (4096, 1536, 4096), (4096, 1536, 8192))
+        ] == [False, False, False, True]
+moe_job = load_job("qwen3_30b_a3b_sft", ["precision.fp8=rowwise"])
+moe_arch = resolve_arch(moe_job.model)
+moe_layout = rules.check_layout(moe_job, moe_arch, 8)
+# EP8, 4096 tokens a rank: 8 ranks' tokens x 8 copies over 128 experts
+assert (moe_layout.ep, moe_layout.tokens_per_micro_batch) == (8, 4096)
+assert rules.fp8_expert_rows(moe_layout, moe_arch.moe) == 2048
+assert not rules.fp8_experts_on(moe_job, moe_arch, moe_layout)
+every = load_job("qwen3_30b_a3b_sft", ["precision.fp8=rowwise", "precision.fp8_linears=all"])
+assert rules.fp8_experts_on(every, moe_arch, moe_layout)
+assert not rules.fp8_experts_on(load_job("qwen3_30b_a3b_sft"), moe_arch, moe_layout)
 policy.equal_micro_batch_lengths(4, 8, embedding_rows=True)
 rules.split_chunks(61, 12, 1, 6, 5)
 try:

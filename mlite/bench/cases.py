@@ -84,7 +84,8 @@ CASES: dict[str, BenchCase] = {
         # FP8 twins of the one-GPU cases (precision.fp8): `mlite bench CASE CASE-fp8` compares the two in one
         # launch; transformers' side is the bf16 case's, so the twins run no baseline of their own.
         # tensorwise linears (torchao 0.18's rowwise and blockwise linears measured slower than bf16 on an
-        # H200, docs/PERFORMANCE.md), the routed experts rowwise under every recipe; -blockwise: DeepSeek's
+        # H200, docs/PERFORMANCE.md), the routed experts rowwise where they gain (never at these shapes: an
+        # A/B needs --set precision.fp8_linears=all); -blockwise: DeepSeek's
         BenchCase("dense-1.7b-4k-fp8", "qwen3-1.7b", 4096, baseline=False, fp8="tensorwise", titan=True),
         BenchCase("moe-30b-a3b-6l-4k-fp8", "qwen3-30b-a3b", 4096, num_layers=6, baseline=False,
                   fp8="tensorwise", titan=True),

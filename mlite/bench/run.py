@@ -26,7 +26,7 @@ from mlite.bench.hf_side import hf_skip_reason, hf_step_fn
 from mlite.bench.measure import Measured, collective_bus_gbs, measure
 from mlite.bench.mlite_side import launch_ranks, runtime_step_fn
 from mlite.bench.report import BenchResult
-from mlite.bench.titan_side import compile_settings_restored, titan_step_fn, titan_version
+from mlite.bench.titan_side import compile_settings_restored, mlite_fp8_choice, titan_step_fn, titan_version
 
 
 def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, sides=("mlite", "hf"),
@@ -52,10 +52,10 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
             m = measure(lambda: runtime_step_fn(case, sequences, device, overrides=overrides), device, steps,
                         warmup)
         elif side == "torchtitan":  # the same choice of FP8 linears as the mlite side's job
-            linears = case_job(case, device, overrides=overrides).precision.fp8_linears
+            linears, experts = mlite_fp8_choice(case, arch, device, overrides)
             with compile_settings_restored():
-                m = measure(lambda: titan_step_fn(case, arch, sequences, device, case.accum, linears), device,
-                            steps, warmup)
+                m = measure(lambda: titan_step_fn(case, arch, sequences, device, case.accum, linears,
+                                                  experts), device, steps, warmup)
         else:
             m = measure(lambda: hf_step_fn(arch, sequences, device, case.accum), device, steps, warmup)
         tps = tokens / (m.timing.median_ms / 1e3)

@@ -121,10 +121,20 @@ def titan_job_config(case: BenchCase, arch: ModelArch, compiled: bool, linears: 
     return job
 
 
-def _float8(case: BenchCase, arch: ModelArch, model, job) -> None:
+def mlite_fp8_choice(case: BenchCase, arch: ModelArch, device: str, overrides=()) -> tuple[str, bool]:
+    """What the mlite side's job runs in FP8, for this side to run the same: its precision.fp8_linears, and
+    whether its routed experts' grouped GEMMs run in FP8 (mlite.plan.rules.fp8_experts_on, on its layout)."""
+    from mlite.bench.cases import case_job
+    from mlite.plan.rules import check_layout, fp8_experts_on
+
+    job = case_job(case, device, overrides=overrides)
+    return job.precision.fp8_linears, fp8_experts_on(job, arch, check_layout(job, arch, case.gpus))
+
+
+def _float8(case: BenchCase, arch: ModelArch, model, job, experts: bool) -> None:
     """torchtitan's float8 for the case's recipe, in place: its Float8LinearConverter (it hands the recipe
-    name to torchao's Float8LinearConfig); the routed experts: torchao's rowwise FP8 grouped GEMM on the
-    grouped experts, their token groups padded to 16 rows (module docstring)."""
+    name to torchao's Float8LinearConfig); the routed experts, where `experts`: torchao's rowwise FP8 grouped
+    GEMM on the grouped experts, their token groups padded to 16 rows (module docstring)."""
     if case.fp8 == "none":
         return
     from mlite.errors import MliteError
@@ -137,7 +147,7 @@ def _float8(case: BenchCase, arch: ModelArch, model, job) -> None:
     from mlite.runtime.kernels.grouped_gemm import FP8_GROUP_ROWS
 
     Float8LinearConverter(job, one_device_dims()).convert(model)
-    if arch.moe is not None:
+    if arch.moe is not None and experts:
         from torchao.prototype.moe_training.config import Float8TrainingOpConfig
         from torchao.quantization.quant_api import quantize_
         from torchtitan.models.moe.moe import GroupedExperts
@@ -148,11 +158,12 @@ def _float8(case: BenchCase, arch: ModelArch, model, job) -> None:
 
 
 def titan_model(case: BenchCase, arch: ModelArch, device: str = "meta", runs_on: str | None = None,
-                job=None):
+                job=None, experts: bool | None = None):
     """torchtitan's model for the case, converted to float8 where the case has FP8: built on the meta device,
     as its trainer builds it, in the case's dtype (bf16 parameters on GPUs: its training.dtype=bfloat16; fp32
     on CPU); materialised and initialised with its own init on `device` unless that is meta. `runs_on`: the
-    device the model is for (meta); `job`: the step's titan_job_config, when the caller has it."""
+    device the model is for (meta); `job`: the step's titan_job_config, when the caller has it; `experts`:
+    whether the routed experts run in FP8 (default: as the mlite side's job, `mlite_fp8_choice`)."""
     import torch
     from torchtitan.models.qwen3 import Qwen3Model
     from torchtitan.tools.utils import set_default_dtype
@@ -162,7 +173,9 @@ def titan_model(case: BenchCase, arch: ModelArch, device: str = "meta", runs_on:
     dtype = torch.bfloat16 if cuda else torch.float32
     with torch.device("meta"), set_default_dtype(dtype):
         model = Qwen3Model(titan_model_args(case, arch, runs_on))
-    _float8(case, arch, model, job or titan_job_config(case, arch, compiled=cuda))
+    if experts is None:
+        experts = mlite_fp8_choice(case, arch, runs_on)[1]
+    _float8(case, arch, model, job or titan_job_config(case, arch, compiled=cuda), experts)
     if device != "meta":
         model.to_empty(device=device)
         with torch.no_grad():
@@ -190,13 +203,13 @@ def compile_settings_restored():
 
 
 def titan_step_fn(case: BenchCase, arch: ModelArch, sequences: list[list[int]], device: str,
-                  accum: int = 1, linears: str = "auto"):
+                  accum: int = 1, linears: str = "auto", experts: bool = False):
     """torchtitan's training step on the same packed tokens as the mlite side (one stream, per-sequence
     positions, each sequence ending in EOS where its document masks split it): per block torch.compile on
     GPUs (its apply_compile, the loss compiled too), bf16 parameters and AdamW state, its fused AdamW
     (foreach on CPU), its cross-entropy summed over the step's valid tokens and divided by their count,
     grad-norm clipping at 1.0 and the MoE expert-bias hook, as its Trainer.train_step runs them. `linears`:
-    titan_job_config's. Returns (step, keep, last), as hf_step_fn."""
+    titan_job_config's; `experts`: titan_model's. Returns (step, keep, last), as hf_step_fn."""
     import torch
     from torchtitan.components.loss import IGNORE_INDEX, build_cross_entropy_loss
     from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
@@ -206,7 +219,7 @@ def titan_step_fn(case: BenchCase, arch: ModelArch, sequences: list[list[int]], 
 
     cuda = device.startswith("cuda")
     job = titan_job_config(case, arch, compiled=cuda, linears=linears)
-    model = titan_model(case, arch, device="meta", runs_on=device, job=job)
+    model = titan_model(case, arch, device="meta", runs_on=device, job=job, experts=experts)
     parallel_dims = one_device_dims()
     if cuda:  # after float8 conversion, before materialising: its parallelize_qwen3's order
         compile_blocks(model, job.compile)

@@ -24,7 +24,7 @@ from mlite.plan.policy import (
     vllm_fp8_misfit,
     vllm_weight_bytes,
 )
-from mlite.plan.rules import Layout, fp8_converts
+from mlite.plan.rules import Layout, fp8_converts, fp8_experts_on
 
 GIB = 2**30
 HEADROOM = 0.90  # an estimate above this share of device (or host) memory does not fit
@@ -310,7 +310,7 @@ def fp8_cast_bytes(job: JobConfig, arch: ModelArch, layout: Layout, layers, toke
     largest = max((_fp8_gemm_bytes(tokens, share(n_in, side == "in"), share(n_out, side == "out"), recipe)
                    for n_in, n_out, side in shapes if fp8_converts(recipe, linears, n_in, n_out)),
                   default=0.0)
-    if routed:  # the grouped GEMMs (gate and up fused, then down), rowwise under every recipe
+    if routed and fp8_experts_on(job, arch, layout):  # the grouped GEMMs (gate and up fused, then down)
         rows, local = tokens * moe.top_k * MOE_IMBALANCE, moe.num_experts / (layout.ep * layout.etp)
         for n_in, n_out in ((h, 2 * moe.expert_ffn), (moe.expert_ffn, h)):
             largest = max(largest, _fp8_gemm_bytes(rows, n_in, n_out, "rowwise", local))

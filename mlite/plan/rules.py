@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from mlite.config.arch import V4_CSA, ModelArch
+from mlite.config.arch import V4_CSA, ModelArch, MoEArch
 from mlite.config.backends import backend_traits
 from mlite.config.catalog import GPU_COMPUTE_CAPABILITY
 from mlite.config.schema import JobConfig
@@ -720,6 +720,46 @@ def fp8_linear_gains(recipe: str, n_in: float, n_out: float) -> bool:
     if recipe == "rowwise":
         return not (n_out <= 2048 or n_in <= 1024 or (n_out <= 4096 and n_in <= 2048))
     return True
+
+
+# The routed experts' FP8 grouped GEMM gains where its flops per element its casts pass over reach this
+# (fp8_experts_gain): the break-even of GEMMs at twice bf16's dense peak (989 TFLOP/s on an H200) against
+# casts at the ~1.7 ps an element that torchao 0.18's Triton cast kernels took on an H200 (17 ms for
+# Qwen3-30B-A3B's 9.8e9 cast elements a step, 15 ms for the 4-layer DeepSeek-V4's 9.3e9;
+# docs/PERFORMANCE.md "FP8 experts").
+FP8_EXPERTS_FLOPS_PER_CAST = 3400
+
+
+def fp8_experts_gain(hidden: float, expert_ffn: float, rows_per_expert: float) -> bool:
+    """Whether the routed experts' rowwise FP8 grouped GEMMs (torchao's, mlite.runtime.kernels.grouped_gemm)
+    beat bf16 with their casts, for experts of `hidden` x `expert_ffn` that each get `rows_per_expert` rows
+    a micro-batch (`fp8_expert_rows`). Per expert, the three GEMMs of gate/up and of down (forward, input
+    gradient, weight gradient) run 18 r H I flops; the casts pass over every operand in each layout those
+    GEMMs read: 2 r (2H + 3I) activation and 6 H I weight elements. The weights' share does not shrink with
+    the rows, so few rows an expert (many experts, short micro-batches) lose: on one H200 Qwen3-30B-A3B at
+    4k tokens (r 256: 570 flops an element) took 27.5 ms of FP8 GEMMs and casts against 12.8 ms in bf16,
+    and DeepSeek-V4's 4-layer bench model (32 experts, r 768: 1,600) 31.7 against 23.8 ms."""
+    r, h, i = rows_per_expert, hidden, expert_ffn
+    flops, cast = 18 * r * h * i, 2 * r * (2 * h + 3 * i) + 6 * h * i
+    return flops >= FP8_EXPERTS_FLOPS_PER_CAST * cast
+
+
+def fp8_expert_rows(layout: Layout, moe: MoEArch) -> float:
+    """Rows one routed expert's grouped GEMM gets a micro-batch, on average: this rank's share of the
+    micro-batch's tokens (split by cp, and by tp's sequence parallel), top_k copies of each, gathered from the
+    ep x etp ranks that hold the expert."""
+    tokens = layout.tokens_per_micro_batch / (layout.cp * layout.tp)
+    return tokens * moe.top_k * layout.ep * layout.etp / moe.num_experts
+
+
+def fp8_experts_on(job: JobConfig, arch: ModelArch, layout: Layout) -> bool:
+    """Whether the routed experts' grouped GEMMs run in FP8 (rowwise under every precision.fp8 recipe):
+    precision.fp8_linears all: yes; auto: where `fp8_experts_gain` on this layout's rows. The runtime
+    (mlite.runtime.layout), the planner's FP8 operands and the bench's torchtitan side ask it alike."""
+    if job.precision.fp8 == "none" or arch.moe is None:
+        return False
+    return job.precision.fp8_linears == "all" or fp8_experts_gain(
+        arch.hidden, arch.moe.expert_ffn, fp8_expert_rows(layout, arch.moe))
 
 
 def fp8_converts(recipe: str, linears: str, n_in: float, n_out: float) -> bool:
