@@ -519,6 +519,28 @@ def test_fp8_all_gather_gathers_the_linears_in_one_byte():
         assert drop > casts
 
 
+def test_the_plan_says_what_fp8_linears_auto_leaves_in_bf16():
+    """precision.fp8_linears auto on Qwen3-30B-A3B (8 x H20, ep8, 4k tokens a rank): the routed experts get
+    2,048 rows each, too few for their FP8 GEMMs to pay for their casts (rules.fp8_experts_gain), and under
+    rowwise every attention linear is below torchao's size rule: `mlite plan` says experts bf16, counts no
+    FP8 casts, and notes that nothing runs in FP8. `all` puts the experts (and the linears) in FP8."""
+    from mlite.plan.report import runs_line
+
+    auto = plan_job(load_job("qwen3_30b_a3b_sft", ["precision.fp8=rowwise"]))
+    assert auto.fp8_experts is False and auto.choices()["fp8_experts"] is False
+    assert "fp8 rowwise matmuls, experts bf16" in runs_line(auto)
+    assert not any(item.name == "fp8 casts" for item in auto.memory.items)
+    assert any("no linear or routed expert" in note and "precision.fp8_linears: all" in note
+               for note in auto.memory.notes)
+    every = plan_job(load_job("qwen3_30b_a3b_sft", ["precision.fp8=rowwise", "precision.fp8_linears=all"]))
+    assert every.fp8_experts is True and "experts fp8" in runs_line(every)
+    casts = next(item.gb for item in every.memory.items if item.name == "fp8 casts")
+    assert casts > 0 and not every.memory.notes
+    tensorwise = plan_job(load_job("qwen3_30b_a3b_sft", ["precision.fp8=tensorwise"]))  # q_proj, o_proj gain
+    assert tensorwise.fp8_experts is False and not tensorwise.memory.notes
+    assert plan_job(load_job("qwen3_30b_a3b_sft")).choices()["fp8_experts"] is None
+
+
 def test_fp8_all_gather_auto_resolves_into_the_plan():
     """`auto`: on for fsdp2 with tensorwise over several data-parallel ranks; the plan's job holds the
     choice and `mlite plan` prints the recipe."""

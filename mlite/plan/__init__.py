@@ -28,6 +28,7 @@ from mlite.plan.rules import (
     check_layout,
     check_runtime,
     context_chunk_multiple,
+    fp8_experts_on,
     fp8_token_multiple,
     split_chunks,
 )
@@ -87,6 +88,12 @@ class Plan:
         return self.job.parallel.fsdp_grad_accumulation if self.fsdp_units else None
 
     @property
+    def fp8_experts(self) -> bool:
+        """Whether the routed experts' grouped GEMMs run in FP8 (rules.fp8_experts_on on this layout, as the
+        runtime and the memory estimate ask it); never without precision.fp8 or routed experts."""
+        return fp8_experts_on(self.job, self.arch, self.layout)
+
+    @property
     def fp8_all_gather(self) -> bool:
         """Whether FSDP2 gathers the FP8 linears' weights in FP8 (policy.fp8_all_gather on this layout, as
         the memory estimate counts them); never without FSDP2 units."""
@@ -107,6 +114,7 @@ class Plan:
             "context_chunk": self.context_chunk if self.layout.cp > 1 else None,
             "fp8": self.job.precision.fp8 if self.job.precision.fp8 != "none" else None,
             "fp8_all_gather": self.fp8_all_gather if self.fsdp_units else None,
+            "fp8_experts": self.fp8_experts if self.job.precision.fp8 != "none" and self.arch.moe else None,
             "offload_trainer": self.memory.offload_trainer,
             "rollout_fp8_weights": self.memory.rollout_fp8_weights,
             "recompute": {"granularity": r.granularity, "method": r.method, "num_layers": r.num_layers},

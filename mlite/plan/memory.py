@@ -726,6 +726,12 @@ def _estimate(job: JobConfig, arch: ModelArch, layout: Layout, accumulation: str
     worst = max(range(layout.pp), key=lambda s: totals[s])
     items, _, resident = stages[worst]
     notes: list[str] = []
+    cast = any(item.name == "fp8 casts" for stage_items, _, _ in stages for item in stage_items)
+    if job.precision.fp8 != "none" and not cast:  # precision.fp8_linears auto found nothing that gains
+        notes.append(f"precision.fp8 {job.precision.fp8}: no linear or routed expert of this model is large "
+                     "enough for FP8 to gain at these widths and rows (precision.fp8_linears auto), so all "
+                     "of it computes in bf16; set precision.fp8_linears: all to force FP8, or "
+                     "precision.fp8: none")
     phases = (_rollout_phases(job, arch, layout, worst, resident, capacity, notes) if job.job == "grpo"
               else RolloutPhases([]))
     # Ranks are placed pipeline-outermost, so a node's GPUs usually share a stage: count the largest offload.

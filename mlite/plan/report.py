@@ -83,7 +83,8 @@ def runs_line(plan: Plan) -> str:
     c = plan.choices()
     parts = [f"{c['device']} {c['compute_dtype']}"]
     if c["fp8"] is not None:  # precision.fp8: the recipe, and whether FSDP2 gathers the linears in FP8
-        parts.append(f"fp8 {c['fp8']} matmuls" + (", fp8 all-gather" if c["fp8_all_gather"] else ""))
+        experts = {None: "", True: ", experts fp8", False: ", experts bf16"}[c["fp8_experts"]]
+        parts.append(f"fp8 {c['fp8']} matmuls{experts}" + (", fp8 all-gather" if c["fp8_all_gather"] else ""))
     if c["grad_reduce"] is not None:
         parts.append(f"grad reduce {c['grad_reduce']}")
     if plan.fsdp_units:

@@ -31,7 +31,7 @@ from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
 from mlite.plan import Plan, World, megatron_installed, plan_job
 from mlite.plan.policy import vllm_v4_fp8
-from mlite.plan.rules import Layout, fp8_experts_on
+from mlite.plan.rules import Layout
 from mlite.runtime.adapters.pytorch import apply_to_tensors
 from mlite.runtime.kernels.grouped_gemm import use_fp8_experts
 from mlite.runtime.models import build_model, seeded_init
@@ -204,7 +204,7 @@ def rank_chunks(plan: Plan, mesh: ParallelMesh | None, dtype: torch.dtype = torc
 
             convert_to_fp8(chunk, job.precision.fp8, all_gather=plan.fp8_all_gather,
                            linears=job.precision.fp8_linears)
-            if fp8_experts_on(job, arch, plan.layout):  # else the experts' grouped GEMMs stay bf16
+            if plan.fp8_experts:  # else the routed experts' grouped GEMMs stay bf16
                 use_fp8_experts(chunk)
         if job.rollout is not None and job.rollout.match_fp8:  # round what the rollout engine runs in FP8
             from mlite.runtime.fp8_match import match_vllm_fp8
