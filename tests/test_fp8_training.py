@@ -487,3 +487,20 @@ def test_a_checkpoint_resumes_across_the_fp8_switch(tmp_path, first, then, devic
     for ours, ref in zip(got[2:], want[2:]):
         assert (ours["tokens"], ours["target_tokens"]) == (ref["tokens"], ref["target_tokens"])
         assert ours["loss"] == pytest.approx(ref["loss"], rel=5e-3) and ours["loss"] != ref["loss"]  # 3e-4
+
+
+@pytest.mark.parametrize("linears", ["auto", "all"])
+def test_an_fp8_run_says_at_start_up_when_auto_leaves_everything_in_bf16(tmp_path, linears):
+    """`mlite sft` prints the plan's notes before it trains: on the tiny model every linear and routed expert
+    is below what FP8 gains on (precision.fp8_linears auto), so the run says it computes in bf16 and how to
+    force FP8; with `all` it says nothing of the kind. Both train (emulated numerics)."""
+    from cli_runs import job_dict, layout_assets, mlite_cli, records
+
+    assets = layout_assets(tmp_path / "assets")
+    job = job_dict(assets, "moe", tmp_path / "out", precision={"compute": "bf16"})
+    done = mlite_cli(tmp_path, job, 1, "precision.fp8=rowwise", f"precision.fp8_linears={linears}",
+                     env={EMULATE_ENV: "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = "note: precision.fp8 rowwise: no linear or routed expert" in " ".join(done.stderr.split())
+    assert said == (linears == "auto"), done.stderr[-2000:]
+    assert records(tmp_path / "out")

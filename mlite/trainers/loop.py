@@ -170,6 +170,9 @@ def _run(job, runtime, trainer, console, show_progress, watch: Watchdog) -> RunR
 
     start, resume_from = _resume(cfg.resume, runtime, trainer, manager, watch)
     output = first_rank()
+    if output and console is not None:  # what `mlite plan` notes of this job (e.g. FP8 that gains nowhere)
+        for note in runtime.plan.memory.notes:
+            console.print(f"note: {note}", highlight=False)
     writer = MetricsWriter(out, cfg.tensorboard, resume_step=start, enabled=output)
     progress = ProgressDisplay(total, start, trainer.name, enabled=show_progress and output, console=console)
     last_saved: Path | None = resume_from  # a finished run rerun with resume=auto writes nothing new
