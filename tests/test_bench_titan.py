@@ -83,6 +83,25 @@ def test_titan_builds_exactly_mlites_parameters_for_the_case(name):
     assert (titan.tok_embeddings.weight is titan.output.weight) == arch.tie_embeddings
 
 
+@pytest.mark.parametrize("name,overrides,expected", [
+    ("moe-30b-a3b-6l-4k-fp8", [], ("auto", False)),  # 256 rows an expert: the casts cost more
+    ("moe-30b-a3b-6l-4k-fp8", ["precision.fp8_linears=all"], ("all", True)),
+    ("dense-1.7b-4k-fp8", [], ("auto", False)),  # no routed experts
+    ("moe-30b-a3b-6l-4k", [], ("auto", False)),  # no FP8
+])
+def test_torchtitans_side_runs_in_fp8_what_the_mlite_side_does(name, overrides, expected):
+    """The torchtitan side copies the mlite side's FP8 choices from its job: fp8_linears, and whether the
+    routed experts run in FP8, which is the plan's (what the Runtime asks when it builds the model)."""
+    from mlite.bench.cases import case_job
+    from mlite.bench.titan_side import mlite_fp8_choice
+    from mlite.plan import plan_job
+
+    case = CASES[name]
+    arch = case_arch(case)
+    assert mlite_fp8_choice(case, arch, "cuda", overrides) == expected
+    assert plan_job(case_job(case, "cuda", overrides=overrides), arch).fp8_experts == expected[1]
+
+
 def test_only_the_cases_torchtitan_builds_have_its_side():
     from mlite.bench.titan_side import titan_unbuildable
 
