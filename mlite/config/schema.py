@@ -205,7 +205,8 @@ class PrecisionConfig(Section):
     # DeepSeek's 128x128 weight blocks with 1x128 activation tiles (what vLLM's block-FP8 linears run)
     fp8: Literal["none", "tensorwise", "rowwise", "blockwise"] = "none"
     # which linears run in FP8. auto: those large enough to gain under the recipe (torchao's size rule,
-    # mlite.plan.rules.fp8_linear_gains; blockwise: all, as DeepSeek's recipe); all: every one that tiles
+    # mlite.plan.rules.fp8_linear_gains; blockwise: all, as DeepSeek's recipe), and the routed experts where
+    # their FP8 GEMMs gain more than their casts cost (fp8_experts_gain); all: every one that tiles
     fp8_linears: Literal["auto", "all"] = "auto"
     # fsdp2, tensorwise: each unit's all-gather moves the weights in FP8 (half of bf16's bytes). `auto`: on
     # wherever it can be (mlite.plan.policy.fp8_all_gather)
