@@ -203,7 +203,7 @@ def compile_settings_restored():
 
 
 def titan_step_fn(case: BenchCase, arch: ModelArch, sequences: list[list[int]], device: str,
-                  accum: int = 1, linears: str = "auto", experts: bool = False):
+                  accum: int = 1, linears: str = "auto", experts: bool | None = None):
     """torchtitan's training step on the same packed tokens as the mlite side (one stream, per-sequence
     positions, each sequence ending in EOS where its document masks split it): per block torch.compile on
     GPUs (its apply_compile, the loss compiled too), bf16 parameters and AdamW state, its fused AdamW
