@@ -234,6 +234,16 @@ def test_pytorch_adapter_tensor_walk_views_and_multi_tensor_kernels_still_behave
     assert not adapter.is_view_of(base.clone(), base), says("Tensor._base")
     assert not adapter.is_view_of(base + 0, base), says("Tensor._base")
 
+    from torchao.float8.float8_training_tensor import LinearMMConfig, hp_tensor_and_scale_to_float8
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    data = torch.randn(4, 6)
+    wrapper = WeightWithDynamicFloat8CastTensor(data, LinearMMConfig(), torch.float8_e4m3fn)
+    assert adapter.wrapped_data(wrapper) is data, says("__tensor_flatten__ of a wrapper subclass")
+    assert adapter.wrapped_data(data) is None and adapter.wrapped_data(nn.Parameter(data)) is None
+    fp8 = hp_tensor_and_scale_to_float8(data, torch.tensor(1.0), torch.float8_e4m3fn)
+    assert adapter.wrapped_data(fp8) is None  # its data is FP8, its values the float32 ones
+
     torch.manual_seed(0)
     x, w = torch.randn(5, 8, dtype=torch.bfloat16), torch.randn(3, 8, 16, dtype=torch.bfloat16)
     offsets = torch.tensor([2, 2, 5], dtype=torch.int32)  # groups of 2, 0 and 3 rows

@@ -329,6 +329,39 @@ def test_fp8_sft_on_two_ranks_matches_one_process(tmp_path, model, overrides, rt
 
 
 # ------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+def test_gpu_fp8_gathered_weights_are_stepped_by_the_adamw_kernel(monkeypatch):
+    """FSDP2 (at world 1) with the FP8 all-gather: each FP8 linear's shard is torchao's wrapper around its
+    bf16 data, and the optimizer step is still TritonAdamW's kernel over that data, not torch's foreach
+    step (which read the device about 400 times a step: dense-1.7b-4k-dp2-fp8 took 221 ms against bf16's
+    117). The wrapped weights move, and the run trains."""
+    from torch.distributed.tensor import DTensor
+
+    from mlite.runtime.adapters.pytorch import wrapped_data
+
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
+    job = job_from_dict({
+        "model": {"name": "tiny-qwen3"}, "cluster": {"gpu": "h100"},
+        "precision": {"compute": "bf16", "fp8": "tensorwise", "fp8_linears": "all", "fp8_all_gather": True},
+        "parallel": {"fsdp_one_rank": True}, "optimizer": {"lr": 3e-3}, "data": {"seq_len": 128},
+        "trainer": {"device": "cuda", "steps": 6, "seed": 7},
+    })
+    rt = Runtime(job)
+    wrapped = {name: p for name, p in rt.model.named_parameters()
+               if isinstance(p, DTensor) and wrapped_data(p.to_local()) is not None}
+    assert len(wrapped) == len(swapped(rt.model)), sorted(wrapped)
+    before = {name: wrapped_data(p.to_local()).clone() for name, p in wrapped.items()}
+    batch = PackedBatch.from_sequences(sequences([40, 30, 50]))
+    (out,) = rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
+    assert rt.optim.fused and rt.optim.optimizer._plan() is not None, "torch's step, not the kernel"
+    rt.optimizer_step()
+    rt.zero_grad()
+    assert all(not torch.equal(wrapped_data(p.to_local()), before[name]) for name, p in wrapped.items())
+    losses = [float(out["loss"]), *train(rt, batch, 5)]
+    assert losses[-1] < losses[0] - 0.3, losses
+    rt.close()
+
+
 def gpu_pair(recipe: str, hidden: int = 256):
     """A bf16 linear stack and its FP8 copy on the GPU."""
     torch.manual_seed(0)

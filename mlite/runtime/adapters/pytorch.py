@@ -1,8 +1,8 @@
 """torch's private names the runtime needs, in one place: FSDP2's per-unit state (a unit's offload policy,
 whether it reshards after forward, its post-backward hook), DTensor's strided shard placement (what FSDP2
 over tensor or expert parallel gives), nn.Module's forward-hook tables and per-tensor walk, a view's base,
-DeviceMesh's flatten and unflatten, DCP's nested-state traversal, the grouped matmul and the multi-tensor
-(`_foreach_*`) kernels.
+DeviceMesh's flatten and unflatten, DCP's nested-state traversal, the grouped matmul, the multi-tensor
+(`_foreach_*`) kernels and the inner tensor of a traceable wrapper subclass.
 
 Checked against torch 2.13.0 (`TORCH_CHECKED`); the pinned images run 2.11.0, where running
 tests/test_adapters.py in the image is the check.
@@ -92,6 +92,23 @@ def is_view_of(view: torch.Tensor, base: torch.Tensor) -> bool:
     """Whether `view` is `base` itself or a view made from it (works on meta tensors, which have no storage
     to compare)."""
     return view is base or view._base is base
+
+
+def wrapped_data(t: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor a traceable wrapper subclass keeps its values in, where it has one of the wrapper's
+    own shape, strides, dtype and device (torchao's weight that FSDP2 all-gathers in FP8 is such a wrapper
+    around its bf16 data; an FP8 tensor, whose data has another dtype, is not): writing to it in place is
+    writing to `t`. None for any other tensor, plain ones included."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        return None
+    names, _ = t.__tensor_flatten__()
+    inner = getattr(t, names[0]) if names else None
+    if type(inner) not in (torch.Tensor, nn.Parameter) or inner.shape != t.shape or \
+            inner.stride() != t.stride() or inner.dtype != t.dtype or inner.device != t.device:
+        return None
+    return inner
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

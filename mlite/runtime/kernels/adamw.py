@@ -23,7 +23,8 @@ runs `_adamw_kernel`:
   the tensor's dtype. Measured on an H100 against torch 2.11's fused AdamW: 2 of 14.8M bf16 elements
   differ, by 1 ulp; fp32 values within 1.1e-6 relative (tests/test_adamw_kernel.py).
 
-FSDP2's DTensor parameters are served through their local shards (the update is elementwise). Anything
+FSDP2's DTensor parameters are served through their local shards (the update is elementwise), and a
+wrapper subclass around plain data (torchao's FP8-gathered weight) through the data it wraps. Anything
 else (shards whose state is laid out otherwise, amsgrad, maximize, capturable, a tensor lr, a GradScaler, no
 Triton, not fused=True) takes torch's own step. TRITON_INTERPRET=1 runs the kernel on CPU tensors too (slow;
 for debugging without a GPU).
@@ -42,7 +43,7 @@ import os
 import torch
 from torch.distributed.tensor import DTensor
 
-from mlite.runtime.adapters.pytorch import foreach_add_, foreach_sub_
+from mlite.runtime.adapters.pytorch import foreach_add_, foreach_sub_, wrapped_data
 from mlite.runtime.kernels.grads import scale_grads_
 
 try:
@@ -332,8 +333,11 @@ class TritonAdamW(torch.optim.AdamW):
                     if local is None:
                         return None
                     p, g, m, v = local
-                if type(p) not in _PLAIN or type(g) is not torch.Tensor or g.layout != torch.strided or \
-                        not g.is_contiguous():
+                # a wrapper around plain data (torchao's weight that FSDP2 gathers in FP8, and the moments
+                # torch's step made like it): the kernel updates the data it wraps
+                p, g, m, v = (t if type(t) in _PLAIN else wrapped_data(t) for t in (p, g, m, v))
+                if type(p) not in _PLAIN or type(g) is not torch.Tensor or m is None or v is None or \
+                        g.layout != torch.strided or not g.is_contiguous():
                     return None  # DTensor or other subclass, a sparse or strided gradient: torch's step
                 tensors.append((p, g, m, v, s, *extra))
                 rows.append((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), s.data_ptr(), p.numel(),
