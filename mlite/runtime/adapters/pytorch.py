@@ -94,6 +94,9 @@ def is_view_of(view: torch.Tensor, base: torch.Tensor) -> bool:
     return view is base or view._base is base
 
 
+_WRAPPED_DATA: dict[type, str] = {}  # wrapper subclass -> the name of its first inner tensor
+
+
 def wrapped_data(t: torch.Tensor) -> torch.Tensor | None:
     """The plain tensor a traceable wrapper subclass keeps its values in, where it has one of the wrapper's
     own shape, strides, dtype and device (torchao's weight that FSDP2 all-gathers in FP8 is such a wrapper
@@ -103,8 +106,11 @@ def wrapped_data(t: torch.Tensor) -> torch.Tensor | None:
 
     if not is_traceable_wrapper_subclass(t):
         return None
-    names, _ = t.__tensor_flatten__()
-    inner = getattr(t, names[0]) if names else None
+    name = _WRAPPED_DATA.get(type(t))
+    if name is None:  # once a class: torchao's __tensor_flatten__ reads a scale's truth value, a host sync
+        names, _ = t.__tensor_flatten__()
+        name = _WRAPPED_DATA[type(t)] = names[0] if names else ""
+    inner = getattr(t, name, None) if name else None
     if type(inner) not in (torch.Tensor, nn.Parameter) or inner.shape != t.shape or \
             inner.stride() != t.stride() or inner.dtype != t.dtype or inner.device != t.device:
         return None
