@@ -334,7 +334,7 @@ def test_gpu_fp8_gathered_weights_are_stepped_by_the_adamw_kernel(monkeypatch):
     """FSDP2 (at world 1) with the FP8 all-gather: each FP8 linear's shard is torchao's wrapper around its
     bf16 data, and the optimizer step is still TritonAdamW's kernel over that data, not torch's foreach
     step (which read the device about 400 times a step: dense-1.7b-4k-dp2-fp8 took 221 ms against bf16's
-    117). The wrapped weights move, and the run trains."""
+    117), and finding the data reads nothing on the host. The wrapped weights move, and the run trains."""
     from torch.distributed.tensor import DTensor
 
     from mlite.runtime.adapters.pytorch import wrapped_data
@@ -353,7 +353,12 @@ def test_gpu_fp8_gathered_weights_are_stepped_by_the_adamw_kernel(monkeypatch):
     before = {name: wrapped_data(p.to_local()).clone() for name, p in wrapped.items()}
     batch = PackedBatch.from_sequences(sequences([40, 30, 50]))
     (out,) = rt.forward_backward([batch], sft_loss(batch.num_target_tokens))
-    assert rt.optim.fused and rt.optim.optimizer._plan() is not None, "torch's step, not the kernel"
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # unwrapping the weights reads nothing on the host
+    try:
+        assert rt.optim.fused and rt.optim.optimizer._plan() is not None, "torch's step, not the kernel"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     rt.optimizer_step()
     rt.zero_grad()
     assert all(not torch.equal(wrapped_data(p.to_local()), before[name]) for name, p in wrapped.items())
