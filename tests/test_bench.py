@@ -519,6 +519,12 @@ def test_the_planner_sizes_the_one_gpu_fp8_twins_from_above(result, above):
         assert low <= estimate / row["peak_gb"] - 1 <= high, (row["case"], estimate, row["peak_gb"])
 
 
+# what an `auto` key resolved to when a launch ran, where the rule has changed since: precision.fp8_all_gather
+# `auto` was on for fsdp2 + tensorwise over several ranks until it measured slower (policy.fp8_all_gather)
+AUTO_THEN = {(name, "dense-1.7b-4k-dp2-fp8"): ["precision.fp8_all_gather=true"]
+             for name in ("h200x2-2026-11-29-dense-dp2-fp8.json", "h200x2-2026-11-30-dense-dp2-fp8.json")}
+
+
 @pytest.mark.parametrize("result", [
     "h100x4-2026-11-26-dense-dp4.json", "h100x4-2026-11-26-moe-ep4.json",
     "h100x2-2026-11-26-dense-dp2.json", "h100x2-2026-11-26-moe-ep2.json",
@@ -531,7 +537,9 @@ def test_the_planner_sizes_the_one_gpu_fp8_twins_from_above(result, above):
     "h200x4-2026-11-28d-moe-ep4-dist-opt.json", "h200x4-2026-11-28d-dense-dp4.json",
     "h200x4-2026-11-28e-moe-30b-a3b-8l-4k-ep4-dist-opt.json", "h200x4-2026-11-28e-dense-1.7b-4k-dp4.json",
     "h200x4-2026-11-28e-dense-1.7b-4k-dp2.json", "h200x2-2026-11-29-dense-dp2-fp8.json",
-    "h200x2-2026-11-29e-dense-dp2-fp8-no-fp8-all-gather.json",
+    "h200x2-2026-11-29e-dense-dp2-fp8-no-fp8-all-gather.json", "h200x2-2026-11-30-dense-1.7b-4k-dp2.json",
+    "h200x2-2026-11-30-moe-30b-a3b-8l-4k-ep2.json", "h200x2-2026-11-30-dense-dp2-fp8.json",
+    "h200x2-2026-11-30-dense-dp2-fp8-no-fp8-all-gather.json",
 ])
 def test_the_planner_sizes_the_multi_gpu_bench_cases_within_15_percent(result):
     """The planner's calibration on the 2 and 4 x H100 and 4 x H200 runs (footprint per GPU, the fullest
@@ -551,5 +559,6 @@ def test_the_planner_sizes_the_multi_gpu_bench_cases_within_15_percent(result):
         case = CASES[row["case"]]
         assert row["side"] == f"mlite x{case.gpus}"
         # the launch's --set keys (an A/B of one key), as the bench applied them to the job
-        estimate = planner_estimate_gb(case, case_arch(case), "h100", row["extra"].get("overrides", []))
+        overrides = [*row["extra"].get("overrides", []), *AUTO_THEN.get((result, row["case"]), [])]
+        estimate = planner_estimate_gb(case, case_arch(case), "h100", overrides)
         assert estimate == pytest.approx(row["peak_gb"], rel=0.15), row["case"]

@@ -542,14 +542,23 @@ def test_the_plan_says_what_fp8_linears_auto_leaves_in_bf16():
 
 
 def test_fp8_all_gather_auto_resolves_into_the_plan():
-    """`auto`: on for fsdp2 with tensorwise over several data-parallel ranks; the plan's job holds the
-    choice and `mlite plan` prints the recipe."""
+    """`auto`: off (the policy's docstring), and the plan's job holds that; `true` gathers in FP8 over
+    several data-parallel ranks, halves the gathered weights' bytes, and `mlite plan` prints the recipe."""
     from mlite.plan.report import runs_line
 
-    plan = plan_job(load_job("qwen3_30b_a3b_sft", [*FP8_DENSE, "precision.fp8=tensorwise"]))
-    assert plan.job.precision.fp8_all_gather is True and "precision.fp8_all_gather" in plan.resolved
+    auto = plan_job(load_job("qwen3_30b_a3b_sft", [*FP8_DENSE, "precision.fp8=tensorwise"]))
+    assert auto.job.precision.fp8_all_gather is False and "precision.fp8_all_gather" in auto.resolved
+    assert "fp8 tensorwise matmuls  " in runs_line(auto)
+    plan = plan_job(load_job("qwen3_30b_a3b_sft", [*FP8_DENSE, "precision.fp8=tensorwise",
+                                                   "precision.fp8_all_gather=true"]))
+    assert plan.job.precision.fp8_all_gather is True
     assert plan.choices()["fp8"] == "tensorwise" and plan.choices()["fp8_all_gather"] is True
     assert "fp8 tensorwise matmuls, fp8 all-gather" in runs_line(plan)
+    kept = ["parallel.fsdp_reshard_after_forward=false"]  # every unit gathered: the linears' bytes halve
+    bf16, fp8 = (items(plan_job(load_job("qwen3_30b_a3b_sft", [*FP8_DENSE, "precision.fp8=tensorwise", *kept,
+                                                              *extra])))["gathered weights"]
+                 for extra in ([], ["precision.fp8_all_gather=true"]))
+    assert fp8 < 0.75 * bf16
     rowwise = plan_job(load_job("qwen3_30b_a3b_sft", [*FP8_DENSE, "precision.fp8=rowwise"]))
     assert rowwise.job.precision.fp8_all_gather is False and "fp8 rowwise matmuls  " in runs_line(rowwise)
     one = plan_job(load_job("qwen3_30b_a3b_sft", [*FP8_DENSE, "precision.fp8=tensorwise",

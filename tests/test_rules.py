@@ -363,7 +363,7 @@ for preset, overrides in jobs:
     policy.grad_reduce_dtype(job), policy.compute_dtype(job, "cpu")
     policy.process_group(job, 2), policy.fsdp_units(job, 2), policy.rollout_expert_parallel(job, arch)
     policy.vllm_v4_fp8(job, arch), policy.vllm_fp8_misfit(arch, 8, False), policy.vllm_v4_width_misfit(arch)
-    policy.vllm_weight_bytes(arch, 2, True), policy.fp8_all_gather(job, 2)
+    policy.vllm_weight_bytes(arch, 2, True), policy.fp8_all_gather(job)
     try:
         rules.check_dist_opt_adapter(job, job.parallel)
     except MliteError:
@@ -519,18 +519,15 @@ def test_fp8_runs_with_the_layouts_the_runtime_has():
         rules.check_runtime(job, arch, 8, "cuda", has_megatron=True)
 
 
-@pytest.mark.parametrize("overrides, shards, on", [
-    (["precision.fp8=tensorwise"], 8, True),
-    (["precision.fp8=tensorwise"], 1, False),  # nothing gathered from other ranks
-    (["precision.fp8=rowwise"], 8, False),  # a scale per row: the shards do not share one
-    (["precision.fp8=blockwise"], 8, False),
-    ([], 8, False),
-    (["precision.fp8=tensorwise", "optimizer.backend=dist_opt"], 8, False),  # Megatron gathers its buffers
-    (["precision.fp8=tensorwise", "precision.fp8_all_gather=false"], 8, False),
-    (["precision.fp8=tensorwise", "precision.fp8_all_gather=true"], 1, True),
+@pytest.mark.parametrize("overrides, on", [
+    (["precision.fp8=tensorwise"], False),  # auto: measured slower on NVLink (the policy's docstring)
+    (["precision.fp8=rowwise"], False),
+    ([], False),
+    (["precision.fp8=tensorwise", "precision.fp8_all_gather=false"], False),
+    (["precision.fp8=tensorwise", "precision.fp8_all_gather=true"], True),
 ])
-def test_fp8_all_gather_auto_is_on_for_fsdp2_tensorwise_over_several_shards(overrides, shards, on):
-    assert policy.fp8_all_gather(load_job("qwen3_30b_a3b_sft", overrides), shards) is on
+def test_fp8_all_gather_is_on_only_where_asked_for(overrides, on):
+    assert policy.fp8_all_gather(load_job("qwen3_30b_a3b_sft", overrides)) is on
 
 
 def test_match_fp8_goes_with_deepseek_v4_on_vllm():

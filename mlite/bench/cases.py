@@ -93,9 +93,10 @@ CASES: dict[str, BenchCase] = {
                   baseline=False, fp8="tensorwise"),
         BenchCase("dsv4-flash-4l-4k-fp8-blockwise", "deepseek-v4-flash", 4096, num_layers=4, config=_DSV4_4L,
                   baseline=False, fp8="blockwise"),
-        # FP8 over several GPUs: fsdp2 gathers the FP8 linears' weights in FP8 (precision.fp8_all_gather
-        # auto); under ep the experts' grouped GEMMs stay bf16 at 512 rows an expert (fp8_experts_gain), and
-        # --set precision.fp8_linears=all runs them in rowwise FP8. Against their bf16 twins above
+        # FP8 over several GPUs: fsdp2 gathers the weights in bf16 (precision.fp8_all_gather auto; --set
+        # precision.fp8_all_gather=true gathers the FP8 linears' in FP8); under ep the experts' grouped GEMMs
+        # stay bf16 at 512 rows an expert (fp8_experts_gain), and --set precision.fp8_linears=all runs them
+        # in rowwise FP8. Against their bf16 twins above
         BenchCase("dense-1.7b-4k-dp2-fp8", "qwen3-1.7b", 4096, gpus=2, dp=2, baseline=False,
                   fp8="tensorwise"),
         BenchCase("moe-30b-a3b-8l-4k-ep2-fp8", "qwen3-30b-a3b", 4096, num_layers=8, gpus=2, dp=2, ep=2,

@@ -208,8 +208,8 @@ class PrecisionConfig(Section):
     # mlite.plan.rules.fp8_linear_gains; blockwise: all, as DeepSeek's recipe), and the routed experts where
     # their FP8 GEMMs gain more than their casts cost (fp8_experts_gain); all: every one that tiles
     fp8_linears: Literal["auto", "all"] = "auto"
-    # fsdp2, tensorwise: each unit's all-gather moves the weights in FP8 (half of bf16's bytes). `auto`: on
-    # wherever it can be (mlite.plan.policy.fp8_all_gather)
+    # fsdp2, tensorwise: each unit's all-gather moves the weights in FP8 (half of bf16's bytes). `auto`: off,
+    # measured slower on NVLink (mlite.plan.policy.fp8_all_gather)
     fp8_all_gather: Literal["auto"] | bool = "auto"
 
     @model_validator(mode="after")

@@ -426,7 +426,7 @@ def _fsdp2_state(ledger: _Ledger, job: JobConfig, arch: ModelArch, layout: Layou
                1.0 if off.params else 0.0)
     # precision.fp8_all_gather: the linears arrive in FP8 (1 byte; compute is bf16 under precision.fp8); their
     # one fp32 scale per weight tensor (some bytes a layer) is left out
-    fp8 = fp8_all_gather(job, layout.dp * layout.cp)
+    fp8 = fp8_all_gather(job)
     units = job.parallel.fsdp_unit_layers
     held = FSDP_PREFETCH_LAYERS * (sp.largest_unit_fp8 if fp8 else sp.largest_unit)
     # parallel.fsdp_embedding rows: the first stage's embedding is never gathered (its exchange moves
@@ -692,7 +692,7 @@ def _auto_units(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstima
     if fsdp_units(job, layout.world):
         # a layer as gathered, in compute-dtype parameters: FP8's all-gather moves its linears in fewer bytes
         w = DTYPE_BYTES[job.precision.compute]
-        cut = 1 - FP8_BYTES / w if fp8_all_gather(job, layout.dp * layout.cp) else 0.0
+        cut = 1 - FP8_BYTES / w if fp8_all_gather(job) else 0.0
         layer = max(sum(_layer_params_per_gpu(arch, layout, i))
                     - cut * _layer_linears_per_gpu(arch, layout, i) for i in range(arch.num_layers))
         fitting = AUTO_UNIT_BYTES // (layer * w)
@@ -756,4 +756,4 @@ def _estimate(job: JobConfig, arch: ModelArch, layout: Layout, accumulation: str
                           fsdp_grad_accumulation=accumulation,
                           fsdp_unit_layers=job.parallel.fsdp_unit_layers,
                           fsdp_reshard_after_forward=job.parallel.fsdp_reshard_after_forward,
-                          fp8_all_gather=fp8_all_gather(job, layout.dp * layout.cp))
+                          fp8_all_gather=fp8_all_gather(job))

@@ -8,7 +8,7 @@ the job with them once, so the runtime reads the choice from the plan instead of
     process_group(job, world_size)               # whether the run starts a process group and meshes
     fsdp_units(job, world_size)                  # whether its parameters live in FSDP2 units
     compute_dtype(job, device_type)              # what the run computes in
-    fp8_all_gather(job, shards)                  # precision.fp8_all_gather `auto`: FP8 all-gathers or not
+    fp8_all_gather(job)                          # precision.fp8_all_gather `auto`: FP8 all-gathers or not
     rollout_expert_parallel(job, arch)           # whether vLLM engines split the experts whole
     vllm_v4_fp8(job, arch)                       # how a DeepSeek-V4 engine gets its FP8 weights
     vllm_fp8_misfit(arch, tp, expert_parallel)   # what an engine's FP8 blocks would cut, if anything
@@ -161,14 +161,13 @@ def compute_dtype(job: JobConfig, device_type: str) -> str:
     return job.precision.compute if device_type == "cuda" else "fp32"
 
 
-def fp8_all_gather(job: JobConfig, shards: int) -> bool:
+def fp8_all_gather(job: JobConfig) -> bool:
     """Whether FSDP2 all-gathers its units' FP8 linear weights in FP8 (precision.fp8_all_gather; torchao's
-    `enable_fsdp_float8_all_gather`): half of bf16's bytes on the wire and in the gathered unit, at the cost
-    of one scale reduction over all weights after each optimizer step. `auto`: on for fsdp2 with
-    precision.fp8 tensorwise (one scale per weight, which the gathered shards share) where the dense
-    parameters are sharded over `shards` = dp x cp > 1 ranks; off where nothing is gathered from others."""
+    `enable_fsdp_float8_all_gather`, tensorwise only): half of bf16's bytes on the wire and in the gathered
+    unit, at the cost of a cast of every weight on the host's side of each gather and one scale reduction
+    over all weights after each optimizer step. `auto`: off. On 2 x H200 (NVLink) the gather in FP8 made
+    the fsdp2 dp2 step slower in every launch (166.7 ms against 139.4-160.9 without it; bf16: 116.9 ms):
+    the step is bound by the host, and the casts add host work, while the wire was never the bound
+    (docs/PERFORMANCE.md). `true` trades that for the memory of the gathered units."""
     value = job.precision.fp8_all_gather
-    if value != "auto":
-        return value
-    fsdp = backend_traits(job.optimizer.backend).fsdp_units
-    return fsdp and job.precision.fp8 == "tensorwise" and shards > 1
+    return False if value == "auto" else value
