@@ -76,6 +76,17 @@ def test_expert_parallel_matches_one_process(tmp_path, world, layout):
     check_parity(tmp_path, world, layout, models=(True,))
 
 
+def unwritten_padding(experts):
+    """`experts` whose output rows past sum(counts) are NaN: rows a GEMM never wrote."""
+
+    def run(tokens, counts):
+        out = experts(tokens, counts)
+        padding = torch.arange(out.shape[0]) >= counts.sum()
+        return torch.where(padding.unsqueeze(-1), torch.full_like(out, float("nan")), out)
+
+    return run
+
+
 def _exchange_worker(rank, world, out):
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -95,7 +106,9 @@ def _exchange_worker(rank, world, out):
     }
     # the all-gather takes one length from every rank (the step pads to it: mlite.runtime.parallel.step.
     # equal_lengths); the all-to-all takes any (packed micro-batches differ in length)
-    rows = {"equal rows": (13, ("one process", "all_gather", "all_to_all")),
+    # all_gather bounded: its pair buffers sized for the most pairs (parallel.expert_buffers worst_case),
+    # the experts' output rows past the real pairs not finite, as torch's grouped matmul leaves them unwritten
+    rows = {"equal rows": (13, ("one process", "all_gather", "all_to_all", "all_gather bounded")),
             "unequal rows": (10 + 3 * rank, ("one process", "all_to_all"))}
     results = {}
     for (name, choices), (rows_name, (tokens, exchanges)) in itertools.product(routings.items(),
@@ -112,7 +125,9 @@ def _exchange_worker(rank, world, out):
                 y = local_dispatch(x, ids, w, experts, experts_n)
             else:
                 experts.set_local_view(lambda weight: weight[rank * local : (rank + 1) * local])
-                y = expert_parallel_dispatch(dist.group.WORLD, exchange)(x, ids, w, experts, experts_n)
+                bounded = exchange == "all_gather bounded"
+                dispatch = expert_parallel_dispatch(dist.group.WORLD, exchange.split()[0], bounded)
+                y = dispatch(x, ids, w, unwritten_padding(experts) if bounded else experts, experts_n)
             (y * torch.linspace(-1, 1, hidden, dtype=torch.float64)).square().sum().backward()
             grads = [p.grad.clone() for p in experts.parameters()]
             for grad in grads:  # every rank's tokens' share of the experts' gradients
@@ -127,19 +142,74 @@ def _exchange_worker(rank, world, out):
 def test_both_expert_exchanges_give_the_one_process_outputs_and_gradients(tmp_path, world):
     """The all-gather and the all-to-all exchange, forced on the same routing, give every rank the output,
     and the gradients of its tokens, router weights and experts, that running its tokens through all experts
-    gives (fp64, summed over ranks for the experts), including a routing whose pairs all land on one rank;
-    the all-to-all also with a different number of tokens on every rank."""
+    gives (fp64, summed over ranks for the experts), including a routing whose pairs all land on one rank
+    (which fills the all-gather's worst-case pair buffers, and leaves the others' all padding); the
+    all-to-all also with a different number of tokens on every rank."""
     out = tmp_path / "exchange"
     launch(world, _exchange_worker, str(out))
     for rank in range(world):
         for name, got in torch.load(f"{out}.{rank}").items():
             want = got["one process"]
-            assert len(got) == (2 if name.endswith("unequal rows") else 3), name
+            assert len(got) == (2 if name.endswith("unequal rows") else 4), name
             for exchange in set(got) - {"one process"}:
                 names = ("output", "tokens", "weights", "gate_up", "down")
                 for what, a, b in zip(names, got[exchange], want, strict=True):
                     assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), (rank, name, exchange, what)
                     assert b.abs().sum() > 0 or what in ("gate_up", "down")
+
+
+def _bounded_exchange_gpu_worker(rank, world, out):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from mlite.runtime.models.moe import Experts
+    from mlite.runtime.parallel.expert import expert_parallel_dispatch
+
+    experts_n, k, hidden, tokens = 16, 4, 256, 512  # top-4 at ep2: the all-gather exchange
+    local = experts_n // world
+    torch.manual_seed(0)
+    experts = Experts(experts_n, hidden, 128, F.silu).cuda().bfloat16()
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    experts.set_local_view(lambda weight: weight[rank * local : (rank + 1) * local])
+    g = torch.Generator(device="cuda").manual_seed(100 + rank)
+    x = torch.randn(tokens, hidden, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.rand(tokens, experts_n, generator=g, device="cuda").topk(k).indices
+    w = torch.rand(tokens, k, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    got = {}
+    for bounded in (False, True):
+        experts.zero_grad()
+        dispatch = expert_parallel_dispatch(dist.group.WORLD, "all_gather", bounded)
+        torch.cuda.synchronize()
+        if bounded:  # any host read of a device value now raises
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            y = dispatch(x, ids, w, experts, experts_n)
+            y.float().square().sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        got[bounded] = [y.detach().clone(), x.grad.clone(), w.grad.clone(),
+                        *(p.grad.clone() for p in experts.parameters())]
+        x.grad, w.grad = None, None
+    torch.save({name: [t.cpu() for t in ts] for name, ts in got.items()}, f"{out}.{rank}")
+
+
+@pytest.mark.gpu
+def test_gpu_bounded_pair_buffers_read_nothing_on_the_host_and_match_the_counted_ones(tmp_path):
+    """parallel.expert_buffers worst_case on 2 GPUs (NCCL, bf16, torch's grouped matmul, which leaves the
+    padding rows unwritten): the all-gather exchange reads no device value on the host, forward and
+    backward, and its output and gradients equal the exchange sized by the host-read pair count (bf16)."""
+    if torch.cuda.device_count() < 2:
+        pytest.fail(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+    out = tmp_path / "bounded"
+    launch(2, _bounded_exchange_gpu_worker, str(out), backend="nccl")
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        for what, a, b in zip(("output", "tokens", "weights", "gate_up", "down"), got[True], got[False],
+                              strict=True):
+            assert torch.isfinite(a).all(), (rank, what)
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-3, msg=f"{rank} {what}")
+            assert b.abs().sum() > 0, (rank, what)
 
 
 def _equal_lengths_worker(rank, world, out):

@@ -566,3 +566,20 @@ def test_fp8_all_gather_auto_resolves_into_the_plan():
                                                   "parallel.fsdp_reshard_after_forward=auto",
                                                   "precision.grad_reduce=auto"]))
     assert one.job.precision.fp8_all_gather == "auto" and not one.memory.fp8_all_gather  # no FSDP2 units
+
+
+def test_worst_case_pair_buffers_count_the_most_pairs_a_rank_can_be_sent():
+    """parallel.expert_buffers worst_case at ep2 on Qwen3-30B-A3B (64 experts a rank, top-8): the routed
+    copies double (each gathered token may send all 8 pairs here), kept or rebuilt under full recompute;
+    the exchange's allocator slack stays that of the counted buffers."""
+    def routed(extra):
+        plan = plan_job(load_job("qwen3_30b_a3b_sft", ["parallel.ep=2", *extra]))
+        return items(plan)
+
+    kept, worst = (routed(["recompute.granularity=selective", *extra])
+                   for extra in ([], ["parallel.expert_buffers=worst_case"]))
+    assert worst["activations: routed experts"] == pytest.approx(2 * kept["activations: routed experts"])
+    assert worst["expert exchange buffers"] == pytest.approx(kept["expert exchange buffers"])
+    full, full_worst = (routed(["recompute.granularity=full", *extra])
+                        for extra in ([], ["parallel.expert_buffers=worst_case"]))
+    assert full["recompute working set"] < full_worst["recompute working set"]

@@ -164,6 +164,15 @@ BAD_JOBS = [
     ("fsdp-embedding-offload", "qwen3_30b_a3b_sft",
      ["parallel.fsdp_embedding=rows", "offload.optimizer=true"],
      "offload.optimizer_fraction 1.0 moves everything to the host", None),
+    ("expert-buffers-dense", "demo_sft", ["parallel.expert_buffers=worst_case"],
+     "parallel.expert_buffers: worst_case sizes the expert exchange's buffers, and this model has no routed "
+     "experts", "sft"),
+    ("expert-buffers-ep1", "qwen3_30b_a3b_sft", ["parallel.ep=1", "parallel.expert_buffers=worst_case"],
+     "parallel.expert_buffers: worst_case sizes the expert exchange's buffers, and parallel.ep is 1", None),
+    ("expert-buffers-all-to-all", "demo_sft",
+     ["model.name=tiny-qwen3-moe", "cluster.gpus_per_node=4", "parallel.ep=4",
+      "parallel.expert_buffers=worst_case"],
+     "ep=4 above top_k=2 exchanges pairs by all-to-all, whose split sizes are read on the host", None),
     ("overlap-fsdp2", "demo_sft", ["optimizer.overlap_grad_reduce=false"],
      "optimizer.overlap_grad_reduce: false turns off dist_opt's overlap, and optimizer.backend is fsdp2",
      "sft"),
@@ -364,6 +373,7 @@ for preset, overrides in jobs:
     policy.process_group(job, 2), policy.fsdp_units(job, 2), policy.rollout_expert_parallel(job, arch)
     policy.vllm_v4_fp8(job, arch), policy.vllm_fp8_misfit(arch, 8, False), policy.vllm_v4_width_misfit(arch)
     policy.vllm_weight_bytes(arch, 2, True), policy.fp8_all_gather(job)
+    policy.expert_pair_rows(2, 8, 2, 4)
     try:
         rules.check_dist_opt_adapter(job, job.parallel)
     except MliteError:
@@ -568,3 +578,12 @@ def test_vllm_v4_widths_that_its_small_batch_mhc_kernel_skips(hidden, fits):
             rules.check_rollout(job, arch, 8)
     rules.check_rollout(load_job("demo_grpo", ["model.name=small-deepseek-v4", "model.path=null"]), arch, 8)
     assert policy.vllm_v4_width_misfit(resolve_arch(load_job("demo_grpo").model)) is None  # not V4
+
+
+def test_expert_pair_rows_is_the_most_pairs_one_rank_can_be_sent():
+    """parallel.expert_buffers worst_case: every gathered token's top_k distinct experts, at most all of this
+    rank's: Qwen3-30B-A3B at ep2 (64 experts a rank) holds 8 pairs a gathered token, twice a balanced
+    router's share; with 4 experts a rank a token sends it 4 at most."""
+    assert policy.expert_pair_rows(2, 4096, 8, 64) == 2 * 4096 * 8
+    assert policy.expert_pair_rows(4, 4096, 8, 4) == 4 * 4096 * 4
+    assert policy.expert_pair_rows(2, 0, 8, 64) == 0

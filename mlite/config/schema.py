@@ -130,6 +130,12 @@ class ParallelConfig(Section):
     # tokens x hidden elements a micro-batch, and each rank's gradient rows come out complete, nothing to
     # reduce; micro-batches are padded to one length on every rank for it)
     fsdp_embedding: Literal["gathered", "rows"] = "gathered"
+    # the all-gather expert exchange's buffers of this rank's (token, expert) pairs: `exact` sizes them by
+    # the pair count, which the host reads once a layer (it waits there for the router); `worst_case` sizes
+    # them for the most pairs the rank can be sent (ep x tokens x min(top_k, its experts):
+    # mlite.plan.policy.expert_pair_rows), so the exchange reads nothing on the host, at that buffer's
+    # memory (the planner counts it); the GEMMs run the real pairs only
+    expert_buffers: Literal["exact", "worst_case"] = "exact"
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -17,6 +17,7 @@ from mlite.config.schema import JobConfig
 from mlite.plan.policy import (
     SYNC_BUCKET_BYTES,
     expert_exchange,
+    expert_pair_rows,
     fp8_all_gather,
     fsdp_units,
     grad_reduce_dtype,
@@ -474,16 +475,20 @@ def _activation_items(ledger: _Ledger, job: JobConfig, arch: ModelArch, layout: 
     layers = layout.stage_layers[stage]
     r = job.recompute
     per_layer = [layer_activation_bytes(arch, i, act, r.granularity, job.data.seq_len) for i in layers]
-    base, routed, working = _kept_activations(arch, job, per_layer, act)
+    worst = _worst_case_pairs(job, arch, layout)
+    # the routed copies (and their share of a recompute group) in buffers sized for the most pairs
+    base, routed, working = _kept_activations(arch, job, [(a, b * worst) for a, b in per_layer], act)
     flight = in_flight_micro_batches(layout, stage)
     note = f"{tokens:.0f} tokens/GPU/micro-batch x {flight:g} in flight, recompute {r.granularity}"
     ledger.put("activations", base * tokens * flight, note)
     if arch.moe is not None:
         ledger.put("activations: routed experts", routed * tokens * flight,
-                   f"top-{arch.moe.top_k} token copies")
+                   f"top-{arch.moe.top_k} token copies" + (
+                       f", x{worst:g} in buffers for the most pairs a rank can be sent "
+                       "(parallel.expert_buffers worst_case)" if worst > 1 else ""))
         if layout.ep > 1:
             exchange = expert_exchange(layout.ep, arch.moe.top_k).replace("_", "-")
-            ledger.put("expert exchange buffers", EP_EXCHANGE_SLACK * routed * tokens * flight,
+            ledger.put("expert exchange buffers", EP_EXCHANGE_SLACK * routed / worst * tokens * flight,
                        f"ep={layout.ep} {exchange}: buffers of a new size every layer, kept by the allocator")
     if working:
         ledger.put("recompute working set", working * tokens, f"one group of {r.num_layers} layer(s) rebuilt")
@@ -503,6 +508,15 @@ def _activation_items(ledger: _Ledger, job: JobConfig, arch: ModelArch, layout: 
         ledger.put("logits", logit_tokens * arch.vocab / layout.tp * per_logit,
                    f"one chunk of {logit_tokens:.0f} tokens x vocab/tp: logits + their gradient"
                    + (", + fp32 log-softmax and entropy, recomputed" if entropy else ""))
+
+
+def _worst_case_pairs(job: JobConfig, arch: ModelArch, layout: Layout) -> float:
+    """How many times a balanced router's top_k pairs a token the expert exchange's pair buffers hold: 1, or
+    under parallel.expert_buffers worst_case the most pairs a rank can be sent (policy.expert_pair_rows)."""
+    if arch.moe is None or layout.ep == 1 or job.parallel.expert_buffers != "worst_case":
+        return 1.0
+    k = arch.moe.top_k
+    return expert_pair_rows(layout.ep, 1, k, arch.moe.num_experts // layout.ep) / k
 
 
 def _kept_activations(arch: ModelArch, job: JobConfig, per_layer: list[tuple[float, float]],

@@ -4,6 +4,7 @@ the job with them once, so the runtime reads the choice from the plan instead of
 
     grad_reduce_dtype(job)                       # precision.grad_reduce `auto`: the masters' dtype
     expert_exchange(ep, top_k)                   # all_gather or all_to_all under expert parallel
+    expert_pair_rows(ep, tokens, top_k, local)   # parallel.expert_buffers worst_case: the pair buffers' rows
     equal_micro_batch_lengths(ep, top_k, rows)   # whether a step pads each micro-batch to one length
     process_group(job, world_size)               # whether the run starts a process group and meshes
     fsdp_units(job, world_size)                  # whether its parameters live in FSDP2 units
@@ -51,6 +52,14 @@ def expert_exchange(ep: int, top_k: int) -> str:
     counts). Otherwise (DeepSeek-V4's top-6 at ep8: 7 rows against 5.25) the per-pair all-to-all moves
     less."""
     return "all_gather" if ep <= top_k else "all_to_all"
+
+
+def expert_pair_rows(ep: int, tokens: int, top_k: int, local_experts: int) -> int:
+    """parallel.expert_buffers worst_case: the most (token, expert) pairs one rank of the all-gather exchange
+    can be sent, what its pair buffers hold: each of the ep x `tokens` gathered tokens picks top_k distinct
+    experts, at most `local_experts` of them this rank's. Known from the shapes, so nothing is read on the
+    host; at ep2 with Qwen3's top-8 it is twice the pairs a balanced router sends."""
+    return ep * tokens * min(top_k, local_experts)
 
 
 def equal_micro_batch_lengths(ep: int, top_k: int | None, embedding_rows: bool = False) -> bool:

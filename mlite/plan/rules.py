@@ -42,7 +42,13 @@ from mlite.config.backends import backend_traits
 from mlite.config.catalog import GPU_COMPUTE_CAPABILITY
 from mlite.config.schema import JobConfig
 from mlite.errors import MliteError
-from mlite.plan.policy import fp8_emulated, rollout_expert_parallel, vllm_fp8_misfit, vllm_v4_width_misfit
+from mlite.plan.policy import (
+    expert_exchange,
+    fp8_emulated,
+    rollout_expert_parallel,
+    vllm_fp8_misfit,
+    vllm_v4_width_misfit,
+)
 
 MATRIX = "docs/PLANNER.md, backend matrix"
 
@@ -538,6 +544,7 @@ def check_runtime_keys(
     check_fsdp_one_rank(job, world_size)
     check_fsdp_units(job, world_size)
     check_fsdp_embedding(job, arch)
+    check_expert_buffers(job, arch)
     check_overlaps(job)
     check_fp8(job, arch, world_size, device_type)
     check_backend_trained(job, device_type, has_megatron)
@@ -971,6 +978,23 @@ def check_fsdp_embedding(job: JobConfig, arch: ModelArch) -> None:
             "and offload.optimizer_fraction 1.0 moves everything to the host; use parallel.fsdp_embedding: "
             "gathered, or a lower fraction"
         )
+
+
+def check_expert_buffers(job: JobConfig, arch: ModelArch) -> None:
+    """parallel.expert_buffers worst_case sizes the all-gather exchange's pair buffers: it needs that
+    exchange, so a MoE model under ep > 1 with ep <= top_k (policy.expert_exchange)."""
+    ep = job.parallel.ep
+    if job.parallel.expert_buffers != "worst_case":
+        return
+    if arch.moe is None or ep == 1:
+        raise MliteError("parallel.expert_buffers: worst_case sizes the expert exchange's buffers, and "
+                         f"{'this model has no routed experts' if arch.moe is None else 'parallel.ep is 1'}; "
+                         "remove it, or set parallel.ep above 1 on a MoE model")
+    if expert_exchange(ep, arch.moe.top_k) != "all_gather":
+        raise MliteError(f"parallel.expert_buffers: worst_case sizes the all-gather exchange's buffers, and "
+                         f"ep={ep} above top_k={arch.moe.top_k} exchanges pairs by all-to-all, whose split "
+                         f"sizes are read on the host; set parallel.ep to {arch.moe.top_k} or less, or "
+                         "parallel.expert_buffers: exact")
 
 
 def check_overlaps(job: JobConfig) -> None:

@@ -1,8 +1,11 @@
 """One matmul per expert over rows already grouped by expert.
 
 Expert weights are stacked like nn.Linear weights, [E, out, in], so expert parallel shards dim 0 and the
-HF per-expert tensors stack without transposes. torch's grouped matmul runs all experts in one kernel on CUDA
-(bf16, 16-byte aligned dims); elsewhere a loop over experts computes the same product.
+HF per-expert tensors stack without transposes. torch's grouped matmul runs all experts in one kernel on
+CUDA (bf16, 16-byte aligned dims); elsewhere a loop over experts computes the same product. Rows past
+sum(counts) are padding (a buffer sized for the most rows there could be, mlite.runtime.parallel.expert):
+no GEMM reads them, and their output rows are unspecified (torch's grouped matmul leaves them unwritten;
+they get no gradient either).
 
 FP8 (`fp8="rowwise"`, precision.fp8): torchao's rowwise FP8 grouped GEMM on CUDA, each expert's rows padded to
 a multiple of 16 (the kernel's group alignment) and unpadded after; where it cannot run (not CUDA, widths
@@ -25,9 +28,11 @@ FP8_GROUP_ROWS = 16  # the FP8 grouped GEMM's alignment of each group's rows
 
 
 def grouped_gemm_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """x [M, in] (counts[e] rows for expert e, in order), w [E, out, in] -> [M, out]."""
-    outs = [rows @ w[e].t() for e, rows in enumerate(torch.split(x, counts.tolist()))]
-    return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
+    """x [M, in] (counts[e] rows for expert e, in order, then padding), w [E, out, in] -> [M, out]."""
+    sizes = counts.tolist()
+    groups = torch.split(x, [*sizes, x.shape[0] - sum(sizes)])
+    outs = [rows @ w[e].t() for e, rows in enumerate(groups[:-1])]
+    return torch.cat([*outs, x.new_zeros(groups[-1].shape[0], w.shape[1])])
 
 
 def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -68,13 +73,16 @@ def _fp8_grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def grouped_gemm_fp8(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """torchao's rowwise FP8 grouped GEMM over groups padded to 16 rows. The padded buffer's size is known
-    from the shapes (M + 15 E rows, rounded to 16), so nothing waits on the counts (no host sync)."""
+    from the shapes (M + 15 E rows, rounded to 16), so nothing waits on the counts (no host sync). x's
+    padding rows (past sum(counts)) land after the last group, which no GEMM reads."""
     experts, m = counts.shape[0], x.shape[0]
     counts = counts.long()
+    counts = torch.cat([counts, (m - counts.sum()).reshape(1)])  # x's padding as a last group, not run
     padded = (counts + FP8_GROUP_ROWS - 1) // FP8_GROUP_ROWS * FP8_GROUP_ROWS
     starts, padded_ends = torch.cumsum(counts, 0) - counts, torch.cumsum(padded, 0)
-    group = torch.repeat_interleave(torch.arange(experts, device=x.device), counts, output_size=m)
+    group = torch.repeat_interleave(torch.arange(experts + 1, device=x.device), counts, output_size=m)
     rows = torch.arange(m, device=x.device) - starts[group] + (padded_ends - padded)[group]
+    padded_ends = padded_ends[:-1]
     capacity = -(-(m + (FP8_GROUP_ROWS - 1) * experts) // FP8_GROUP_ROWS) * FP8_GROUP_ROWS
     a = x.new_zeros(capacity, x.shape[1]).index_copy(0, rows, x)
     # bf16 out: what the FP8 grouped kernel writes (the runtime's FP8 compute dtype)
@@ -99,18 +107,21 @@ class _EmulatedFp8GroupedGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, counts):
         ctx.save_for_backward(x, w)
-        ctx.sizes = counts.tolist()
-        outs = [fp8_round(rows, -1) @ fp8_round(w[e], -1).t() for e, rows in enumerate(x.split(ctx.sizes))]
-        return torch.cat(outs).to(x.dtype) if outs else x.new_zeros(0, w.shape[1])
+        sizes = counts.tolist()
+        ctx.sizes = [*sizes, x.shape[0] - sum(sizes)]  # the last: padding rows, not run
+        groups = x.split(ctx.sizes)[:-1]
+        outs = [fp8_round(rows, -1) @ fp8_round(w[e], -1).t() for e, rows in enumerate(groups)]
+        return torch.cat([*outs, x.new_zeros(ctx.sizes[-1], w.shape[1])]).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
         grad_x, grad_w = [], torch.zeros_like(w, dtype=torch.float32)
-        for e, (g, rows) in enumerate(zip(grad.split(ctx.sizes), x.split(ctx.sizes))):
+        for e, (g, rows) in enumerate(zip(grad.split(ctx.sizes)[:-1], x.split(ctx.sizes)[:-1])):
             grad_x.append(fp8_round(g, -1) @ fp8_round(w[e], 0))
             if rows.shape[0]:  # an expert without tokens gets no gradient
                 grad_w[e] = fp8_round(g, 0).t() @ fp8_round(rows, 0)
+        grad_x.append(x.new_zeros(ctx.sizes[-1], x.shape[1]))
         return torch.cat(grad_x).to(x.dtype), grad_w.to(w.dtype), None
 
 

@@ -1,4 +1,5 @@
-"""Sums of consecutive runs of rows: [sum(lengths), H] -> [len(lengths), H], an empty run giving 0.
+"""Sums of consecutive runs of rows: [sum(lengths), H] -> [len(lengths), H], an empty run giving 0. Rows
+past the last run (a buffer sized for the most rows there could be) are left out, and get no gradient.
 
 The all-gather expert exchange (mlite.runtime.parallel.expert) sums each gathered token's local (token,
 expert) pairs with it, forward and backward. Each run is added in order in fp32 (or the rows' wider
@@ -54,11 +55,13 @@ def _triton_fits(rows: torch.Tensor) -> bool:
 
 @torch.library.custom_op("mlite::segment_sum", mutates_args=())
 def segment_sum(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """rows [sum(lengths), ...], lengths [S] (int64, on rows' device) -> [S, ...]: each run of rows summed
-    in fp32 (or the rows' wider dtype), stored in the rows' dtype."""
+    """rows [at least sum(lengths), ...], lengths [S] (int64, on rows' device) -> [S, ...]: each run of rows
+    summed in fp32 (or the rows' wider dtype), stored in the rows' dtype; rows past the runs left out."""
     if not _triton_fits(rows):
+        # the rows past the runs as one more run, dropped: its length stays on the device
+        lengths = torch.cat([lengths, (rows.shape[0] - lengths.sum()).reshape(1)])
         summed = torch.segment_reduce(rows.to(accumulated(rows)), "sum", lengths=lengths, unsafe=True)
-        return summed.to(rows.dtype)
+        return summed[:-1].to(rows.dtype)
     flat = rows.reshape(rows.shape[0], -1).contiguous()
     out = flat.new_empty(lengths.shape[0], flat.shape[1])
     if out.numel():
@@ -82,6 +85,9 @@ def _save_lengths(ctx, inputs, output):
 
 def _segment_sum_backward(ctx, grad):
     (lengths,) = ctx.saved_tensors
+    # the rows past the runs take a zero row's gradient (one more run), with no host read of their number
+    lengths = torch.cat([lengths, (ctx.rows - lengths.sum()).reshape(1)])
+    grad = torch.cat([grad, grad.new_zeros(1, *grad.shape[1:])])
     return grad.repeat_interleave(lengths, dim=0, output_size=ctx.rows), None
 
 

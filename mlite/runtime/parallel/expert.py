@@ -5,7 +5,9 @@ or dropped. Experts are stacked [E, ...] parameters; ep rank r holds experts [r 
 Two exchanges (`mlite.plan.policy.expert_exchange` picks by ep and top_k, so the planner sizes the same one):
 - `all_gather`: every rank gathers every token of the ep group (fixed sizes), runs its experts' pairs,
   sums each token's local pairs weighted, and the partial sums go home by an all-to-all of fixed splits,
-  added in fp32 there;
+  added in fp32 there. Its pair buffers hold this rank's pair count, read on the host once a layer, or
+  (`bounded`, parallel.expert_buffers worst_case) the most pairs the rank can be sent, so nothing is read
+  on the host: the rows past the real pairs are padding that no GEMM runs and no sum reads;
 - `all_to_all`: one row per routed (token, expert) pair, sent to the expert's rank and back; the split
   sizes are exchanged first.
 
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor
 
+from mlite.plan.policy import expert_pair_rows
 from mlite.runtime.kernels.segment_sum import segment_sum
 from mlite.runtime.models.moe import (
     ExpertsFn,
@@ -35,15 +38,18 @@ from mlite.runtime.models.moe import (
 )
 
 
-def expert_parallel_dispatch(group: dist.ProcessGroup, exchange: str):
+def expert_parallel_dispatch(group: dist.ProcessGroup, exchange: str, bounded: bool = False):
     """The MoE block's `dispatch` under expert parallel over `group` (mlite.runtime.models.moe.DispatchFn),
-    by `exchange` (`all_gather` or `all_to_all`, from mlite.plan.policy.expert_exchange)."""
+    by `exchange` (`all_gather` or `all_to_all`, from mlite.plan.policy.expert_exchange); `bounded`: the
+    all-gather's pair buffers sized for the most pairs (module docstring)."""
     if exchange not in ("all_gather", "all_to_all"):
         raise ValueError(f"expert exchange {exchange!r}: all_gather or all_to_all")
+    if bounded and exchange != "all_gather":
+        raise ValueError("bounded pair buffers are the all_gather exchange's")
 
     def dispatch(hidden, expert_ids, weights, experts: ExpertsFn, num_experts: int) -> torch.Tensor:
         if exchange == "all_gather":
-            return _gathered(hidden, expert_ids, weights, experts, num_experts, group)
+            return _gathered(hidden, expert_ids, weights, experts, num_experts, group, bounded)
         order, routed, counts = group_by_expert(hidden, expert_ids, num_experts)
         out = _across_ranks(routed, counts, experts, num_experts, dist.get_world_size(group), group)
         return combine(out, order, weights)
@@ -104,29 +110,41 @@ def _block_permutation(counts: torch.Tensor, total: int) -> torch.Tensor:
     return torch.argsort((block % b) * a + block // b, stable=True)
 
 
-def _gathered(hidden, expert_ids, weights, experts, num_experts, group) -> torch.Tensor:
+def _gathered(hidden, expert_ids, weights, experts, num_experts, group, bounded=False) -> torch.Tensor:
     """The `all_gather` exchange: [N, H] -> [N, H], every rank's tokens seen by every rank of `group`. Every
     rank holds the same N: the step pads the micro-batches to one length (mlite.plan.policy.
-    equal_micro_batch_lengths), so the gathers' blocks are equal without a read of the group's longest."""
-    me, k = dist.get_rank(group), expert_ids.shape[1]
-    local = num_experts // dist.get_world_size(group)
+    equal_micro_batch_lengths), so the gathers' blocks are equal without a read of the group's longest.
+    `bounded`: the pair buffers hold expert_pair_rows rows, the real pairs first (module docstring)."""
+    ep, me, k = dist.get_world_size(group), dist.get_rank(group), expert_ids.shape[1]
+    local = num_experts // ep
     # the routing of every token of the group: weights (differentiable) and expert ids, exact in fp32
     wide = accumulated(weights)
     routing = _gather_rows(torch.cat([weights.to(wide), expert_ids.to(wide)], 1), group)  # [ep*N, 2k]
     gathered_weights, gathered_ids = routing[:, :k], routing[:, k:].long()
     mine = gathered_ids // local == me  # [ep*N, k]: which pairs run here
-    pairs, tokens = _count_then_gather_rows(mine.sum(), hidden, group)  # tokens: [ep*N, H]
+    if bounded:
+        rows = expert_pair_rows(ep, hidden.shape[0], k, local)
+        tokens = _gather_rows(hidden, group)  # tokens: [ep*N, H]
+    else:
+        rows, tokens = _count_then_gather_rows(mine.sum(), hidden, group)
     # this rank's pairs in (token, choice) order, then grouped by local expert for the grouped GEMM
-    position = torch.argsort((~mine).reshape(-1).to(torch.int8), stable=True)[:pairs]
+    position = torch.argsort((~mine).reshape(-1).to(torch.int8), stable=True)[:rows]
     expert = gathered_ids.reshape(-1)[position] - me * local
+    if bounded:  # the rows past the real pairs: an expert past the last, so they sort after every group
+        real = torch.arange(rows, device=expert.device) < mine.sum()
+        expert = torch.where(real, expert, local)
     order = torch.argsort(expert, stable=True)
     by_token = inverse_permutation(order)
     fan = mine.sum(1)  # pairs of each gathered token that run here (0 to k)
     routed = _GatherRepeated.apply(tokens, (position // k)[order], by_token, fan)
-    out = experts(routed, expert_counts(expert, local))
-    pair_weights = gathered_weights.reshape(-1)[position].to(out.dtype).unsqueeze(-1)  # [pairs, 1]
-    # each gathered token's local pairs, weighted and summed here: one row a token goes home, not k
-    partial = segment_sum(gather_rows(out, by_token, order) * pair_weights, fan)
+    out = experts(routed, expert_counts(expert, local + 1)[:local])
+    pair_weights = gathered_weights.reshape(-1)[position].to(out.dtype).unsqueeze(-1)  # [rows, 1]
+    by_pair = gather_rows(out, by_token, order)
+    if bounded:  # the padding's output rows are unspecified (unwritten, maybe not finite): zero them
+        by_pair = torch.where(real.unsqueeze(-1), by_pair, 0)
+    # each gathered token's local pairs, weighted and summed here: one row a token goes home, not k (the
+    # sums read the real pairs only, which come first)
+    partial = segment_sum(by_pair * pair_weights, fan)
     return _sum_home(partial, group)
 
 

@@ -120,9 +120,10 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
         parallelize_module(layer, tp, plan)
 
 
-def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, exchange: str) -> None:
+def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, exchange: str, bounded: bool = False) -> None:
     """Keep this ep rank's slice of the stacked experts; tokens reach them by `exchange`, the plan's choice
-    (`all_gather` or `all_to_all`: mlite.plan.Plan.expert_exchange, by mlite.plan.policy.expert_exchange).
+    (`all_gather` or `all_to_all`: mlite.plan.Plan.expert_exchange, by mlite.plan.policy.expert_exchange),
+    its pair buffers `bounded` under parallel.expert_buffers worst_case.
 
     The stacked parameters become DTensors split on dim 0 over `ep`: their global shape stays [E, ...], so
     checkpoints name and shape them the same under any ep (resume ep2 -> ep1). The experts' own forward
@@ -138,7 +139,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, exchange: str) -
             continue
         dispatch = local_dispatch
         if ep.size() > 1:
-            dispatch = expert_parallel_dispatch(ep.get_group(), exchange)
+            dispatch = expert_parallel_dispatch(ep.get_group(), exchange, bounded)
             experts = layer.mlp.experts
             for name, param in list(experts.named_parameters(recurse=False)):
                 # every rank slices its own experts (src_data_rank=None: no scatter), so this also lays out
@@ -311,7 +312,7 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, devi
         cp_group = None
     apply_recompute(model, rc.granularity, rc.method, rc.num_layers, cp_group,
                     compile_blocks=job.model.compile)
-    apply_expert_parallel(model, mesh, exchange)
+    apply_expert_parallel(model, mesh, exchange, bounded=job.parallel.expert_buffers == "worst_case")
     if not fsdp_units:  # the backend shards the optimizer and reduces the gradients itself (dist_opt)
         return model
     par = job.parallel
