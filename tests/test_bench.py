@@ -72,6 +72,7 @@ def test_tiny_case_runs_the_runtime_and_hf_and_reports_sane_figures(tmp_path):
     assert abs(mlite_side.extra["loss"] - math.log(arch.vocab)) < 0.5
     assert 0 < mlite_side.extra["grad_norm"] < math.inf
     assert mlite_side.estimate_gb is None  # the planner estimates GPU memory; a CPU run has no peak
+    assert "choices" not in mlite_side.extra
     write_results(results, tmp_path / "r.json", {"device": "cpu"})
     assert '"side": "hf"' in (tmp_path / "r.json").read_text()
     assert render_table(results).row_count == 2
@@ -452,6 +453,23 @@ def test_the_planners_estimate_takes_the_set_keys_too():
     dense = planner_estimate_gb(CASES["dense-1.7b-4k"], case_arch(CASES["dense-1.7b-4k"]), "h100")
     assert planner_estimate_gb(CASES["dense-1.7b-4k"], case_arch(CASES["dense-1.7b-4k"]), "h100",
                                ["recompute.granularity=full"]) < dense
+
+
+def test_each_result_records_the_plans_resolved_choices():
+    """A result on a GPU the planner knows records what its `auto` keys resolved to (mlite plan's choices,
+    the --set keys applied), so a later planner can be held to the job that ran, not today's defaults."""
+    import json
+
+    from mlite.bench.cases import CASES, case_arch, case_plan
+    from mlite.bench.run import run_case
+
+    case = CASES["tiny-cpu"]
+    (ours,) = run_case(case, "cpu", steps=1, warmup=1, sides=("mlite",), gpu="h100",
+                       overrides=["parallel.fsdp_one_rank=true"])
+    plan = case_plan(case, case_arch(case), "h100", ["parallel.fsdp_one_rank=true"])
+    assert ours.extra["choices"] == json.loads(json.dumps(plan.choices()))
+    assert ours.extra["choices"]["fsdp_unit_layers"] is not None  # FSDP2's units, resolved by the plan
+    assert ours.estimate_gb == plan.memory.train_gb
 
 
 def test_set_of_a_layout_key_is_refused_for_multi_gpu_cases_in_one_line():

@@ -174,6 +174,13 @@ def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str,
                         overrides: Sequence[str] = ()) -> float | None:
     """The planner's per-GPU peak for this case (its backend and precision, as benchmarked), with
     the run's `--set` keys (optimizer state, recompute) applied as they are to the Runtime's job."""
+    plan = case_plan(case, arch, gpu, overrides)
+    return plan.memory.train_gb if plan is not None else None
+
+
+def case_plan(case: BenchCase, arch: ModelArch, gpu: str, overrides: Sequence[str] = ()):
+    """The planner's plan of this case on `gpu` (None off the GPUs it knows): its memory, and the choices it
+    resolved for the `auto` keys, which the bench records beside each result."""
     from mlite.config import apply_overrides, job_from_dict
     from mlite.plan import plan_job
 
@@ -188,7 +195,7 @@ def planner_estimate_gb(case: BenchCase, arch: ModelArch, gpu: str,
         "data": {"seq_len": case.seq_len, "micro_batch_size": 1, "global_batch_size": case.dp * case.accum,
                  "dynamic_batch": False},
     }, overrides))
-    return plan_job(job, arch).memory.train_gb
+    return plan_job(job, arch)
 
 
 def mixed_lengths(total_tokens: int, seed: int = 0, shortest: int = 256) -> list[int]:

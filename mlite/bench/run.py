@@ -15,9 +15,9 @@ from mlite.bench.cases import (
     BenchCase,
     case_arch,
     case_job,
+    case_plan,
     case_precision,
     case_seq_lens,
-    planner_estimate_gb,
     random_sequences,
     replica_seed,
 )
@@ -59,10 +59,11 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
         else:
             m = measure(lambda: hf_step_fn(arch, sequences, device, case.accum), device, steps, warmup)
         tps = tokens / (m.timing.median_ms / 1e3)
+        plan = case_plan(case, arch, gpu, overrides) if side == "mlite" else None
         results.append(BenchResult(
             case=case.name, side=side, tokens_per_step=tokens, step_ms=m.timing.median_ms, tokens_per_s=tps,
             flops_per_token=fpt, mfu=mfu(arch, seq_lens, tps, peak_tflops), peak_gb=m.peak_gb,
-            estimate_gb=planner_estimate_gb(case, arch, gpu, overrides) if side == "mlite" else None,
+            estimate_gb=plan.memory.train_gb if plan is not None else None,
             device=device,
             extra={"seq_lens": seq_lens if len(seq_lens) < 64 else len(seq_lens),
                    "step_ms_all": m.timing.step_ms, "wall_ms_per_step": m.timing.wall_ms,
@@ -70,6 +71,7 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
                    "peak_allocated_gb": m.allocated_gb, "accum": case.accum,
                    "outside_allocator_gb": m.outside_allocator_gb,
                    **({"overrides": list(overrides)} if side == "mlite" and overrides else {}),
+                   **({"choices": plan.choices()} if plan is not None else {}),
                    **({"torchtitan": titan_version(), "fp8": case.fp8} if side == "torchtitan" else {}),
                    **m.last},
         ))
@@ -158,17 +160,20 @@ def _parallel_case(case: BenchCase, single: Measured, device: str, steps: int, w
          sum(ms for _generation, ms in par.timing.gc_passes)], dist.ReduceOp.MAX)
     tokens = sum(seq_lens) * case.accum * dims.dp
     tps = tokens / (slowest / 1e3)
+    plan = case_plan(case, arch, gpu, overrides)
     return [
         BenchResult(case=case.name, side=f"mlite x{world}", tokens_per_step=tokens, step_ms=slowest,
                     tokens_per_s=tps, flops_per_token=fpt, mfu=mfu(arch, seq_lens, tps / world, peak_tflops),
-                    peak_gb=par_peak, estimate_gb=planner_estimate_gb(case, arch, gpu, overrides),
+                    peak_gb=par_peak, estimate_gb=plan.memory.train_gb if plan is not None else None,
                     device=device,
                     extra={"scaling": tps / single_tps, "world": world, "peak_allocated_gb": par_alloc,
                            "outside_allocator_gb": par_outside, **bus,
                            "accum": case.accum, "step_ms_all": par.timing.step_ms,
                            "wall_ms_per_step": par.timing.wall_ms, "gc_passes": par.timing.gc_passes,
                            "gc_ms_slowest_rank": par_gc_ms,
-                           **({"overrides": list(overrides)} if overrides else {}), **par.last}),
+                           **({"overrides": list(overrides)} if overrides else {}),
+                           # what the planner resolved the case's `auto` keys to (mlite plan's choices)
+                           **({"choices": plan.choices()} if plan is not None else {}), **par.last}),
         BenchResult(case=case.name, side=f"{world} x one GPU", tokens_per_step=single_tokens * world,
                     step_ms=single.timing.median_ms, tokens_per_s=single_tps, flops_per_token=fpt,
                     mfu=mfu(arch, seq_lens, single_tps / world, peak_tflops), peak_gb=single_peak,
