@@ -12,6 +12,9 @@
 #                                alone on the machine (LIMIT per case; NUMA=exclusive: each rank bound to
 #                                its own cores by torchrun --numa-binding, the A/B for a host-late rank)
 #   scripts/gpu_multi.sh profile the same two cases (CASES: others) through scripts/profile_step.py (LIMIT per case)
+#   scripts/gpu_multi.sh ab      a paired A/B of one job key on the 4-GPU MoE case (scripts/ab_step.py
+#                                --interleave): the ep exchange's pair buffers counted on the host against
+#                                sized for the worst case (AB_CASE, AB_KEY: another case or key)
 #   scripts/gpu_multi.sh vllm    GRPO with vLLM over the ranks (tests/test_vllm_gpu.py -k several_gpus, 2 and 4
 #                                GPUs), then the 2-GPU rollout bench: 2 engines of tp1 on GPUs 0,1 beside one of
 #                                tp2 on GPUs 2,3 (carry .whl and .vllm1: scripts/vllm_bundle.sh)
@@ -20,7 +23,7 @@
 #                                .verl1, mlite.egg-info and the pydantic wheels: scripts/gpu_verl_env.sh)
 # Each piece has its own time limit, so one that hangs leaves the others' results.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile|vllm|vllm1}
+part=${1:?usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile|ab|vllm|vllm1}
 out=${OUT:-runs/gpu_multi}
 mkdir -p "$out"
 # shellcheck source=scripts/gpu_env.sh
@@ -93,6 +96,12 @@ case $part in
       echo "profile $case: exit $?"; grep -E "^step|^rank 0|^compiled|^host" "$out/profile-$case.txt"
     done
     ;;
+  ab)  # alone on the machine: both variants built once, taking turns in short blocks
+    timeout "${LIMIT:-420}" torchrun --standalone --nproc-per-node 4 scripts/ab_step.py \
+      "${AB_CASE:-moe-30b-a3b-8l-4k-ep4}" --interleave --rounds 8 --steps 3 --variant "" \
+      --variant "${AB_KEY:-parallel.expert_buffers=worst_case}" >"$out/ab.log" 2>&1
+    echo "ab: exit $?"; tail -12 "$out/ab.log"
+    ;;
   vllm)  # the tests use every GPU in turn; the two rollout benches share the machine, two GPUs each
     # shellcheck source=scripts/gpu_vllm_env.sh
     . scripts/gpu_vllm_env.sh
@@ -118,5 +127,5 @@ case $part in
     timeout "${LIMIT:-300}" "${PYTEST[@]}" -m "gpu and vllm" tests/test_verl_grpo.py -s >"$out/verl-vllm.log" 2>&1
     echo "verl main_ppo + vLLM: exit $?"; grep -E "^step [0-9]|PASSED|FAILED|passed|failed" "$out/verl-vllm.log"
     ;;
-  *) echo "usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile|vllm|vllm1" >&2; exit 2 ;;
+  *) echo "usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile|ab|vllm|vllm1" >&2; exit 2 ;;
 esac
