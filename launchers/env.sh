@@ -32,6 +32,14 @@ export RAY_USAGE_STATS_ENABLED=${RAY_USAGE_STATS_ENABLED:-0}             # clust
 # slurm/lib/job.sh makes one per job (RAY_AUTH_TOKEN_PATH); a local ray.init() makes ~/.ray/auth_token.
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 
+# --- torch.compile's caches: Inductor's compiled graphs and Triton's kernels (with their autotuning choices) in
+# one place that outlives the job, so a restart, a requeue or the next job of the same model loads them
+# instead of compiling again (Triton's defaults are node-local: /tmp, ~/.triton). Both write each entry by
+# an atomic rename, so ranks and nodes can share the folder. MLITE_COMPILE_CACHE moves both.
+MLITE_COMPILE_CACHE=${MLITE_COMPILE_CACHE:-$HOME/.cache/mlite/compile}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$MLITE_COMPILE_CACHE/inductor}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$MLITE_COMPILE_CACHE/triton}
+
 # --- Python and tokenizers
 export PYTHONUNBUFFERED=${PYTHONUNBUFFERED:-1}                           # log lines appear as they happen
 export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}           # no fork warnings from HF tokenizers in data workers

@@ -277,27 +277,35 @@ def test_grpo_with_trainer_verl_hands_over_to_verl_grpo():
     other = run(["launchers/grpo.sh"], {**env, "NODE_RANK": "1"})
     assert other.returncode == 0 and other.stdout == "" and "node 0 only" in other.stderr
 
-def test_shared_env_defaults_and_overrides():
+def test_shared_env_defaults_and_overrides(tmp_path):
     script = (
         'source launchers/env.sh; echo "$CUDA_DEVICE_MAX_CONNECTIONS $NCCL_NVLS_ENABLE $PYTHONUNBUFFERED '
-        '$PYTORCH_CUDA_ALLOC_CONF $TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"'
+        '$PYTORCH_CUDA_ALLOC_CONF $TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC $TORCHINDUCTOR_CACHE_DIR '
+        '$TRITON_CACHE_DIR"'
     )
     env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "CUDA_", "TORCH_NCCL", "PYTORCH_"))
+        k: v for k, v in os.environ.items()
+        if not k.startswith(("NCCL_", "CUDA_", "TORCH_NCCL", "PYTORCH_", "TORCHINDUCTOR_", "TRITON_",
+                             "MLITE_"))
     }
+    env["HOME"] = str(tmp_path)
     defaults = subprocess.run(
         ["bash", "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, check=False
     )
-    assert defaults.stdout.split() == ["1", "0", "1", "expandable_segments:True", "1200"]
+    cache = f"{tmp_path}/.cache/mlite/compile"  # compiled graphs and kernels kept beyond the job
+    assert defaults.stdout.split() == ["1", "0", "1", "expandable_segments:True", "1200", f"{cache}/inductor",
+                                       f"{cache}/triton"]
     mine = subprocess.run(
         ["bash", "-c", script],
-        env={**env, "NCCL_NVLS_ENABLE": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "60"},
+        env={**env, "NCCL_NVLS_ENABLE": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "60",
+             "MLITE_COMPILE_CACHE": "/shared/cc", "TRITON_CACHE_DIR": "/fast/triton"},
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
     )
-    assert mine.stdout.split() == ["1", "1", "1", "expandable_segments:True", "60"]
+    assert mine.stdout.split() == ["1", "1", "1", "expandable_segments:True", "60", "/shared/cc/inductor",
+                                   "/fast/triton"]
 
 
 def test_sigusr1_reaches_the_ranks_and_spares_the_rank_parent(tmp_path):
