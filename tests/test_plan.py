@@ -580,6 +580,11 @@ def test_worst_case_pair_buffers_count_the_most_pairs_a_rank_can_be_sent():
                    for extra in ([], ["parallel.expert_buffers=worst_case"]))
     assert worst["activations: routed experts"] == pytest.approx(2 * kept["activations: routed experts"])
     assert worst["expert exchange buffers"] == pytest.approx(kept["expert exchange buffers"])
+    from mlite.plan.report import runs_line
+
+    worst_job = load_job("qwen3_30b_a3b_sft", ["parallel.ep=2", "parallel.expert_buffers=worst_case"])
+    line = runs_line(plan_job(worst_job))
+    assert "ep all-gather, equal lengths, worst-case buffers" in line
     full, full_worst = (routed(["recompute.granularity=full", *extra])
                         for extra in ([], ["parallel.expert_buffers=worst_case"]))
     assert full["recompute working set"] < full_worst["recompute working set"]

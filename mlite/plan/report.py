@@ -93,7 +93,8 @@ def runs_line(plan: Plan) -> str:
                      f"{c['fsdp_grad_accumulation']} accumulation")
     if c["expert_exchange"] is not None:
         equal = ", equal lengths" if c["equal_micro_batch_lengths"] else ""
-        parts.append(f"ep {c['expert_exchange'].replace('_', '-')}{equal}")
+        worst = ", worst-case buffers" if plan.job.parallel.expert_buffers == "worst_case" else ""
+        parts.append(f"ep {c['expert_exchange'].replace('_', '-')}{equal}{worst}")
     elif c["equal_micro_batch_lengths"]:
         parts.append("equal micro-batch lengths")
     if c["context_chunk"] is not None:
