@@ -983,9 +983,9 @@ def check_fsdp_embedding(job: JobConfig, arch: ModelArch) -> None:
 def check_expert_buffers(job: JobConfig, arch: ModelArch) -> None:
     """parallel.expert_buffers worst_case sizes the all-gather exchange's pair buffers: it needs that
     exchange, so a MoE model under ep > 1 with ep <= top_k (policy.expert_exchange)."""
-    ep = job.parallel.ep
     if job.parallel.expert_buffers != "worst_case":
         return
+    ep = job.parallel.ep
     if arch.moe is None or ep == 1:
         raise MliteError("parallel.expert_buffers: worst_case sizes the expert exchange's buffers, and "
                          f"{'this model has no routed experts' if arch.moe is None else 'parallel.ep is 1'}; "

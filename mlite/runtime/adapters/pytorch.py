@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 TORCH_CHECKED = "2.13.0"
 
@@ -102,8 +103,6 @@ def wrapped_data(t: torch.Tensor) -> torch.Tensor | None:
     own shape, strides, dtype and device (torchao's weight that FSDP2 all-gathers in FP8 is such a wrapper
     around its bf16 data; an FP8 tensor, whose data has another dtype, is not): writing to it in place is
     writing to `t`. None for any other tensor, plain ones included."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     if not is_traceable_wrapper_subclass(t):
         return None
     name = _WRAPPED_DATA.get(type(t))

@@ -76,8 +76,7 @@ def grouped_gemm_fp8(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> 
     from the shapes (M + 15 E rows, rounded to 16), so nothing waits on the counts (no host sync). x's
     padding rows (past sum(counts)) land after the last group, which no GEMM reads."""
     experts, m = counts.shape[0], x.shape[0]
-    counts = counts.long()
-    counts = torch.cat([counts, (m - counts.sum()).reshape(1)])  # x's padding as a last group, not run
+    counts = torch.cat([counts, (m - counts.sum()).reshape(1)]).long()  # x's padding: a last group, not run
     padded = (counts + FP8_GROUP_ROWS - 1) // FP8_GROUP_ROWS * FP8_GROUP_ROWS
     starts, padded_ends = torch.cumsum(counts, 0) - counts, torch.cumsum(padded, 0)
     group = torch.repeat_interleave(torch.arange(experts + 1, device=x.device), counts, output_size=m)
