@@ -18,12 +18,16 @@
 #   scripts/gpu_multi.sh vllm    GRPO with vLLM over the ranks (tests/test_vllm_gpu.py -k several_gpus, 2 and 4
 #                                GPUs), then the 2-GPU rollout bench: 2 engines of tp1 on GPUs 0,1 beside one of
 #                                tp2 on GPUs 2,3 (carry .whl and .vllm1: scripts/vllm_bundle.sh)
+#   scripts/gpu_multi.sh vllm_v4 2 GPUs: GRPO of small-deepseek-v4 under ep2 rolling out on one vLLM engine of
+#                                rollout.tp 2 with expert parallel (tests/test_vllm_gpu.py -k dsv4). Two calls:
+#                                the first carries .vllmv41 and runs `bash scripts/gpu_vllm_env.sh stash`; the
+#                                second, while the machine is warm, carries .vllmv42, .vllm1 and .whl and runs this
 #   scripts/gpu_multi.sh vllm1   one GPU is enough: the single-GPU vLLM tests (GRPO steps, the demo's GRPO stage),
 #                                then verl's main_ppo with the mlite actor and verl's vLLM rollout (carry .vllm1,
 #                                .verl1, mlite.egg-info and the pydantic wheels: scripts/gpu_verl_env.sh)
 # Each piece has its own time limit, so one that hangs leaves the others' results.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile|ab|vllm|vllm1}
+part=${1:?usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile|ab|vllm|vllm_v4|vllm1}
 out=${OUT:-runs/gpu_multi}
 mkdir -p "$out"
 # shellcheck source=scripts/gpu_env.sh
@@ -105,7 +109,7 @@ case $part in
   vllm)  # the tests use every GPU in turn; the two rollout benches share the machine, two GPUs each
     # shellcheck source=scripts/gpu_vllm_env.sh
     . scripts/gpu_vllm_env.sh
-    timeout "${LIMIT:-420}" "${PYTEST[@]}" -m vllm tests/test_vllm_gpu.py -s -k several_gpus \
+    timeout "${LIMIT:-420}" "${PYTEST[@]}" -m vllm tests/test_vllm_gpu.py -s -k "several_gpus and not dsv4" \
       >"$out/vllm-tests.log" 2>&1
     echo "vllm tests: exit $?"; grep -E " step: |PASSED|FAILED|passed|failed" "$out/vllm-tests.log" | tail -20
     for tp in 1 2; do
@@ -115,6 +119,13 @@ case $part in
          scripts/rollout_bench.py qwen3-1.7b --tp "$tp" >"$out/rollout-bench-tp$tp.log" 2>&1) &
     done
     wait; grep -h '^{' "$out"/rollout-bench-tp*.log
+    ;;
+  vllm_v4)  # the V4 add-on unpacks on top of the main bundle; the first use compiles tilelang's mHC kernels
+    # shellcheck source=scripts/gpu_vllm_env.sh
+    . scripts/gpu_vllm_env.sh
+    timeout "${LIMIT:-540}" "${PYTEST[@]}" --timeout 530 -m vllm tests/test_vllm_gpu.py -s -k dsv4 \
+      >"$out/vllm-v4-tests.log" 2>&1
+    echo "vllm V4 tests: exit $?"; grep -E " step: |PASSED|FAILED|passed|failed" "$out/vllm-v4-tests.log" | tail -8
     ;;
   vllm1)  # one GPU: mlite's own vLLM path, then verl's
     # shellcheck source=scripts/gpu_vllm_env.sh
@@ -127,5 +138,5 @@ case $part in
     timeout "${LIMIT:-300}" "${PYTEST[@]}" -m "gpu and vllm" tests/test_verl_grpo.py -s >"$out/verl-vllm.log" 2>&1
     echo "verl main_ppo + vLLM: exit $?"; grep -E "^step [0-9]|PASSED|FAILED|passed|failed" "$out/verl-vllm.log"
     ;;
-  *) echo "usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile|ab|vllm|vllm1" >&2; exit 2 ;;
+  *) echo "usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile|ab|vllm|vllm_v4|vllm1" >&2; exit 2 ;;
 esac

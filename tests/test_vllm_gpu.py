@@ -2,7 +2,8 @@
 engine sleeps and gives its memory back between rollouts, the trainer's weights reach it every step (the
 sampler's log-probs match the trainer's forward), seeded sessions repeat, and the demo's GRPO stage runs on
 it and still raises the held-out reward. On 2 and 4 GPUs (`-k several_gpus`): vLLM over the ranks, each rank
-syncing its slab, under tp, FSDP2 and ep training layouts."""
+syncing its slab, under tp, FSDP2 and ep training layouts, for Qwen3 dense and MoE and DeepSeek-V4 (`-k dsv4`:
+vLLM's V4 add-on, scripts/vllm_bundle.sh --v4)."""
 
 from __future__ import annotations
 
@@ -176,16 +177,35 @@ def tiny_qwen3_moe(folder: Path, tokenizer) -> Path:
     return folder
 
 
+def small_deepseek_v4(folder: Path, tokenizer) -> Path:
+    """`small-deepseek-v4` with the char tokenizer's vocabulary: its config.json only (the release fields
+    vLLM reads written by the rollout's own writer), so the trainer starts from random weights
+    (model.load_weights false) and the first sync hands them to vLLM. Hidden 2048: vLLM 0.25.1's fused mHC
+    kernel computes narrower widths wrongly (mlite.plan.policy.vllm_v4_width_misfit)."""
+    from mlite.config.arch import arch_from_hf_config
+    from mlite.config.catalog import PRESETS
+    from mlite.runtime.ckpt.hf import write_hf_config
+
+    config = dict(PRESETS["small-deepseek-v4"], vocab_size=len(tokenizer),
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    folder.mkdir(parents=True)
+    write_hf_config(folder / "config.json", arch_from_hf_config(config, name="small-deepseek-v4"), config,
+                    torch.bfloat16)
+    return folder
+
+
 # rollout.tp x the training layout: on 2 GPUs, one engine over both ranks whose slabs are the training tp
 # shards (dense tp2), one engine over both ranks fed from FSDP2 shards, two engines (rollout.tp 1) that
-# split each batch, and an MoE engine over both ranks fed from expert-parallel shards; on 4 GPUs, the
-# Qwen3-30B template's shape (experts over all ranks, FSDP2, two vLLM engines of rollout.tp ranks)
+# split each batch, an MoE engine over both ranks fed from expert-parallel shards, and DeepSeek-V4's (the
+# V4 add-on of scripts/vllm_bundle.sh --v4); on 4 GPUs, the Qwen3-30B template's shape (experts over all
+# ranks, FSDP2, two vLLM engines of rollout.tp ranks)
 RANK_RUNS = {
     "dense-tp2-rollout-tp2": ("dense", {"tp": 2}, 2, 2),
     "dense-fsdp2-rollout-tp2": ("dense", {}, 2, 2),
     "dense-fsdp2-rollout-tp1": ("dense", {}, 1, 2),
     "moe-ep2-rollout-tp2": ("moe", {"ep": 2}, 2, 2),
     "moe-ep4-rollout-tp2-4gpus": ("moe", {"ep": 4}, 2, 4),
+    "dsv4-ep2-rollout-tp2": ("dsv4", {"ep": 2}, 2, 2),
 }
 
 
@@ -201,15 +221,14 @@ def test_grpo_on_several_gpus_with_vllm_over_the_ranks(tmp_path, label):
     if torch.cuda.device_count() < world:
         pytest.fail(f"this test needs {world} GPUs, {torch.cuda.device_count()} visible")
     tokenizer = char_tokenizer(tmp_path / "tok")
-    if model == "dense":
-        model_dir = tiny_hf_qwen3(tmp_path / "model", tokenizer, **VLLM_SIZES)
-    else:
-        model_dir = tiny_qwen3_moe(tmp_path / "model", tokenizer)
+    make = {"dense": lambda folder, tok: tiny_hf_qwen3(folder, tok, **VLLM_SIZES), "moe": tiny_qwen3_moe,
+            "dsv4": small_deepseek_v4}[model]
+    model_dir = make(tmp_path / "model", tokenizer)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     out = tmp_path / "run"
     job = {
         "job": "grpo",
-        "model": {"path": str(model_dir), "attention_backend": "auto"},
+        "model": {"path": str(model_dir), "attention_backend": "auto", "load_weights": model != "dsv4"},
         "cluster": {"gpus_per_node": world, "gpu": "h100"},
         "parallel": layout,
         "precision": {"compute": "bf16"},
