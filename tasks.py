@@ -37,7 +37,8 @@ def _overrides(set_: list[str] | None) -> list[str]:
 )
 def test(c, gpu=False, k="", workers=2, extra=""):
     """Run the test suite (CPU by default: what CI runs)."""
-    args = [PY, "-m", "pytest", "-m", "gpu" if gpu else "not gpu"]
+    # --durations: the slowest tests in every run's log, where a slower suite shows what grew
+    args = [PY, "-m", "pytest", "-m", "gpu" if gpu else "not gpu", "--durations=25"]
     if workers > 1:
         args += ["-n", str(workers), "--dist", "loadgroup"]
     if k:

@@ -182,6 +182,7 @@ def test_invoke_test_keeps_an_xdist_group_on_one_worker(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     workers = {line.split()[0] for line in result.stdout.splitlines() if "PASSED" in line}
     assert len(workers) == 1 and "6 passed" in result.stdout, result.stdout[-2000:]
+    assert "slowest 25 durations" in result.stdout  # CI's log names the slowest tests
 
 
 def test_invoke_demo_passes_the_demo_flags_through():

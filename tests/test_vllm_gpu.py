@@ -207,6 +207,8 @@ RANK_RUNS = {
     "moe-ep4-rollout-tp2-4gpus": ("moe", {"ep": 4}, 2, 4),
     "dsv4-ep2-rollout-tp2": ("dsv4", {"ep": 2}, 2, 2),
 }
+# the runs whose trainer waits in pinned host memory while vLLM is awake (rollout.offload_trainer)
+OFFLOADED = {"dsv4-ep2-rollout-tp2"}
 
 
 @pytest.mark.parametrize("label", list(RANK_RUNS))
@@ -237,7 +239,8 @@ def test_grpo_on_several_gpus_with_vllm_over_the_ranks(tmp_path, label):
                  "seq_len": 128, "max_tokens_per_micro_batch": 1024},
         "trainer": {"steps": 3, "device": "cuda", "output_dir": str(out), "seed": 5, "save_every": 0},
         "rollout": {"engine": "vllm", "tp": rollout_tp, "enforce_eager": True, "gpu_memory_utilization": 0.2,
-                    "n": 4, "prompts_per_step": 4, "max_prompt_length": 48, "max_response_length": 24},
+                    "n": 4, "prompts_per_step": 4, "max_prompt_length": 48, "max_response_length": 24,
+                    **({"offload_trainer": True} if label in OFFLOADED else {})},
         "grpo": {"reward": "grpo_helpers:text_reward"},
     }
     config = tmp_path / "job.yaml"
@@ -260,6 +263,8 @@ def test_grpo_on_several_gpus_with_vllm_over_the_ranks(tmp_path, label):
         assert r["rollout/logprob_diff_mean"] < 0.05, r
         assert r["rollout/logprob_diff_frac"] < 0.2, r
         assert r["rollout/generated_tokens"] > 0
+        if label in OFFLOADED:  # every rank's weights and Adam moments went to the host and back
+            assert r["offload/gb"] > 0, r
     if label == "dense-tp2-rollout-tp2":
         # the engine's slabs are the trainer's tp shards but for the vocabulary, which vLLM pads to 64 before
         # splitting it: rank 0 (the metrics; its DTensor shard holds the first ceil(vocab / 2) rows) gets only
