@@ -145,6 +145,12 @@ def test_multi_rank_cases_run_under_torchrun_on_gloo(tmp_path):
         assert parallel["extra"]["overrides"] == ["trainer.gc_every=1"]
         assert parallel["extra"]["gc_ms_slowest_rank"] > 0
     assert "of 2 x one GPU; collectives measured at" in proc.stdout
+    # rank 0's progress on stderr, phase by phase and side by side, in the order they ran
+    progress = [line.strip() for line in proc.stderr.splitlines() if line.startswith("  tiny-cpu-")]
+    want = [f"{side}: {phase}" for side in ("tiny-cpu-dp2 one GPU", "tiny-cpu-ep2 one GPU", "tiny-cpu-dp2 x2",
+                                            "tiny-cpu-ep2 x2")
+            for phase in ("built in ", "warm-up step 1/1 in ", "2 timed steps, median ")]
+    assert len(progress) == len(want) and all(map(str.startswith, progress, want)), progress
 
 
 @pytest.mark.parametrize("interleave", [False, True], ids=["rounds", "interleaved"])

@@ -29,14 +29,32 @@ class Timing:
         return statistics.median(self.step_ms)
 
 
-def time_steps(step: Callable[[], None], warmup: int, steps: int, device: str) -> Timing:
-    """Median-friendly per-step times; CUDA events on GPUs (no host sync inside a step)."""
-    for _ in range(warmup):
+# a progress line (`measure`'s `say`): what a side is doing, so that a launch cut off by its time limit shows
+# whether it was building, compiling in a warm-up step, or stuck
+Say = Callable[[str], None]
+
+
+def time_steps(step: Callable[[], None], warmup: int, steps: int, device: str, say: Say | None = None,
+               label: str = "") -> Timing:
+    """Median-friendly per-step times; CUDA events on GPUs (no host sync inside a step). With `say`, each
+    warm-up step (where torch.compile compiles and Triton autotunes) reports its time, waited for."""
+    for i in range(warmup):
+        began = time.perf_counter()
         step()
+        if say is not None:
+            _wait(device)
+            say(f"{label}: warm-up step {i + 1}/{warmup} in {time.perf_counter() - began:.1f} s")
     timing = Timing()
     with collector_passes(timing.gc_passes):
         _timed_steps(step, steps, device, timing)
     return timing
+
+
+def _wait(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def _timed_steps(step: Callable[[], None], steps: int, device: str, timing: Timing) -> None:
@@ -93,13 +111,20 @@ class Measured:
 
 
 def measure(make: Callable[[], tuple], device: str, steps: int, warmup: int,
-            before_timing: Callable[[], None] | None = None) -> Measured:
-    """Build a side (`make() -> (step, keep, last)`), time its steps, read its peak memory, free it."""
+            before_timing: Callable[[], None] | None = None, say: Say | None = None,
+            label: str = "") -> Measured:
+    """Build a side (`make() -> (step, keep, last)`), time its steps, read its peak memory, free it. `say`
+    gets a progress line, headed `label`, as each phase ends."""
     free_memory(device)
+    began = time.perf_counter()
     step, keep, last = make()
+    if say is not None:
+        say(f"{label}: built in {time.perf_counter() - began:.1f} s")
     if before_timing is not None:
         before_timing()
-    timing = time_steps(step, warmup, steps, device)
+    timing = time_steps(step, warmup, steps, device, say, label)
+    if say is not None:
+        say(f"{label}: {steps} timed steps, median {timing.median_ms:.1f} ms")
     footprint, allocated, outside = _peak_gb(device)
     if hasattr(keep, "close"):  # a Runtime: Python's automatic garbage collection back on (trainer.gc_every)
         keep.close()

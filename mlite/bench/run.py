@@ -23,17 +23,18 @@ from mlite.bench.cases import (
 )
 from mlite.bench.flops import flops_per_token, mfu
 from mlite.bench.hf_side import hf_skip_reason, hf_step_fn
-from mlite.bench.measure import Measured, collective_bus_gbs, measure
+from mlite.bench.measure import Measured, Say, collective_bus_gbs, measure
 from mlite.bench.mlite_side import launch_ranks, runtime_step_fn
 from mlite.bench.report import BenchResult
 from mlite.bench.titan_side import compile_settings_restored, mlite_fp8_choice, titan_step_fn, titan_version
 
 
 def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, sides=("mlite", "hf"),
-             gpu: str = "cpu", peak_tflops: float = 1.0, overrides: Sequence[str] = ()) -> list[BenchResult]:
+             gpu: str = "cpu", peak_tflops: float = 1.0, overrides: Sequence[str] = (),
+             say: Say | None = None) -> list[BenchResult]:
     """A one-GPU case: the Runtime's step, then (unless the case or `sides` leave them out) HF's and
     torchtitan's ("torchtitan": cases with `titan`). `overrides`: job keys for the Runtime's side
-    (case_job)."""
+    (case_job). `say`: progress lines (measure)."""
     arch = case_arch(case)
     seq_lens = case_seq_lens(case)
     sequences = random_sequences(seq_lens, arch.vocab, seed=0)
@@ -48,16 +49,18 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
                                        tokens_per_s=0.0, flops_per_token=fpt, mfu=0.0, peak_gb=0.0,
                                        device=device, skipped=reason))
             continue
+        progress = {"say": say, "label": f"{case.name} {side}"}
         if side == "mlite":
             m = measure(lambda: runtime_step_fn(case, sequences, device, overrides=overrides), device, steps,
-                        warmup)
+                        warmup, **progress)
         elif side == "torchtitan":  # the same choice of FP8 linears as the mlite side's job
             linears, experts = mlite_fp8_choice(case, arch, device, overrides)
             with compile_settings_restored():
                 m = measure(lambda: titan_step_fn(case, arch, sequences, device, case.accum, linears,
-                                                  experts), device, steps, warmup)
+                                                  experts), device, steps, warmup, **progress)
         else:
-            m = measure(lambda: hf_step_fn(arch, sequences, device, case.accum), device, steps, warmup)
+            m = measure(lambda: hf_step_fn(arch, sequences, device, case.accum), device, steps, warmup,
+                        **progress)
         tps = tokens / (m.timing.median_ms / 1e3)
         plan = case_plan(case, arch, gpu, overrides) if side == "mlite" else None
         results.append(BenchResult(
@@ -79,13 +82,15 @@ def run_case(case: BenchCase, device: str, steps: int = 8, warmup: int = 3, side
 
 
 def run_parallel_cases(cases: list[BenchCase], device: str, steps: int = 8, warmup: int = 3, gpu: str = "cpu",
-                       peak_tflops: float = 1.0, overrides: Sequence[str] = ()) -> list[BenchResult]:
+                       peak_tflops: float = 1.0, overrides: Sequence[str] = (),
+                       say: Say | None = None) -> list[BenchResult]:
     """Multi-GPU cases on the ranks of this torchrun launch, every rank returning the same results (rank 0
     reports them). First every rank runs each case's one-GPU step on its own GPU, all ranks at once and
     before the process group exists (a Runtime of one process: N x one GPU); then this starts the process
     group and runs each case in its layout. scaling = parallel tokens/s over the N x one-GPU tokens/s.
     Both are the Runtime's step as `case_job` sets it: compiled blocks on GPUs, eager on CPU. `overrides`
-    (job keys other than the layout's, LAYOUT_KEYS) apply to both, parallel.* keys to the layout only."""
+    (job keys other than the layout's, LAYOUT_KEYS) apply to both, parallel.* keys to the layout only.
+    `say`: progress lines (measure)."""
     import torch.distributed as dist
 
     from mlite.runtime.layout import end_process_group
@@ -98,13 +103,13 @@ def run_parallel_cases(cases: list[BenchCase], device: str, steps: int = 8, warm
         with one_process():
             make = functools.partial(runtime_step_fn, case, sequences, device, one_gpu=True,
                                      overrides=[o for o in overrides if not o.startswith("parallel.")])
-            singles[case.name] = measure(make, device, steps, warmup)
+            singles[case.name] = measure(make, device, steps, warmup, say=say, label=f"{case.name} one GPU")
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     try:
         results = []
         for case in cases:
             results += _parallel_case(case, singles[case.name], device, steps, warmup, gpu, peak_tflops,
-                                      overrides)
+                                      overrides, say)
     except BaseException:
         end_process_group(clean=False)
         raise
@@ -128,7 +133,8 @@ def one_process():
 
 
 def _parallel_case(case: BenchCase, single: Measured, device: str, steps: int, warmup: int, gpu: str,
-                   peak_tflops: float, overrides: Sequence[str] = ()) -> list[BenchResult]:
+                   peak_tflops: float, overrides: Sequence[str] = (), say: Say | None = None,
+                   ) -> list[BenchResult]:
     import torch
     import torch.distributed as dist
 
@@ -152,7 +158,7 @@ def _parallel_case(case: BenchCase, single: Measured, device: str, steps: int, w
     sequences = random_sequences(seq_lens, arch.vocab, seed=seed)
     bus = collective_bus_gbs(device)
     par = measure(lambda: runtime_step_fn(case, sequences, device, overrides=overrides), device, steps,
-                  warmup, before_timing=dist.barrier)
+                  warmup, before_timing=dist.barrier, say=say, label=f"{case.name} x{world}")
     bus = {key: min(bus[key], after) for key, after in collective_bus_gbs(device).items()}  # before and after
     bus = dict(zip(bus, reduce(list(bus.values()), dist.ReduceOp.MIN)))  # the slowest rank's view
     slowest, par_peak, par_alloc, par_outside, par_gc_ms = reduce(

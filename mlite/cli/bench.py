@@ -4,6 +4,7 @@ with --titan (see mlite.bench)."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_parser(sub) -> None:
@@ -51,17 +52,23 @@ def run(args: argparse.Namespace) -> int:
     if not rank0:
         console.quiet = True
     gpu, peak = detect_gpu(device)
+
+    def say(line: str) -> None:  # rank 0's progress, on stderr: line-buffered, so a cut-off launch keeps it
+        if rank0:
+            print(f"  {line}", file=sys.stderr, flush=True)
+
     if multi:  # one launch: the N x one-GPU references first, then every case in its layout
         console.print(f"[bold]{', '.join(multi)}[/bold] on {world} x {gpu} ...")
         results = run_parallel_cases([CASES[n] for n in multi], device, steps=args.steps,
-                                     warmup=args.warmup, gpu=gpu, peak_tflops=peak, overrides=args.overrides)
+                                     warmup=args.warmup, gpu=gpu, peak_tflops=peak, overrides=args.overrides,
+                                     say=say)
     else:
         results = []
         for name in names:
             console.print(f"[bold]{name}[/bold] on {gpu} ...")
             results += run_case(CASES[name], device, steps=args.steps, warmup=args.warmup,
                                 sides=_sides(args), gpu=gpu,
-                                peak_tflops=peak, overrides=args.overrides)
+                                peak_tflops=peak, overrides=args.overrides, say=say)
     if not rank0:
         return 0
     console.print(render_table(results))
