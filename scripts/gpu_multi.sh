@@ -11,15 +11,18 @@
 #   scripts/gpu_multi.sh bench   the 4-GPU bench (dp4 dense, ep4 MoE; CASES: others, e.g. their -dist-opt twins),
 #                                alone on the machine (LIMIT per case; NUMA=exclusive: each rank bound to
 #                                its own cores by torchrun --numa-binding, the A/B for a host-late rank)
-#   scripts/gpu_multi.sh profile the same two cases (CASES: others) through scripts/profile_step.py (LIMIT per case)
+#   scripts/gpu_multi.sh profile the same two cases (CASES: others) through scripts/profile_step.py (LIMIT per case;
+#                                SET: job keys as profile_step.py's --set)
+# GPUS (default 4) sets the ranks of bench and profile, e.g. GPUS=2 CASES=moe-30b-a3b-8l-4k-ep2 on two GPUs.
 #   scripts/gpu_multi.sh ab      a paired A/B of one job key on the 4-GPU MoE case (scripts/ab_step.py
 #                                --interleave): the ep exchange's pair buffers counted on the host against
 #                                sized for the worst case (AB_CASE, AB_KEY: another case or key)
 #   scripts/gpu_multi.sh vllm    GRPO with vLLM over the ranks (tests/test_vllm_gpu.py -k several_gpus, 2 and 4
 #                                GPUs), then the 2-GPU rollout bench: 2 engines of tp1 on GPUs 0,1 beside one of
 #                                tp2 on GPUs 2,3 (carry .whl and .vllm1: scripts/vllm_bundle.sh)
-#   scripts/gpu_multi.sh vllm_v4 2 GPUs: GRPO of small-deepseek-v4 under ep2 rolling out on one vLLM engine of
-#                                rollout.tp 2 with expert parallel (tests/test_vllm_gpu.py -k dsv4). Two calls:
+#   scripts/gpu_multi.sh vllm_v4 2 GPUs: GRPO of small-deepseek-v4 (after 40 SFT steps) under ep2 rolling out on
+#                                one vLLM engine of rollout.tp 2 with expert parallel (K: the pytest -k filter;
+#                                the other dsv4 engine shapes, one a call). Two calls:
 #                                the first carries .vllmv41 and runs `bash scripts/gpu_vllm_env.sh stash`; the
 #                                second, while the machine is warm, carries .vllmv42, .vllm1 and .whl and runs this
 #   scripts/gpu_multi.sh vllm1   one GPU is enough: the single-GPU vLLM tests (GRPO steps, the demo's GRPO stage),
@@ -90,13 +93,14 @@ case $part in
     ;;
   bench)  # alone on the machine
     # shellcheck disable=SC2086  # CASES: one case per word
-    bench 4 "${LIMIT:-190}" ${CASES:-dense-1.7b-4k-dp4 moe-30b-a3b-8l-4k-ep4}
+    bench "${GPUS:-4}" "${LIMIT:-190}" ${CASES:-dense-1.7b-4k-dp4 moe-30b-a3b-8l-4k-ep4}
     ;;
   profile)  # where the multi-GPU step's time goes (rank 0's kernels, NCCL apart), alone on the machine
     # shellcheck disable=SC2086  # CASES: one case per word
     for case in ${CASES:-dense-1.7b-4k-dp4 moe-30b-a3b-8l-4k-ep4}; do
-      timeout "${LIMIT:-200}" torchrun --standalone --nproc-per-node 4 scripts/profile_step.py "$case" \
-        >"$out/profile-$case.txt" 2>&1
+      # shellcheck disable=SC2086  # SET: job keys for every case, e.g. "--set precision.fp8_linears=all"
+      timeout "${LIMIT:-200}" torchrun --standalone --nproc-per-node "${GPUS:-4}" scripts/profile_step.py "$case" \
+        ${SET:-} >"$out/profile-$case.txt" 2>&1
       echo "profile $case: exit $?"; grep -E "^step|^rank 0|^compiled|^host" "$out/profile-$case.txt"
     done
     ;;
@@ -123,7 +127,8 @@ case $part in
   vllm_v4)  # the V4 add-on unpacks on top of the main bundle; the first use compiles tilelang's mHC kernels
     # shellcheck source=scripts/gpu_vllm_env.sh
     . scripts/gpu_vllm_env.sh
-    timeout "${LIMIT:-540}" "${PYTEST[@]}" --timeout 530 -m vllm tests/test_vllm_gpu.py -s -k dsv4 \
+    timeout "${LIMIT:-540}" "${PYTEST[@]}" --timeout 530 -m vllm tests/test_vllm_gpu.py -s \
+      -k "${K:-dsv4-ep2-rollout-tp2 and not split}" \
       >"$out/vllm-v4-tests.log" 2>&1
     echo "vllm V4 tests: exit $?"; grep -E " step: |PASSED|FAILED|passed|failed" "$out/vllm-v4-tests.log" | tail -8
     ;;

@@ -6,21 +6,17 @@ import string
 from pathlib import Path
 
 from mlite.config import job_from_dict
-
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from mlite.runtime.data.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 
 def char_tokenizer(folder: Path):
-    """One token per character (+ chat specials), saved and reloaded like any HF tokenizer."""
+    """One token per character (+ chat specials), saved and reloaded like any HF tokenizer, with the demo
+    tokenizer's chat template (its assistant turns marked for the SFT loss)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     chars = sorted(set(string.ascii_letters + string.digits + string.punctuation + " \n"))
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -28,7 +24,7 @@ def char_tokenizer(folder: Path):
         tokenizer_object=core,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIALS,
+        additional_special_tokens=SPECIAL_TOKENS,
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)

@@ -179,9 +179,8 @@ def tiny_qwen3_moe(folder: Path, tokenizer) -> Path:
 
 def small_deepseek_v4(folder: Path, tokenizer) -> Path:
     """`small-deepseek-v4` with the char tokenizer's vocabulary: its config.json only (the release fields
-    vLLM reads written by the rollout's own writer), so the trainer starts from random weights
-    (model.load_weights false) and the first sync hands them to vLLM. Hidden 2048: vLLM 0.25.1's fused mHC
-    kernel computes narrower widths wrongly (mlite.plan.policy.vllm_v4_width_misfit)."""
+    vLLM reads written by the rollout's own writer). Hidden 2048: vLLM 0.25.1's fused mHC kernel computes
+    narrower widths wrongly (mlite.plan.policy.vllm_v4_width_misfit)."""
     from mlite.config.arch import arch_from_hf_config
     from mlite.config.catalog import PRESETS
     from mlite.runtime.ckpt.hf import write_hf_config
@@ -194,25 +193,73 @@ def small_deepseek_v4(folder: Path, tokenizer) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def trained_v4(tmp_path_factory) -> Path:
+    """`small-deepseek-v4` (the char tokenizer's vocabulary) after 40 SFT steps on one GPU on the GRPO
+    prompts' answers, exported in DeepSeek's release names. A randomly initialised V4 is a poor instrument
+    for the sampler-trainer mismatch: its near-uniform logits move 0.03 nats a token between bf16 and fp32
+    alone, and 0.08 with wo_a in block FP8 (on the CPU), so vLLM's FP8 wo_a and fp8 KV cache put the mean
+    at 0.12-0.15 nats on every engine shape, and a slab sent wrong would hide in that. Trained, the same
+    engines agree with the trainer to a few thousandths (docs/GRPO.md)."""
+    import yaml
+
+    from mlite.runtime.engine import export_checkpoint
+
+    root = tmp_path_factory.mktemp("dsv4")
+    tokenizer = char_tokenizer(root / "tok")
+    small_deepseek_v4(root / "init", tokenizer)
+    rows = [{"messages": [{"role": "user", "content": r["prompt"]},
+                          {"role": "assistant", "content": f"{r['answer']} is {r['answer']}"}]} for r in ROWS]
+    (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 4))
+    job = {
+        "job": "sft",
+        "model": {"path": str(root / "init"), "load_weights": False},
+        "cluster": {"gpus_per_node": 1, "gpu": "h100"},
+        "precision": {"compute": "bf16"},
+        "optimizer": {"lr": 1e-3, "warmup_steps": 2, "schedule": "constant"},
+        "data": {"train_files": [str(root / "sft.jsonl")], "tokenizer": str(root / "tok"), "seq_len": 64,
+                 "global_batch_size": 8, "max_tokens_per_micro_batch": 512},
+        "trainer": {"steps": 40, "device": "cuda", "output_dir": str(root / "sft"), "seed": 5,
+                    "log_every": 10},
+    }
+    (root / "sft.yaml").write_text(yaml.safe_dump(job))
+    done = subprocess.run([sys.executable, "-m", "mlite", "sft", str(root / "sft.yaml"), "--no-progress"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    losses = [json.loads(line)["loss"] for line in (root / "sft" / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    print(f"V4 SFT before GRPO: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    return export_checkpoint(root / "sft", root / "model")
+
+
 # rollout.tp x the training layout: on 2 GPUs, one engine over both ranks whose slabs are the training tp
 # shards (dense tp2), one engine over both ranks fed from FSDP2 shards, two engines (rollout.tp 1) that
 # split each batch, an MoE engine over both ranks fed from expert-parallel shards, and DeepSeek-V4's (the
-# V4 add-on of scripts/vllm_bundle.sh --v4); on 4 GPUs, the Qwen3-30B template's shape (experts over all
-# ranks, FSDP2, two vLLM engines of rollout.tp ranks)
+# V4 add-on of scripts/vllm_bundle.sh --v4) in three engine shapes; on 4 GPUs, the Qwen3-30B template's
+# shape (experts over all ranks, FSDP2, two vLLM engines of rollout.tp ranks) and one engine over all four,
+# for Qwen3-MoE and DeepSeek-V4
 RANK_RUNS = {
     "dense-tp2-rollout-tp2": ("dense", {"tp": 2}, 2, 2),
     "dense-fsdp2-rollout-tp2": ("dense", {}, 2, 2),
     "dense-fsdp2-rollout-tp1": ("dense", {}, 1, 2),
     "moe-ep2-rollout-tp2": ("moe", {"ep": 2}, 2, 2),
     "moe-ep4-rollout-tp2-4gpus": ("moe", {"ep": 4}, 2, 4),
+    "moe-ep4-rollout-tp4-4gpus": ("moe", {"ep": 4}, 4, 4),
     "dsv4-ep2-rollout-tp2": ("dsv4", {"ep": 2}, 2, 2),
+    "dsv4-ep2-rollout-tp1": ("dsv4", {"ep": 2}, 1, 2),
+    "dsv4-ep2-rollout-tp2-experts-split": ("dsv4", {"ep": 2}, 2, 2),
+    "dsv4-ep4-rollout-tp2-4gpus": ("dsv4", {"ep": 4}, 2, 4),
+    "dsv4-ep4-rollout-tp4-4gpus": ("dsv4", {"ep": 4}, 4, 4),
 }
+# the runs whose engine splits every expert over its ranks (vLLM's tensor-parallel experts) instead
+ROLLOUT_EXPERTS_SPLIT = {"dsv4-ep2-rollout-tp2-experts-split"}
 # the runs whose trainer waits in pinned host memory while vLLM is awake (rollout.offload_trainer)
-OFFLOADED = {"dsv4-ep2-rollout-tp2"}
+OFFLOADED = {"dsv4-ep2-rollout-tp2", "dsv4-ep4-rollout-tp2-4gpus", "dsv4-ep4-rollout-tp4-4gpus"}
 
 
 @pytest.mark.parametrize("label", list(RANK_RUNS))
-def test_grpo_on_several_gpus_with_vllm_over_the_ranks(tmp_path, label):
+def test_grpo_on_several_gpus_with_vllm_over_the_ranks(tmp_path, label, request):
     """`torchrun --nproc-per-node N -m mlite grpo` with rollout.engine vllm: world / rollout.tp engines in
     vLLM's torchrun mode, each rank feeding its engine worker only its slab of each tensor. Its log-probs
     match the trainer's forward every step (the weights arrive whole and current: a slab left NaN or stale
@@ -224,13 +271,13 @@ def test_grpo_on_several_gpus_with_vllm_over_the_ranks(tmp_path, label):
         pytest.fail(f"this test needs {world} GPUs, {torch.cuda.device_count()} visible")
     tokenizer = char_tokenizer(tmp_path / "tok")
     make = {"dense": lambda folder, tok: tiny_hf_qwen3(folder, tok, **VLLM_SIZES), "moe": tiny_qwen3_moe,
-            "dsv4": small_deepseek_v4}[model]
+            "dsv4": lambda folder, tok: request.getfixturevalue("trained_v4")}[model]
     model_dir = make(tmp_path / "model", tokenizer)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     out = tmp_path / "run"
     job = {
         "job": "grpo",
-        "model": {"path": str(model_dir), "attention_backend": "auto", "load_weights": model != "dsv4"},
+        "model": {"path": str(model_dir), "attention_backend": "auto"},
         "cluster": {"gpus_per_node": world, "gpu": "h100"},
         "parallel": layout,
         "precision": {"compute": "bf16"},
@@ -240,7 +287,8 @@ def test_grpo_on_several_gpus_with_vllm_over_the_ranks(tmp_path, label):
         "trainer": {"steps": 3, "device": "cuda", "output_dir": str(out), "seed": 5, "save_every": 0},
         "rollout": {"engine": "vllm", "tp": rollout_tp, "enforce_eager": True, "gpu_memory_utilization": 0.2,
                     "n": 4, "prompts_per_step": 4, "max_prompt_length": 48, "max_response_length": 24,
-                    **({"offload_trainer": True} if label in OFFLOADED else {})},
+                    **({"offload_trainer": True} if label in OFFLOADED else {}),
+                    **({"expert_parallel": False} if label in ROLLOUT_EXPERTS_SPLIT else {})},
         "grpo": {"reward": "grpo_helpers:text_reward"},
     }
     config = tmp_path / "job.yaml"
@@ -257,9 +305,11 @@ def test_grpo_on_several_gpus_with_vllm_over_the_ranks(tmp_path, label):
     assert len(steps) == 3
     for r in steps:
         print(f"{label} step: logprob diff mean {r['rollout/logprob_diff_mean']:.4f} "
-              f"frac {r['rollout/logprob_diff_frac']:.3f}; sync {r['time/sync_s']:.3f} s, "
-              f"{r['rollout/sync_tensors']:.0f} tensors, {r['rollout/sync_gb'] * 1e3:.2f} MB fed, "
+              f"max {r['rollout/logprob_diff_max']:.3f} frac {r['rollout/logprob_diff_frac']:.3f}; "
+              f"sync {r['time/sync_s']:.3f} s, {r['rollout/sync_tensors']:.0f} tensors, "
+              f"{r['rollout/sync_gb'] * 1e3:.2f} MB fed, "
               f"{r['rollout/sync_received_gb'] * 1e3:.2f} MB received")
+    for r in steps:
         assert r["rollout/logprob_diff_mean"] < 0.05, r
         assert r["rollout/logprob_diff_frac"] < 0.2, r
         assert r["rollout/generated_tokens"] > 0
