@@ -13,7 +13,6 @@
 #                                its own cores by torchrun --numa-binding, the A/B for a host-late rank)
 #   scripts/gpu_multi.sh profile the same two cases (CASES: others) through scripts/profile_step.py (LIMIT per case;
 #                                SET: job keys as profile_step.py's --set)
-# GPUS (default 4) sets the ranks of bench and profile, e.g. GPUS=2 CASES=moe-30b-a3b-8l-4k-ep2 on two GPUs.
 #   scripts/gpu_multi.sh ab      a paired A/B of one job key on the 4-GPU MoE case (scripts/ab_step.py
 #                                --interleave): the ep exchange's pair buffers counted on the host against
 #                                sized for the worst case (AB_CASE, AB_KEY: another case or key)
@@ -28,6 +27,7 @@
 #   scripts/gpu_multi.sh vllm1   one GPU is enough: the single-GPU vLLM tests (GRPO steps, the demo's GRPO stage),
 #                                then verl's main_ppo with the mlite actor and verl's vLLM rollout (carry .vllm1,
 #                                .verl1, mlite.egg-info and the pydantic wheels: scripts/gpu_verl_env.sh)
+# GPUS (default 4) sets the ranks of bench and profile, e.g. GPUS=2 CASES=moe-30b-a3b-8l-4k-ep2 on two GPUs.
 # Each piece has its own time limit, so one that hangs leaves the others' results.
 set -uo pipefail
 part=${1:?usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile|ab|vllm|vllm_v4|vllm1}

@@ -204,6 +204,7 @@ def trained_v4(tmp_path_factory) -> Path:
     import yaml
 
     from mlite.runtime.engine import export_checkpoint
+    from mlite.trainers.metrics import read_metrics
 
     root = tmp_path_factory.mktemp("dsv4")
     tokenizer = char_tokenizer(root / "tok")
@@ -227,8 +228,7 @@ def trained_v4(tmp_path_factory) -> Path:
                           capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
     assert done.returncode == 0, done.stderr[-4000:]
-    losses = [json.loads(line)["loss"] for line in (root / "sft" / "metrics.jsonl").read_text().splitlines()
-              if '"loss"' in line]
+    losses = [r["loss"] for r in read_metrics(root / "sft" / "metrics.jsonl") if "loss" in r]
     print(f"V4 SFT before GRPO: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     return export_checkpoint(root / "sft", root / "model")
 
