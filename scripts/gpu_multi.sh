@@ -27,7 +27,7 @@
 #   scripts/gpu_multi.sh vllm1   one GPU is enough: the single-GPU vLLM tests (GRPO steps, the demo's GRPO stage),
 #                                then verl's main_ppo with the mlite actor and verl's vLLM rollout (carry .vllm1,
 #                                .verl1, mlite.egg-info and the pydantic wheels: scripts/gpu_verl_env.sh)
-# GPUS (default 4) sets the ranks of bench and profile, e.g. GPUS=2 CASES=moe-30b-a3b-8l-4k-ep2 on two GPUs.
+# GPUS (default 4) sets the ranks of bench, profile and ab, e.g. GPUS=2 CASES=moe-30b-a3b-8l-4k-ep2 on two GPUs.
 # Each piece has its own time limit, so one that hangs leaves the others' results.
 set -uo pipefail
 part=${1:?usage: scripts/gpu_multi.sh tests|dist_opt|bench|profile|ab|vllm|vllm_v4|vllm1}
@@ -105,7 +105,7 @@ case $part in
     done
     ;;
   ab)  # alone on the machine: both variants built once, taking turns in short blocks
-    timeout "${LIMIT:-420}" torchrun --standalone --nproc-per-node 4 scripts/ab_step.py \
+    timeout "${LIMIT:-420}" torchrun --standalone --nproc-per-node "${GPUS:-4}" scripts/ab_step.py \
       "${AB_CASE:-moe-30b-a3b-8l-4k-ep4}" --interleave --rounds 8 --steps 3 --variant "" \
       --variant "${AB_KEY:-parallel.expert_buffers=worst_case}" >"$out/ab.log" 2>&1
     echo "ab: exit $?"; tail -12 "$out/ab.log"

@@ -158,6 +158,51 @@ def test_both_expert_exchanges_give_the_one_process_outputs_and_gradients(tmp_pa
                     assert b.abs().sum() > 0 or what in ("gate_up", "down")
 
 
+def _compiled_bounded_exchange_worker(rank, world, out):
+    import torch.distributed as dist
+
+    from mlite.runtime.parallel.expert import expert_parallel_dispatch
+
+    experts_n, k, hidden, tokens = 8, 4, 16, 13  # top-4 at ep2: the all-gather exchange
+    local = experts_n // world
+    weight = torch.randn(local, hidden, hidden, generator=torch.Generator().manual_seed(7 + rank),
+                         dtype=torch.float64, requires_grad=True)
+
+    def by_row(rows, counts):  # each row through its expert's matrix, padding through the last: no host read
+        expert = torch.bucketize(torch.arange(rows.shape[0]), torch.cumsum(counts, 0), right=True)
+        return torch.einsum("mi,moi->mo", rows, weight[expert.clamp(max=local - 1)])
+
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(tokens, hidden, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.rand(tokens, experts_n, generator=g).topk(k).indices
+    w = torch.rand(tokens, k, generator=g, dtype=torch.float64, requires_grad=True)
+    dispatch = expert_parallel_dispatch(dist.group.WORLD, "all_gather", bounded=True)
+
+    def exchange(x, ids, w):
+        return dispatch(x, ids, w, by_row, experts_n)
+
+    got = []
+    for run in (exchange, torch.compile(exchange, fullgraph=True)):  # fullgraph: a graph break raises
+        y = run(x, ids, w)
+        y.square().sum().backward()
+        got.append([y.detach().clone(), x.grad, w.grad, weight.grad])
+        x.grad, w.grad, weight.grad = None, None, None
+    torch.save(got, f"{out}.{rank}")
+
+
+def test_the_bounded_exchange_compiles_whole_and_matches_eager(tmp_path):
+    """parallel.expert_buffers worst_case: with nothing read on the host, the all-gather exchange's
+    collectives are traceable, so torch.compile takes the whole exchange as one graph (fullgraph=True
+    raises at a break), forward and backward, and gives eager's output and gradients (fp64, gloo)."""
+    out = tmp_path / "compiled"
+    launch(2, _compiled_bounded_exchange_worker, str(out))
+    for rank in range(2):
+        eager, compiled = torch.load(f"{out}.{rank}")
+        for what, a, b in zip(("output", "tokens", "weights", "experts"), compiled, eager, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=f"rank {rank} {what}")
+            assert b.abs().sum() > 0, (rank, what)
+
+
 def _bounded_exchange_gpu_worker(rank, world, out):
     import torch.distributed as dist
     import torch.nn.functional as F

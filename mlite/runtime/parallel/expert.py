@@ -7,7 +7,9 @@ Two exchanges (`mlite.plan.policy.expert_exchange` picks by ep and top_k, so the
   sums each token's local pairs weighted, and the partial sums go home by an all-to-all of fixed splits,
   added in fp32 there. Its pair buffers hold this rank's pair count, read on the host once a layer, or
   (`bounded`, parallel.expert_buffers worst_case) the most pairs the rank can be sent, so nothing is read
-  on the host: the rows past the real pairs are padding that no GEMM runs and no sum reads;
+  on the host: the rows past the real pairs are padding that no GEMM runs and no sum reads. With nothing
+  read on the host, the bounded exchange's collectives are torch's traceable ones, so a compiled block
+  keeps the whole exchange in its graph;
 - `all_to_all`: one row per routed (token, expert) pair, sent to the expert's rank and back; the split
   sizes are exchanged first.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor
 
@@ -119,12 +122,13 @@ def _gathered(hidden, expert_ids, weights, experts, num_experts, group, bounded=
     local = num_experts // ep
     # the routing of every token of the group: weights (differentiable) and expert ids, exact in fp32
     wide = accumulated(weights)
-    routing = _gather_rows(torch.cat([weights.to(wide), expert_ids.to(wide)], 1), group)  # [ep*N, 2k]
+    routing = torch.cat([weights.to(wide), expert_ids.to(wide)], 1)
+    routing = _gather_rows(routing, group, traceable=bounded)  # [ep*N, 2k]
     gathered_weights, gathered_ids = routing[:, :k], routing[:, k:].long()
     mine = gathered_ids // local == me  # [ep*N, k]: which pairs run here
     if bounded:
         rows = expert_pair_rows(ep, hidden.shape[0], k, local)
-        tokens = _gather_rows(hidden, group)  # tokens: [ep*N, H]
+        tokens = _gather_rows(hidden, group, traceable=True)  # tokens: [ep*N, H]
     else:
         rows, tokens = _count_then_gather_rows(mine.sum(), hidden, group)
     # this rank's pairs in (token, choice) order, then grouped by local expert for the grouped GEMM
@@ -145,7 +149,7 @@ def _gathered(hidden, expert_ids, weights, experts, num_experts, group, bounded=
     # each gathered token's local pairs, weighted and summed here: one row a token goes home, not k (the
     # sums read the real pairs only, which come first)
     partial = segment_sum(by_pair * pair_weights, fan)
-    return _sum_home(partial, group)
+    return _sum_home(partial, group, traceable=bounded)
 
 
 class _GatherRepeated(torch.autograd.Function):
@@ -209,10 +213,30 @@ def _sum_blocks(x, group):
     return received.view(ep, -1, *x.shape[1:]).sum(0, dtype=accumulated(x)).to(x.dtype)
 
 
-# The collectives run eagerly inside compiled blocks (graph breaks): c10d calls in an autograd.Function are
-# not traced.
+def _gather_rows(x, group, traceable=False):
+    """[N, ...] -> [ep*N, ...], rank r's rows at block r; the gradient comes home summed in fp32."""
+    if not traceable:
+        return _eager_gather_rows(x, group)
+    # an all-to-all of ep copies is the all-gather whose backward (the reverse all-to-all, then the copies'
+    # sum) adds the ep gradients in fp32 with one rounding, as _AllGatherRows does
+    ep = dist.get_world_size(group)
+    copies = x.unsqueeze(0).expand(ep, *x.shape).reshape(ep * x.shape[0], *x.shape[1:])
+    return funcol.all_to_all_single_autograd(copies, None, None, group)
+
+
+def _sum_home(x, group, traceable=False):
+    """[ep*N, ...] -> [N, ...]: block r of every rank's rows added in fp32 on rank r; the gradient is the
+    all-gather."""
+    if not traceable:
+        return _eager_sum_home(x, group)
+    ep = dist.get_world_size(group)
+    received = funcol.all_to_all_single_autograd(x.contiguous(), None, None, group)
+    return received.view(ep, -1, *x.shape[1:]).sum(0, dtype=accumulated(x)).to(x.dtype)
+
+
+# The eager collectives break a compiled block's graph: c10d calls in an autograd.Function are not traced.
 @torch.compiler.disable
-def _gather_rows(x, group):
+def _eager_gather_rows(x, group):
     return _AllGatherRows.apply(x, group)
 
 
@@ -228,5 +252,5 @@ def _count_then_gather_rows(count, x, group):
 
 
 @torch.compiler.disable
-def _sum_home(x, group):
+def _eager_sum_home(x, group):
     return _SumHome.apply(x, group)
