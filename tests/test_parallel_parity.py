@@ -13,9 +13,11 @@ import itertools
 import pytest
 import torch
 from parallel_harness import build_layout, launch, make_batches, make_model, make_optimizer, reference, train
+from torch.distributed.fsdp import FSDPModule
 
 from mlite.runtime.data.packed import IGNORE, PADDING, PackedBatch
 from mlite.runtime.parallel.mesh import ParallelDims
+from mlite.runtime.parallel.parallelize import blocks, is_moe
 
 STEPS = 3
 
@@ -28,6 +30,9 @@ def _worker(rank, world, layout, models, out):
     for moe in models:  # one process group start for both models
         chunks = build_layout(moe, mesh, job_sections)
         results[moe] = train(chunks, mesh, make_optimizer(chunks), range(STEPS))
+        if moe:  # which parts of a MoE block are FSDP2 units of their own: (router's block, experts)
+            results["units"] = {(isinstance(layer.mlp, FSDPModule), isinstance(layer.mlp.experts, FSDPModule))
+                                for chunk in chunks.values() for layer in blocks(chunk) if is_moe(layer)}
     if rank == 0:
         torch.save(results, out)
 
@@ -36,6 +41,11 @@ def check_parity(tmp_path, world, layout, models=(False, True)):
     out = tmp_path / "history.pt"
     launch(world, _worker, layout, models, str(out))
     results = torch.load(out)
+    if True in models:
+        # the experts are a unit where their edp mesh is not the layer's dp_cp (ep, etp or tp > 1), the
+        # router where its dp_cp_tp is not (tp > 1): each unit adds host work, collectives and graph breaks
+        tp, ep = layout.get("tp", 1), layout.get("ep", 1)
+        assert results["units"] == {(tp > 1, ep * tp > 1)}, (layout, results["units"])
     for moe in models:
         got, want, name = results[moe], reference(moe)[:STEPS], "moe" if moe else "dense"
         assert len(got) == STEPS

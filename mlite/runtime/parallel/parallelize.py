@@ -198,14 +198,17 @@ def apply_fsdp(
             **extra
         )
 
-    # experts over edp and the router over dp_cp_tp are units of their own only where those meshes are not
-    # the layer's (ep, etp or tp > 1): FSDP2's hooks on a unit inside a compiled block break its graph
-    # (three breaks per MoE block, measured: docs/PERFORMANCE.md), so otherwise the block is one unit
-    own_units = mesh.dims.ep * mesh.dims.etp * mesh.dims.tp > 1
+    # experts over edp (ep, etp or tp > 1) and the router over dp_cp_tp (tp > 1) are units of their own
+    # only where those meshes are not the layer's dp_cp: FSDP2's hooks on a unit inside a compiled block
+    # break its graph (three breaks per MoE block, measured: docs/PERFORMANCE.md), and each unit adds its
+    # host work and its collectives, so otherwise they belong to the layer's unit
+    own_experts = mesh.dims.ep * mesh.dims.etp * mesh.dims.tp > 1
+    own_router = mesh.dims.tp > 1
     groups = []
     for i, layer in enumerate(layers):
-        if is_moe(layer) and own_units:
+        if is_moe(layer) and own_experts:
             groups.append(shard(layer.mlp.experts, "edp", i < offloaded))
+        if is_moe(layer) and own_router:
             groups.append(shard(layer.mlp, "dp_cp_tp", i < offloaded))  # the router
     layer_units = []
     for start, end in unit_runs(len(layers), offloaded, unit_layers):
