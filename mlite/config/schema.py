@@ -134,7 +134,7 @@ class ParallelConfig(Section):
     # the pair count, which the host reads once a layer (it waits there for the router); `worst_case` sizes
     # them for the most pairs the rank can be sent (ep x tokens x min(top_k, its experts):
     # mlite.plan.policy.expert_pair_rows), so the exchange reads nothing on the host, at that buffer's
-    # memory (the planner counts it); the GEMMs run the real pairs only
+    # memory (the planner counts it); the GEMMs run the real pairs only, and the exchange compiles whole
     expert_buffers: Literal["exact", "worst_case"] = "exact"
 
     @model_validator(mode="after")
