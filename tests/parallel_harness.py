@@ -19,7 +19,7 @@ from mlite.config import job_from_dict
 from mlite.config.arch import ModelArch, arch_from_hf_config
 from mlite.config.catalog import PRESETS
 from mlite.config.schema import OptimizerConfig
-from mlite.plan.policy import expert_exchange
+from mlite.plan.policy import expert_exchange, experts_outside_fsdp
 from mlite.plan.rules import context_chunk_multiple
 from mlite.runtime.data.packed import PackedBatch
 from mlite.runtime.models import build_model
@@ -260,7 +260,8 @@ def parallelize(model, mesh, job_sections=None):
     moe = model.arch.moe
     exchange = expert_exchange(mesh.dims.ep, moe.top_k) if moe is not None and mesh.dims.ep > 1 else None
     return parallelize_model(model, mesh, job, device().type, exchange,
-                             context_chunk=context_chunk_multiple(model.arch))
+                             context_chunk=context_chunk_multiple(model.arch),
+                             plain_experts=experts_outside_fsdp(job, mesh.dims, device().type))
 
 
 def build_layout(moe: bool, mesh, job_sections=None) -> dict:

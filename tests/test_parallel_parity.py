@@ -42,10 +42,12 @@ def check_parity(tmp_path, world, layout, models=(False, True)):
     launch(world, _worker, layout, models, str(out))
     results = torch.load(out)
     if True in models:
-        # the experts are a unit where their edp mesh is not the layer's dp_cp (ep, etp or tp > 1), the
+        # the experts are a unit where their edp mesh is not the layer's dp_cp (ep, etp or tp > 1) and spans
+        # several ranks (over one, they stay plain ep parameters: fp32 masters and compute on the CPU), the
         # router where its dp_cp_tp is not (tp > 1): each unit adds host work, collectives and graph breaks
-        tp, ep = layout.get("tp", 1), layout.get("ep", 1)
-        assert results["units"] == {(tp > 1, ep * tp > 1)}, (layout, results["units"])
+        dims = ParallelDims(world, **{k: v for k, v in layout.items() if k != "job"})
+        experts_unit = dims.ep * dims.tp > 1 and dims.edp > 1
+        assert results["units"] == {(dims.tp > 1, experts_unit)}, (layout, results["units"])
     for moe in models:
         got, want, name = results[moe], reference(moe)[:STEPS], "moe" if moe else "dense"
         assert len(got) == STEPS

@@ -404,6 +404,13 @@ every = load_job("qwen3_30b_a3b_sft", ["precision.fp8=rowwise", "precision.fp8_l
 assert rules.fp8_experts_on(every, moe_arch, moe_layout)
 assert not rules.fp8_experts_on(load_job("qwen3_30b_a3b_sft"), moe_arch, moe_layout)
 policy.equal_micro_batch_lengths(4, 8, embedding_rows=True)
+# the routed experts leave FSDP2 where their ep spans a stage's ranks (edp 1), in the compute dtype, not
+# offloaded: Qwen3-30B-A3B at EP8 on 8 GPUs with bf16 masters; not with fp32 masters on the GPU, nor at edp 2
+bf16 = load_job("qwen3_30b_a3b_sft", ["precision.master=bf16"])
+for job, world_size, device_type, want in ((bf16, 8, "cuda", True), (bf16, 16, "cuda", False),
+                                           (moe_job, 8, "cuda", False), (moe_job, 8, "cpu", True)):
+    layout = rules.check_layout(job, moe_arch, world_size)
+    assert policy.experts_outside_fsdp(job, layout, device_type) == want
 rules.split_chunks(61, 12, 1, 6, 5)
 try:
     rules.split_chunks(61, 12, 1, None, None)  # the hint: balanced first/last stage sizes

@@ -72,6 +72,7 @@ class Plan:
     resolved: tuple[str, ...]
     process_group: bool  # a process group and meshes (policy.process_group)
     fsdp_units: bool  # the parameters live in FSDP2 units (policy.fsdp_units)
+    experts_outside_fsdp: bool  # the routed experts are in no FSDP2 unit (policy.experts_outside_fsdp)
     compute_dtype: str  # what the run computes in (policy.compute_dtype: fp32 on the CPU)
     grad_reduce: str  # the dtype gradients are reduced in across ranks (policy.grad_reduce_dtype)
     expert_exchange: str | None  # how routed tokens cross the ep ranks; None without expert parallel
@@ -109,6 +110,7 @@ class Plan:
             "fsdp_unit_layers": p.fsdp_unit_layers if self.fsdp_units else None,
             "fsdp_reshard_after_forward": p.fsdp_reshard_after_forward if self.fsdp_units else None,
             "fsdp_grad_accumulation": self.fsdp_grad_accumulation,
+            "experts_outside_fsdp": self.experts_outside_fsdp if self.fsdp_units and self.arch.moe else None,
             "expert_exchange": self.expert_exchange,
             "equal_micro_batch_lengths": self.equal_micro_batch_lengths,
             "context_chunk": self.context_chunk if self.layout.cp > 1 else None,
@@ -144,9 +146,11 @@ def plan_job(job: JobConfig, arch: ModelArch | None = None, *, world: World | No
     top_k = arch.moe.top_k if arch.moe is not None else None
     group = policy.process_group(job, world.size)
     rows = job.parallel.fsdp_embedding == "rows"
+    fsdp_units = policy.fsdp_units(job, world.size)
     return Plan(
         job=resolved_job, arch=arch, params=count_params(arch), world=world, layout=layout, memory=memory,
-        resolved=resolved, process_group=group, fsdp_units=policy.fsdp_units(job, world.size),
+        resolved=resolved, process_group=group, fsdp_units=fsdp_units,
+        experts_outside_fsdp=fsdp_units and policy.experts_outside_fsdp(job, layout, world.device_type),
         compute_dtype=policy.compute_dtype(job, world.device_type), grad_reduce=policy.grad_reduce_dtype(job),
         expert_exchange=policy.expert_exchange(layout.ep, top_k) if layout.ep > 1 and top_k else None,
         equal_micro_batch_lengths=group and policy.equal_micro_batch_lengths(layout.ep, top_k, rows),

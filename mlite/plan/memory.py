@@ -18,6 +18,7 @@ from mlite.plan.policy import (
     SYNC_BUCKET_BYTES,
     expert_exchange,
     expert_pair_rows,
+    experts_outside_fsdp,
     fp8_all_gather,
     fsdp_units,
     grad_reduce_dtype,
@@ -178,16 +179,19 @@ class StageParams:
     largest_unit_fp8: float = 0.0
 
 
-def stage_params(arch: ModelArch, layout: Layout, stage: int, unit_layers: int = 1) -> StageParams:
-    """This stage's parameters per GPU; `unit_layers`: consecutive layers FSDP2 gathers as one unit."""
+def stage_params(arch: ModelArch, layout: Layout, stage: int, unit_layers: int = 1,
+                 experts_gathered: bool = True) -> StageParams:
+    """This stage's parameters per GPU; `unit_layers`: consecutive layers FSDP2 gathers as one unit;
+    `experts_gathered` False: the routed experts are in no unit (policy.experts_outside_fsdp)."""
     dense = experts = linears = 0.0
     per_layer, per_layer_fp8 = [], []
     for i in layout.stage_layers[stage]:
         d, e = _layer_params_per_gpu(arch, layout, i)
         lin = _layer_linears_per_gpu(arch, layout, i)
         dense, experts, linears = dense + d, experts + e, linears + lin
-        per_layer.append(d + e)
-        per_layer_fp8.append(d + e - lin * (1 - FP8_BYTES / 2))
+        gathered = d + (e if experts_gathered else 0.0)
+        per_layer.append(gathered)
+        per_layer_fp8.append(gathered - lin * (1 - FP8_BYTES / 2))
     largest, largest_fp8 = (max((sum(sizes[k : k + unit_layers]) for k in range(len(sizes))), default=0.0)
                             for sizes in (per_layer, per_layer_fp8))
     table = arch.vocab * arch.hidden / layout.tp  # vocab-parallel embedding / head
@@ -368,11 +372,13 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
     """(training items per GPU, bytes offloaded to the host per GPU, resident state items for rollout):
     the model state, then the step's activations, then the framework. `unsharded_grads`: FSDP2 accumulates
     the step's micro-batches into whole gradients."""
-    sp = stage_params(arch, layout, stage, job.parallel.fsdp_unit_layers)
-    ledger = _Ledger()
     fsdp_units = backend_traits(job.optimizer.backend).fsdp_units
+    device_type = "cpu" if job.cluster.gpu == "cpu" else "cuda"
+    plain_experts = fsdp_units and experts_outside_fsdp(job, layout, device_type)
+    sp = stage_params(arch, layout, stage, job.parallel.fsdp_unit_layers, experts_gathered=not plain_experts)
+    ledger = _Ledger()
     if fsdp_units:
-        _fsdp2_state(ledger, job, arch, layout, stage, sp, unsharded_grads)
+        _fsdp2_state(ledger, job, arch, layout, stage, sp, unsharded_grads, plain_experts)
     else:
         _dist_opt_state(ledger, job, layout, sp)
     resident = list(ledger.items)
@@ -413,9 +419,10 @@ def _dist_opt_state(ledger: _Ledger, job: JobConfig, layout: Layout, sp: StagePa
 
 
 def _fsdp2_state(ledger: _Ledger, job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
-                 sp: StageParams, unsharded_grads: bool) -> None:
+                 sp: StageParams, unsharded_grads: bool, plain_experts: bool = False) -> None:
     """FSDP2: sharded masters, the units gathered at a time, gradients (whole until the step's last backward
-    where they accumulate unsharded) and sharded Adam state."""
+    where they accumulate unsharded) and sharded Adam state. `plain_experts`: the routed experts are in no
+    unit (policy.experts_outside_fsdp), so never gathered: their master weights are what they compute with."""
     w, g = DTYPE_BYTES[job.precision.compute], DTYPE_BYTES[grad_reduce_dtype(job)]
     off = job.offload
     frac = off.optimizer_fraction if off.optimizer else 0.0
@@ -431,9 +438,9 @@ def _fsdp2_state(ledger: _Ledger, job: JobConfig, arch: ModelArch, layout: Layou
     units = job.parallel.fsdp_unit_layers
     held = FSDP_PREFETCH_LAYERS * (sp.largest_unit_fp8 if fp8 else sp.largest_unit)
     # parallel.fsdp_embedding rows: the first stage's embedding is never gathered (its exchange moves
-    # token rows, a few MB)
+    # token rows, a few MB); nor are plain experts
     rows = job.parallel.fsdp_embedding == "rows" and stage == 0
-    never_gathered = arch.vocab * arch.hidden if rows else 0
+    never_gathered = (arch.vocab * arch.hidden if rows else 0) + (sp.experts if plain_experts else 0.0)
     if job.parallel.fsdp_reshard_after_forward:
         gathered, how = held, f"{FSDP_PREFETCH_LAYERS} units of {units} layer(s) unsharded at a time"
     else:

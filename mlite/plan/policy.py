@@ -8,6 +8,7 @@ the job with them once, so the runtime reads the choice from the plan instead of
     equal_micro_batch_lengths(ep, top_k, rows)   # whether a step pads each micro-batch to one length
     process_group(job, world_size)               # whether the run starts a process group and meshes
     fsdp_units(job, world_size)                  # whether its parameters live in FSDP2 units
+    experts_outside_fsdp(job, layout, device)    # whether a MoE layer's experts are left out of FSDP2
     compute_dtype(job, device_type)              # what the run computes in
     fp8_all_gather(job)                          # precision.fp8_all_gather `auto`: FP8 all-gathers or not
     rollout_expert_parallel(job, arch)           # whether vLLM engines split the experts whole
@@ -163,6 +164,20 @@ def process_group(job: JobConfig, world_size: int) -> bool:
 def fsdp_units(job: JobConfig, world_size: int) -> bool:
     """Whether this job's parameters live in FSDP2 units (several ranks, or one under fsdp_one_rank)."""
     return backend_traits(job.optimizer.backend).fsdp_units and (world_size > 1 or job.parallel.fsdp_one_rank)
+
+
+def experts_outside_fsdp(job: JobConfig, layout, device_type: str) -> bool:
+    """Whether the routed experts stay plain expert-parallel parameters, in no FSDP2 unit. `layout`: the
+    degrees (`ep`, `etp`, `tp`, `edp`) of the plan's Layout or the runtime's ParallelDims. Where expert
+    parallel (or etp, or tp) gives the experts a mesh of their own that spans one rank (edp 1: the ep x etp
+    ranks are all of a stage's), FSDP2 has nothing to gather or reduce: a unit of theirs would only add its
+    host work and copies every pass, and its hooks would break every MoE block's compiled graph
+    (docs/PERFORMANCE.md). Not where their master weights are not the compute dtype (FSDP2's unit casts
+    them and frees the copy after the layer), nor where the optimizer is offloaded (FSDP2's
+    CPUOffloadPolicy holds the offloaded shards)."""
+    own_mesh = layout.ep * layout.etp * layout.tp > 1
+    return (own_mesh and layout.edp == 1 and job.precision.master == compute_dtype(job, device_type)
+            and not job.offload.optimizer)
 
 
 def compute_dtype(job: JobConfig, device_type: str) -> str:

@@ -220,7 +220,7 @@ def rank_chunks(plan: Plan, mesh: ParallelMesh | None, dtype: torch.dtype = torc
     chunks, pp = plan.layout.chunk_layers, plan.layout.pp
     device_type = mesh.dense.device_type
     return {c: parallelize_model(build(list(chunks[c])), mesh, job, device_type, plan.expert_exchange,
-                                 plan.fsdp_units, plan.context_chunk)
+                                 plan.fsdp_units, plan.context_chunk, plan.experts_outside_fsdp)
             for c in range(mesh.rank_in("pp"), len(chunks), pp)}
 
 

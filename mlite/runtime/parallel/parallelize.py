@@ -162,6 +162,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     forward_prefetch: bool = True,
     embedding_rows: bool = False,
+    plain_experts: bool = False,
 ) -> None:
     """FSDP2: sharded parameters (the master copy, so the optimizer state is sharded too), gathered in
     `compute_dtype` for compute, gradients reduced in `reduce_dtype` (precision.grad_reduce). Dense
@@ -180,7 +181,9 @@ def apply_fsdp(
     all-gather behind its own, so a host that runs behind its GPU does not also delay the gathers (the plan
     holds two units gathered either way).
     `embedding_rows` (parallel.fsdp_embedding rows): the embedding is no FSDP2 unit; it stays sharded by
-    vocabulary rows over dp_cp (`shard_embedding_rows`)."""
+    vocabulary rows over dp_cp (`shard_embedding_rows`).
+    `plain_experts` (mlite.plan.policy.experts_outside_fsdp): the routed experts, already split over all of
+    a stage's ranks by expert parallel, are in no unit: their parameters are every unit's ignored ones."""
     # cast_forward_inputs off: every unit's inputs already come in the compute dtype (the embedding's output,
     # RoPE's cos/sin cast to it, pipeline activations received in it, token ids), and the cast walks each
     # call's arguments, the PackedBatch included, rebuilding it per block: host time in every block's call
@@ -193,6 +196,8 @@ def apply_fsdp(
     def shard(module, mesh_name, offload, **extra):
         if offload:
             extra["offload_policy"] = CPUOffloadPolicy()
+        if plain:
+            extra["ignored_params"] = plain | (extra.get("ignored_params") or set())
         return fully_shard(
             module, mesh=mesh[mesh_name], mp_policy=policy, reshard_after_forward=reshard_after_forward,
             **extra
@@ -204,9 +209,12 @@ def apply_fsdp(
     # host work and its collectives, so otherwise they belong to the layer's unit
     own_experts = mesh.dims.ep * mesh.dims.etp * mesh.dims.tp > 1
     own_router = mesh.dims.tp > 1
+    # plain experts: their ep DTensors stay as they are, stepped and checkpointed like any parameter
+    plain = ({p for layer in layers if is_moe(layer) for p in layer.mlp.experts.parameters()}
+             if plain_experts else set())
     groups = []
     for i, layer in enumerate(layers):
-        if is_moe(layer) and own_experts:
+        if is_moe(layer) and own_experts and not plain_experts:
             groups.append(shard(layer.mlp.experts, "edp", i < offloaded))
         if is_moe(layer) and own_router:
             groups.append(shard(layer.mlp, "dp_cp_tp", i < offloaded))  # the router
@@ -300,13 +308,14 @@ def host_offloaded(model: nn.Module) -> set[int]:
 
 def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, device_type: str,
                       exchange: str | None = None, fsdp_units: bool = True,
-                      context_chunk: int = 1) -> nn.Module:
+                      context_chunk: int = 1, plain_experts: bool = False) -> nn.Module:
     """The whole layout for the runtime, in its fixed order: TP+SP, attention core (CP + recompute), EP,
     FSDP2 where `fsdp_units` (the plan's: not under optimizer.backend dist_opt, whose backend,
     mlite.runtime.backends.dist_opt, wraps the result in Megatron's DDP). Built
     from the plan (mlite.plan.plan_job has accepted the layout before any of this runs): `job` is the plan's
     job, its `auto`s resolved (FSDP2's units, the reduction dtype), `exchange` its expert exchange (None
-    without expert parallel) and `context_chunk` the multiple of its context-parallel chunks."""
+    without expert parallel), `context_chunk` the multiple of its context-parallel chunks and
+    `plain_experts` whether the routed experts stay out of FSDP2 (policy.experts_outside_fsdp)."""
     apply_tensor_parallel(model, mesh)
     rc = job.recompute
     cp_group = mesh.group("cp") if mesh.dims.cp > 1 else None
@@ -330,6 +339,7 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh, job: JobConfig, devi
         reshard_after_forward=par.fsdp_reshard_after_forward,
         forward_prefetch=par.fsdp_forward_prefetch,
         embedding_rows=par.fsdp_embedding == "rows",
+        plain_experts=plain_experts,
     )
     return model
 
