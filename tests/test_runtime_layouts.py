@@ -263,6 +263,28 @@ def test_sft_on_two_gpus_in_bf16_matches_one_gpu(assets, tmp_path, model, overri
 
 
 @pytest.mark.gpu
+def test_moe_ep2_with_its_experts_in_no_fsdp2_unit_on_two_gpus_matches_one_gpu(assets, tmp_path):
+    """bf16 masters at ep2 on 2 GPUs: ep spans both ranks (edp 1), so the plan leaves the routed experts
+    out of FSDP2 (policy.experts_outside_fsdp): plain ep DTensors, stepped, clipped and checkpointed like
+    any parameter. The SFT curve is one GPU's within bf16 rounding."""
+    from mlite.plan import plan_job
+    from mlite.plan.world import World
+
+    if torch.cuda.device_count() < 2:
+        pytest.fail(f"this test needs 2 GPUs, {torch.cuda.device_count()} visible")
+    gpu = {"cluster": {"gpu": "h100", "gpus_per_node": 2}, "precision": {"compute": "bf16", "master": "bf16"},
+           "trainer": {"device": "cuda"}}
+    two_job = job_dict(assets, "moe", tmp_path / "two", **gpu)
+    two_job["parallel"] = {**two_job.get("parallel", {}), "ep": 2}
+    assert plan_job(job_from_dict(two_job), world=World(2, "cuda", False)).experts_outside_fsdp
+    done = mlite_cli(tmp_path, job_dict(assets, "moe", tmp_path / "one", **gpu), 1)
+    assert done.returncode == 0, failure(done)
+    done = mlite_cli(tmp_path, job_dict(assets, "moe", tmp_path / "two", **gpu), 2, "parallel.ep=2")
+    assert done.returncode == 0, failure(done)
+    assert_same_curve(records(tmp_path / "two"), records(tmp_path / "one"), rtol=2e-2)
+
+
+@pytest.mark.gpu
 def test_bf16_masters_reduce_in_bf16_on_two_gpus(assets, tmp_path):
     """precision.grad_reduce auto with bf16 masters reduces in bf16 (mlite.plan.policy.grad_reduce_dtype):
     - one micro-batch a step: each reduced element is one sum over the two ranks, rounded once to the
