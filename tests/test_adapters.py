@@ -294,3 +294,31 @@ def test_no_module_outside_the_adapters_reads_a_private_name():
                 if any(p.startswith("_") and not p.startswith("__") for n in names for p in n.split(".")):
                     found.append(f"{where} from {node.module} import {', '.join(a.name for a in node.names)}")
     assert not found, "private names outside the adapters:\n" + "\n".join(found)
+
+
+def test_pytorch_adapter_traceable_all_to_all_still_behaves(tmp_path):
+    """The functional all-to-all on a one-rank gloo group: the rows come back, the gradient goes through, and
+    torch.compile takes it into one graph (fullgraph raises at a break). Two ranks: the expert exchange's
+    tests (tests/test_parallel_parity.py)."""
+    import torch.distributed as dist
+
+    from mlite.runtime.adapters import pytorch as adapter
+
+    def says(what: str) -> str:
+        return stale("mlite/runtime/adapters/pytorch.py", "torch", adapter.TORCH_CHECKED,
+                     torch.__version__, what)
+
+    owned = not dist.is_initialized()  # an in-process run of this worker may have started its own
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0], backend="gloo")
+        x = torch.randn(6, 4, requires_grad=True)
+        y = adapter.all_to_all_equal(x, group)
+        (y * 3).sum().backward()
+        assert torch.equal(y, x) and torch.equal(x.grad, torch.full_like(x, 3.0)), says("all_to_all_single")
+        compiled = torch.compile(lambda t: adapter.all_to_all_equal(t * 2, group) + 1, fullgraph=True)
+        assert torch.equal(compiled(x.detach()), x.detach() * 2 + 1), says("all_to_all_single under compile")
+    finally:
+        if owned:
+            dist.destroy_process_group()

@@ -2,7 +2,8 @@
 whether it reshards after forward, its post-backward hook), DTensor's strided shard placement (what FSDP2
 over tensor or expert parallel gives), nn.Module's forward-hook tables and per-tensor walk, a view's base,
 DeviceMesh's flatten and unflatten, DCP's nested-state traversal, the grouped matmul, the multi-tensor
-(`_foreach_*`) kernels and the inner tensor of a traceable wrapper subclass.
+(`_foreach_*`) kernels, the inner tensor of a traceable wrapper subclass and the traceable all-to-all
+(`_functional_collectives`).
 
 Checked against torch 2.13.0 (`TORCH_CHECKED`); the pinned images run 2.11.0, where running
 tests/test_adapters.py in the image is the check.
@@ -15,6 +16,7 @@ when one stops behaving; update the functions here, never their callers.
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
@@ -140,3 +142,10 @@ def foreach_sub_(tensors: list[torch.Tensor], other) -> None:
 def foreach_norm(tensors: list[torch.Tensor], ord: float = 2, dtype=None) -> list[torch.Tensor]:
     """The `ord`-norm of every tensor (one 0-d tensor each, accumulated in `dtype`), in one launch."""
     return list(torch._foreach_norm(tensors, ord, dtype=dtype))
+
+
+def all_to_all_equal(x: torch.Tensor, group) -> torch.Tensor:
+    """Block r of `x`'s rows to rank r of `group`, equal blocks, with autograd (the backward is the reverse
+    all-to-all), as a collective torch.compile traces into its graph (c10d's own calls break it): torch's
+    functional all-to-all."""
+    return funcol.all_to_all_single_autograd(x, None, None, group)

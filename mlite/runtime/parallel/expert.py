@@ -8,7 +8,7 @@ Two exchanges (`mlite.plan.policy.expert_exchange` picks by ep and top_k, so the
   added in fp32 there. Its pair buffers hold this rank's pair count, read on the host once a layer, or
   (`bounded`, parallel.expert_buffers worst_case) the most pairs the rank can be sent, so nothing is read
   on the host: the rows past the real pairs are padding that no GEMM runs and no sum reads. With nothing
-  read on the host, the bounded exchange's collectives are torch's traceable ones, so a compiled block
+  read on the host, the bounded exchange's collectives are traceable ones, so a compiled block
   keeps the whole exchange in its graph;
 - `all_to_all`: one row per routed (token, expert) pair, sent to the expert's rank and back; the split
   sizes are exchanged first.
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor
 
 from mlite.plan.policy import expert_pair_rows
+from mlite.runtime.adapters.pytorch import all_to_all_equal
 from mlite.runtime.kernels.segment_sum import segment_sum
 from mlite.runtime.models.moe import (
     ExpertsFn,
@@ -221,7 +221,7 @@ def _gather_rows(x, group, traceable=False):
     # sum) adds the ep gradients in fp32 with one rounding, as _AllGatherRows does
     ep = dist.get_world_size(group)
     copies = x.unsqueeze(0).expand(ep, *x.shape).reshape(ep * x.shape[0], *x.shape[1:])
-    return funcol.all_to_all_single_autograd(copies, None, None, group)
+    return all_to_all_equal(copies, group)
 
 
 def _sum_home(x, group, traceable=False):
@@ -230,7 +230,7 @@ def _sum_home(x, group, traceable=False):
     if not traceable:
         return _eager_sum_home(x, group)
     ep = dist.get_world_size(group)
-    received = funcol.all_to_all_single_autograd(x.contiguous(), None, None, group)
+    received = all_to_all_equal(x.contiguous(), group)
     return received.view(ep, -1, *x.shape[1:]).sum(0, dtype=accumulated(x)).to(x.dtype)
 
 
