@@ -250,12 +250,14 @@ def parallelize(model, mesh, job_sections=None):
     suite (fp32 on CPU, bf16 on GPUs)."""
     sections = dict(job_sections or {})
     # what a plan resolves, given as the plan would (mlite.plan.plan_job): fp32 masters reduce in fp32;
-    # FSDP2 units of one layer, resharded after their forward (torchtitan's), unless a test's sections say
-    # otherwise; the expert exchange policy picks for the mesh's ep and the model's top-k
+    # FSDP2 units of one layer, resharded after their forward (torchtitan's), and the expert exchange's
+    # buffers sized by the pair count (`exact`), unless a test's sections say otherwise; the expert exchange
+    # policy picks for the mesh's ep and the model's top-k
     sections["precision"] = {"compute": "bf16" if compute_dtype() == torch.bfloat16 else "fp32",
                              "grad_reduce": "fp32"}
     sections.setdefault("parallel", {}).setdefault("fsdp_unit_layers", 1)
     sections["parallel"].setdefault("fsdp_reshard_after_forward", True)
+    sections["parallel"].setdefault("expert_buffers", "exact")
     job = job_from_dict({"model": {"name": "tiny-qwen3-moe"}, **sections})
     moe = model.arch.moe
     exchange = expert_exchange(mesh.dims.ep, moe.top_k) if moe is not None and mesh.dims.ep > 1 else None

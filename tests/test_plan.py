@@ -568,6 +568,41 @@ def test_fp8_all_gather_auto_resolves_into_the_plan():
     assert one.job.precision.fp8_all_gather == "auto" and not one.memory.fp8_all_gather  # no FSDP2 units
 
 
+def test_expert_buffers_auto_is_worst_case_at_ep2_where_it_fits_with_the_margin():
+    """parallel.expert_buffers auto on Qwen3-30B-A3B (top-8): worst_case at ep2, whose buffers hold twice a
+    balanced router's pairs, where the plan fits with KEEP_GATHERED_MARGIN to spare (an H200); exact where
+    it fits only without that spare (the template's GPU), and at ep4 (4x, above AUTO_WORST_CASE_MAX_PAIRS);
+    `auto` kept where no all-gather exchange runs. The resolved plan is the explicit job's plan."""
+    from mlite.plan.memory import AUTO_WORST_CASE_MAX_PAIRS, KEEP_GATHERED_MARGIN
+    from mlite.plan.report import runs_line
+
+    def plan(*extra):
+        return plan_job(load_job("qwen3_30b_a3b_sft", ["parallel.ep=2", *extra]))
+
+    roomy = plan("cluster.gpu=h200")
+    assert roomy.job.parallel.expert_buffers == "worst_case" and "parallel.expert_buffers" in roomy.resolved
+    assert roomy.choices()["expert_buffers"] == roomy.memory.expert_buffers == "worst_case"
+    assert "worst-case buffers" in runs_line(roomy)
+    assert roomy.memory.total_gb * KEEP_GATHERED_MARGIN <= roomy.memory.usable_gb
+    explicit = plan("cluster.gpu=h200", "parallel.expert_buffers=worst_case")
+    assert explicit.resolved == tuple(k for k in roomy.resolved if k != "parallel.expert_buffers")
+    assert explicit.memory == roomy.memory
+    # the template's GPU: worst_case would fit, but not with the planner's error to spare
+    tight, tight_worst = plan(), plan("parallel.expert_buffers=worst_case")
+    assert tight_worst.memory.fits
+    assert tight_worst.memory.total_gb * KEEP_GATHERED_MARGIN > tight.memory.usable_gb
+    assert tight.job.parallel.expert_buffers == "exact" and "parallel.expert_buffers" in tight.resolved
+    assert tight.memory == plan("parallel.expert_buffers=exact").memory
+    ep4 = plan("cluster.gpu=h200", "parallel.ep=4")
+    assert 4 > AUTO_WORST_CASE_MAX_PAIRS and ep4.job.parallel.expert_buffers == "exact"
+    for extra in (["parallel.ep=1"], ["parallel.ep=16", "cluster.nodes=2"]):  # no exchange; all-to-all
+        none = plan("cluster.gpu=h200", *extra)
+        assert none.job.parallel.expert_buffers == "auto" and "parallel.expert_buffers" not in none.resolved
+        assert none.choices()["expert_buffers"] is None
+    dense = plan_job(load_job("demo_sft"))
+    assert dense.job.parallel.expert_buffers == "auto" and dense.choices()["expert_buffers"] is None
+
+
 def test_worst_case_pair_buffers_count_the_most_pairs_a_rank_can_be_sent():
     """parallel.expert_buffers worst_case at ep2 on Qwen3-30B-A3B (64 experts a rank, top-8): the routed
     copies double (each gathered token may send all 8 pairs here), kept or rebuilt under full recompute;
@@ -577,7 +612,7 @@ def test_worst_case_pair_buffers_count_the_most_pairs_a_rank_can_be_sent():
         return items(plan)
 
     kept, worst = (routed(["recompute.granularity=selective", *extra])
-                   for extra in ([], ["parallel.expert_buffers=worst_case"]))
+                   for extra in (["parallel.expert_buffers=exact"], ["parallel.expert_buffers=worst_case"]))
     assert worst["activations: routed experts"] == pytest.approx(2 * kept["activations: routed experts"])
     assert worst["expert exchange buffers"] == pytest.approx(kept["expert exchange buffers"])
     from mlite.plan.report import runs_line
@@ -586,5 +621,6 @@ def test_worst_case_pair_buffers_count_the_most_pairs_a_rank_can_be_sent():
     line = runs_line(plan_job(worst_job))
     assert "ep all-gather, equal lengths, worst-case buffers" in line
     full, full_worst = (routed(["recompute.granularity=full", *extra])
-                        for extra in ([], ["parallel.expert_buffers=worst_case"]))
+                        for extra in (["parallel.expert_buffers=exact"],
+                                      ["parallel.expert_buffers=worst_case"]))
     assert full["recompute working set"] < full_worst["recompute working set"]

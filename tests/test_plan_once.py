@@ -96,7 +96,7 @@ def _replans_to_itself(plan: Plan) -> bool:
     return again.resolved == () and dataclasses.replace(again, resolved=plan.resolved) == plan
 
 
-def assert_planned_once(got: dict, fsdp: bool) -> None:
+def assert_planned_once(got: dict, fsdp: bool, gathers_experts: bool = False) -> None:
     assert got["calls"] == {"check_job": 1, "estimate_memory": 1}, got["calls"]
     counted_entries = Counter({tuple(key.split("|")): n for key, n in got["entries"].items()})
     # the one way in: plan_job from place(), which asks check_job and estimate_memory once each
@@ -106,8 +106,10 @@ def assert_planned_once(got: dict, fsdp: bool) -> None:
     assert got["same_job"] and got["replans_to_itself"], got
     job, resolved = got["job"], set(got["resolved"])
     assert all(job[key.split(".")[0]][key.split(".")[1]] != "auto" for key in resolved), (resolved, job)
-    if fsdp:  # FSDP2's units exist and a process group reduces: every key a plan resolves is resolved
-        assert resolved == set(RESOLVABLE), resolved
+    if fsdp:  # FSDP2's units exist and a process group reduces: every key a plan resolves is resolved, the
+        # expert exchange's buffers where the all-gather exchange runs
+        expected = set(RESOLVABLE) - (set() if gathers_experts else {"parallel.expert_buffers"})
+        assert resolved == expected, resolved
     else:  # one plain process: no FSDP2 units and no reduction, nothing of them to resolve
         assert resolved == set(), resolved
 
@@ -137,7 +139,7 @@ def test_two_rank_start_up_enters_the_rule_book_and_the_estimate_once(tmp_path):
         assert set(results) == set(TWO_RANKS)
         for name, got in results.items():
             assert got["fsdp_units"], (rank, name)
-            assert_planned_once(got, fsdp=True)
+            assert_planned_once(got, fsdp=True, gathers_experts=name == "ep2")
 
 
 # ---------------------------------------------------------------------------------- the planner alone
@@ -166,8 +168,10 @@ def test_a_plan_is_frozen_and_prints_its_choices():
     assert choices["context_chunk"] is None  # no context parallel
     assert choices["fp8"] is None and choices["fp8_all_gather"] is False  # no precision.fp8: nothing in FP8
     assert set(plan.resolved) == {"parallel.fsdp_unit_layers", "parallel.fsdp_reshard_after_forward",
-                                  "parallel.fsdp_grad_accumulation",
-                                  "precision.fp8_all_gather"}  # the template sets grad_reduce
+                                  "parallel.fsdp_grad_accumulation", "precision.fp8_all_gather",
+                                  "parallel.expert_buffers"}  # the template sets grad_reduce
+    # ep8 with top-8: worst-case buffers would hold 8 x a balanced router's pairs (AUTO_WORST_CASE_MAX_PAIRS)
+    assert choices["expert_buffers"] == plan.job.parallel.expert_buffers == "exact"
 
 
 def test_a_planned_job_is_planned_anew_in_another_world():

@@ -71,15 +71,16 @@ LAYOUTS = [
     ("dense", ["parallel.fsdp_embedding=rows"]),
     ("dense", ["parallel.cp=2", "parallel.fsdp_embedding=rows"]),
     ("moe", ["parallel.ep=2", "parallel.fsdp_embedding=rows"]),
-    # the exchange's pair buffers sized for the most pairs a rank can be sent: nothing read on the host
-    ("moe", ["parallel.ep=2", "parallel.expert_buffers=worst_case"]),
+    # the exchange's pair buffers sized by the pair count the host reads (`ep2` above: auto, which plans the
+    # worst case here, nothing read on the host)
+    ("moe", ["parallel.ep=2", "parallel.expert_buffers=exact"]),
 ]
 
 
 @pytest.mark.parametrize("model,overrides", LAYOUTS,
                          ids=["pp2", "cp2", "fsdp2-dp2", "ep2", "moe-pp2", "moe-cp2", "moe-tp2",
                               "moe-ep2-units2", "fsdp2-dp2-sharded-grads", "fsdp2-dp2-embedding-rows",
-                              "cp2-embedding-rows", "ep2-embedding-rows", "ep2-worst-case-buffers"])
+                              "cp2-embedding-rows", "ep2-embedding-rows", "ep2-exact-buffers"])
 def test_sft_cli_on_two_ranks_matches_one_process(assets, one_process, tmp_path, model, overrides):
     out = tmp_path / "run"
     done = mlite_cli(tmp_path, job_dict(assets, model, out), 2, *overrides)

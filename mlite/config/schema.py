@@ -134,8 +134,12 @@ class ParallelConfig(Section):
     # the pair count, which the host reads once a layer (it waits there for the router); `worst_case` sizes
     # them for the most pairs the rank can be sent (ep x tokens x min(top_k, its experts):
     # mlite.plan.policy.expert_pair_rows), so the exchange reads nothing on the host, at that buffer's
-    # memory (the planner counts it); the GEMMs run the real pairs only, and the exchange compiles whole
-    expert_buffers: Literal["exact", "worst_case"] = "exact"
+    # memory (the planner counts it); the GEMMs run the real pairs only, and the exchange compiles whole.
+    # `auto`: worst_case where those buffers hold at most twice a balanced router's pairs (ep2 with top-k
+    # routing) and the plan fits with them and the planner's error to spare, else exact
+    # (mlite.plan.memory._auto_buffers); it stays `auto` where no all-gather exchange runs (no routed
+    # experts, ep 1, ep above top_k)
+    expert_buffers: Literal["auto", "exact", "worst_case"] = "auto"
 
     @model_validator(mode="after")
     def _consistent(self):

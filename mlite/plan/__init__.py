@@ -65,7 +65,8 @@ class Plan:
     memory: MemoryEstimate
     # dotted keys of `job` that said `auto` and now hold the plan's choice. Keys resolve where their subject
     # exists: FSDP2's unit keys (and precision.fp8_all_gather, how the units gather) where there are FSDP2
-    # units, precision.grad_reduce where a process group reduces gradients. Elsewhere a key keeps `auto`,
+    # units, precision.grad_reduce where a process group reduces gradients, parallel.expert_buffers where
+    # the all-gather expert exchange runs. Elsewhere a key keeps `auto`,
     # the one value the rule book accepts for a knob the run does not have, so that `plan_job(plan.job)`
     # is this plan again. (trainer.device `auto` is the world's device, `world.device_type`: the runtime
     # picks it before it plans.)
@@ -112,6 +113,7 @@ class Plan:
             "fsdp_grad_accumulation": self.fsdp_grad_accumulation,
             "experts_outside_fsdp": self.experts_outside_fsdp if self.fsdp_units and self.arch.moe else None,
             "expert_exchange": self.expert_exchange,
+            "expert_buffers": p.expert_buffers if self.expert_exchange == "all_gather" else None,
             "equal_micro_batch_lengths": self.equal_micro_batch_lengths,
             "context_chunk": self.context_chunk if self.layout.cp > 1 else None,
             "fp8": self.job.precision.fp8 if self.job.precision.fp8 != "none" else None,
@@ -161,9 +163,10 @@ def plan_job(job: JobConfig, arch: ModelArch | None = None, *, world: World | No
 
 
 # the keys a plan may resolve (`Plan.resolved`): FSDP2's units where they exist, the reduction dtype where a
-# process group reduces
+# process group reduces, the expert exchange's buffers where the all-gather exchange runs
 RESOLVABLE = ("parallel.fsdp_unit_layers", "parallel.fsdp_reshard_after_forward",
-              "parallel.fsdp_grad_accumulation", "precision.fp8_all_gather", "precision.grad_reduce")
+              "parallel.fsdp_grad_accumulation", "precision.fp8_all_gather", "precision.grad_reduce",
+              "parallel.expert_buffers")
 
 
 def for_another_world(job: dict[str, Any]) -> dict[str, Any]:
@@ -191,6 +194,8 @@ def _resolve(job: JobConfig, world: World, memory: MemoryEstimate) -> tuple[JobC
         choices["parallel.fsdp_grad_accumulation"] = memory.fsdp_grad_accumulation or "sharded"
         # off without precision.fp8 tensorwise or without ranks to gather from (mlite.plan.policy)
         choices["precision.fp8_all_gather"] = memory.fp8_all_gather
+    if memory.expert_buffers != "auto":  # the all-gather expert exchange runs: how its buffers are sized
+        choices["parallel.expert_buffers"] = memory.expert_buffers
     if memory.offload_trainer is not None:  # a vLLM rollout
         choices["rollout.offload_trainer"] = memory.offload_trainer
         choices["rollout.fp8_weights"] = memory.rollout_fp8_weights

@@ -61,6 +61,11 @@ AUTO_UNIT_MAX_LAYERS = 4
 # estimate fits with the planner's calibration bound to spare (within 15% of measured peaks:
 # tests/test_bench.py), since a run that no longer fits would only find out at its first step
 KEEP_GATHERED_MARGIN = 1.15
+# parallel.expert_buffers `auto`: worst-case pair buffers where they hold at most this many times a balanced
+# router's pairs. Measured at 2 (ep2 with Qwen3's top-8 on 2 x H200: 97% of two GPUs against exact's 73%,
+# docs/PERFORMANCE.md); above it the padding rows that every gather and sum of the exchange passes over grow
+# with ep (4x at ep4, 8x at ep8), unmeasured, so there `exact` stays unless the job asks
+AUTO_WORST_CASE_MAX_PAIRS = 2.0
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # precision.fp8: an FP8 element, and what one fp32 scale covers (blockwise: 1x128 activation tiles, 128x128
 # weight blocks; the routed experts' grouped GEMM is rowwise under every recipe)
@@ -111,6 +116,9 @@ class MemoryEstimate:
     # whether FSDP2 all-gathers the FP8 linears' weights in FP8 (precision.fp8_all_gather, `auto` resolved by
     # mlite.plan.policy.fp8_all_gather on this layout)
     fp8_all_gather: bool = False
+    # how the all-gather expert exchange sizes its pair buffers (parallel.expert_buffers, `auto` resolved
+    # here: `worst_case` or `exact`); `auto` where no all-gather exchange runs
+    expert_buffers: str = "auto"
 
     @property
     def train_gb(self) -> float:
@@ -158,7 +166,7 @@ class MemoryEstimate:
             "notes": self.notes, "fsdp_grad_accumulation": self.fsdp_grad_accumulation,
             "fsdp_unit_layers": self.fsdp_unit_layers,
             "fsdp_reshard_after_forward": self.fsdp_reshard_after_forward,
-            "fp8_all_gather": self.fp8_all_gather,
+            "fp8_all_gather": self.fp8_all_gather, "expert_buffers": self.expert_buffers,
         }
 
 
@@ -675,13 +683,15 @@ def _kv_bytes_per_sequence(arch: ModelArch, layer: int, length: int, act: int) -
 # ------------------------------------------------------------------------------------------------ entry
 def estimate_memory(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstimate:
     """Itemised memory of the fullest pipeline rank, and host memory per node. `auto` keys are resolved here,
-    in this order (`_resolving`): parallel.fsdp_unit_layers (`_auto_units`), then
+    in this order (`_resolving`): parallel.fsdp_unit_layers (`_auto_units`), then parallel.expert_buffers
+    (`_auto_buffers`: worst_case where its buffers are at most AUTO_WORST_CASE_MAX_PAIRS a balanced
+    router's and that fits with KEEP_GATHERED_MARGIN to spare), then
     parallel.fsdp_reshard_after_forward (`_auto_reshard`: kept gathered where that fits with
     KEEP_GATHERED_MARGIN to spare and nothing is offloaded), then how a step of several micro-batches under
     FSDP2 accumulates its gradients (parallel.fsdp_grad_accumulation: `unsharded` where that estimate fits,
-    else `sharded`). The estimate says what it chose (`fsdp_unit_layers`, `fsdp_reshard_after_forward`,
-    `fsdp_grad_accumulation`); the plan (mlite.plan.plan_job) writes that into the job the runtime is built
-    from, so this runs once per plan."""
+    else `sharded`). The estimate says what it chose (`fsdp_unit_layers`, `expert_buffers`,
+    `fsdp_reshard_after_forward`, `fsdp_grad_accumulation`); the plan (mlite.plan.plan_job) writes that
+    into the job the runtime is built from, so this runs once per plan."""
     return _resolving(job, arch, layout)
 
 
@@ -689,6 +699,8 @@ def _resolving(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstimat
     """`estimate_memory`, resolving one `auto` at a time: each choice sizes the job with that key set."""
     if job.parallel.fsdp_unit_layers == "auto":
         return _auto_units(job, arch, layout)
+    if job.parallel.expert_buffers == "auto" and _gathers_experts(arch, layout):
+        return _auto_buffers(job, arch, layout)
     if job.parallel.fsdp_reshard_after_forward == "auto":
         return _auto_reshard(job, arch, layout)
     mode = job.parallel.fsdp_grad_accumulation
@@ -724,6 +736,27 @@ def _auto_units(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstima
         if estimate.fits or units == 1:
             return estimate
         units //= 2
+
+
+def _gathers_experts(arch: ModelArch, layout: Layout) -> bool:
+    """Whether the routed tokens cross the ep ranks by the all-gather exchange (policy.expert_exchange), the
+    one whose pair buffers parallel.expert_buffers sizes."""
+    moe = arch.moe
+    return moe is not None and layout.ep > 1 and expert_exchange(layout.ep, moe.top_k) == "all_gather"
+
+
+def _auto_buffers(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstimate:
+    """parallel.expert_buffers `auto`: worst_case where its buffers hold at most AUTO_WORST_CASE_MAX_PAIRS
+    times a balanced router's pairs and the estimate fits with its error to spare (KEEP_GATHERED_MARGIN),
+    else exact. Nothing is read on the host, so the exchange compiles whole and no rank waits on its own
+    host every layer. Chosen before keeping units gathered, whose gain is smaller."""
+    k = arch.moe.top_k
+    pairs = expert_pair_rows(layout.ep, 1, k, arch.moe.num_experts // layout.ep) / k
+    if pairs <= AUTO_WORST_CASE_MAX_PAIRS:
+        worst = _resolving(_with_parallel(job, expert_buffers="worst_case"), arch, layout)
+        if worst.fits and worst.total_gb * KEEP_GATHERED_MARGIN <= worst.usable_gb:
+            return worst
+    return _resolving(_with_parallel(job, expert_buffers="exact"), arch, layout)
 
 
 def _auto_reshard(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEstimate:
@@ -777,4 +810,4 @@ def _estimate(job: JobConfig, arch: ModelArch, layout: Layout, accumulation: str
                           fsdp_grad_accumulation=accumulation,
                           fsdp_unit_layers=job.parallel.fsdp_unit_layers,
                           fsdp_reshard_after_forward=job.parallel.fsdp_reshard_after_forward,
-                          fp8_all_gather=fp8_all_gather(job))
+                          fp8_all_gather=fp8_all_gather(job), expert_buffers=job.parallel.expert_buffers)
