@@ -5,6 +5,7 @@ straight-through gradients, and the conversion of a tiny DeepSeek-V4."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -36,12 +37,15 @@ def sent_to_vllm(w: torch.Tensor, name: str = "layers.0.attn.wo_a.weight") -> to
     return dequantize(q, scale, block=(128, 128))
 
 
-def reference_activation(x: torch.Tensor) -> torch.Tensor:
-    """vLLM's per_token_group_quant_fp8 (group 128) and back, one group at a time."""
+def reference_activation(x: torch.Tensor, ue8m0: bool = True) -> torch.Tensor:
+    """vLLM's per_token_group_quant_fp8 (group 128) and back, one group at a time: its Triton kernel's scale,
+    amax / 448, then with use_ue8m0 exp2(ceil(log2(scale)))."""
     out = torch.empty_like(x)
     for start in range(0, x.shape[-1], 128):
         tile = x[..., start:start + 128]
         scale = tile.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
+        if ue8m0:
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
         q = (tile / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         out[..., start:start + 128] = q.float() * scale
     return out
@@ -82,6 +86,35 @@ def test_the_rounded_forward_equals_the_reference_and_actually_rounds(shape):
     assert (y - x @ w.T).abs().max() > 1e-4
     # a zero row stays zero (vLLM's floor on the group's amax)
     assert torch.equal(fp8_match.round_activation(torch.zeros(2, 130)), torch.zeros(2, 130))
+
+
+def test_the_activation_scales_are_powers_of_two_as_vllms_e8m0_quantiser_makes_them():
+    """vLLM's V4 path on Hopper quantises activations with ue8m0 scales (DeepGEMM E8M0, on by default; wo_a's
+    quantiser always): the rounding is that one, bit for bit, and not the float32-scale one, which differs."""
+    x, _ = operands((256, 384), tokens=64, seed=3)
+    back = fp8_match.round_activation(x)
+    assert torch.equal(back, reference_activation(x))
+    assert not torch.equal(back, reference_activation(x, ue8m0=False))
+    # each group's largest element lands at or below 448 x its scale, the scale a power of two
+    tiles = back.reshape(64, 3, 128).abs().amax(-1)
+    scale = torch.exp2(torch.ceil(torch.log2(x.reshape(64, 3, 128).abs().amax(-1) / FP8_MAX)))
+    assert torch.equal(torch.log2(scale), torch.log2(scale).round())
+    assert bool((tiles <= FP8_MAX * scale).all())
+
+
+def test_the_rollout_keeps_vllms_e8m0_scales_on_and_refuses_a_process_that_turned_them_off(monkeypatch):
+    from mlite.config import load_job
+    from mlite.trainers.grpo.vllm_rollout import E8M0_ENV, VLLMRollout, keep_e8m0_scales
+
+    job = load_job("deepseek_v4_flash_grpo", ["rollout.match_fp8=true"])
+    monkeypatch.setenv(E8M0_ENV, "0")
+    with pytest.raises(MliteError, match=f"{E8M0_ENV}=0 turns them off; unset it"):
+        VLLMRollout(job, None, "unused")  # refused before vLLM is imported or anything is built
+    monkeypatch.delenv(E8M0_ENV)
+    keep_e8m0_scales(False)
+    assert E8M0_ENV not in os.environ  # nothing set without rollout.match_fp8
+    keep_e8m0_scales(True)
+    assert os.environ[E8M0_ENV] == "1"
 
 
 def test_the_activation_is_rounded_per_token_in_groups_of_128():
@@ -238,3 +271,25 @@ def test_a_job_with_match_fp8_builds_its_model_rounded():
     plain = rank_chunks(plan_job(load_job("demo_grpo", base)), None, torch.float32, "cpu")[0]
     assert all(layer.attn.output_product is not fp8_match.fp8_grouped_product
                for layer in plain.layers.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_gpu_activation_rounding_is_vllms_per_token_group_quantiser_bit_for_bit():
+    """vLLM's own quantiser on the GPU (its CUDA op or Triton kernel), with ue8m0 scales: the trainer's
+    rounding of a bf16 activation is its dequantised output, bit for bit; its float32 scales differ."""
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+
+    tokens, width = 257, 640
+    g = torch.Generator(device="cuda").manual_seed(0)
+    spread = torch.logspace(-3, 2, width, device="cuda")  # groups of very different magnitudes
+    x = (torch.randn(tokens, width, device="cuda", generator=g) * spread).to(torch.bfloat16)
+
+    def vllm_rounded(ue8m0):
+        q, s = per_token_group_quant_fp8(x, 128, use_ue8m0=ue8m0)
+        back = q.float().view(tokens, width // 128, 128) * s.float().view(tokens, width // 128, 1)
+        return back.view(tokens, width).to(torch.bfloat16)
+
+    mine = fp8_match.round_activation(x)
+    assert torch.equal(mine, vllm_rounded(True))
+    assert not torch.equal(mine, vllm_rounded(False))

@@ -4,7 +4,11 @@ logprobs the trainer computes are those of the weights and activations the sampl
 vLLM's block-FP8 linears take e4m3 weights with one float32 power-of-two scale per 128x128 block, the form
 the weight sync sends (mlite.runtime.ckpt.sync.vllm_fp8_weight, over mlite.runtime.ckpt.quant's block
 quantiser: the rounding here is that one, bit for bit), and quantise the activation dynamically per token
-in 1x128 groups along the reduced dim (e4m3, float32 scale amax / 448, vLLM's per_token_group_quant_fp8).
+in 1x128 groups along the reduced dim: e4m3 with the scale amax / 448 rounded up to a power of two (its
+ue8m0 form). vLLM 0.25's V4 path rounds every activation so on Hopper and Blackwell: the attention output's
+quantiser before wo_a always (`fused_inv_rope_fp8_quant`), and `per_token_group_quant_fp8` before the
+DeepGEMM linears and the FP8 experts wherever DeepGEMM's E8M0 scales are on (`is_deep_gemm_e8m0_used`:
+VLLM_USE_DEEP_GEMM_E8M0, on by default; the rollout keeps it on under rollout.match_fp8).
 A rounded product is dequant(q(x)) @ dequant(q(W)).T in the input's dtype; its gradients are the unrounded
 product's.
 
@@ -52,17 +56,16 @@ def round_weight(w: torch.Tensor, parts: int = 1) -> torch.Tensor:
     return (q.to(torch.float32) * per_value).to(w.dtype)
 
 
-def round_activation(x: torch.Tensor, pow2: bool = False) -> torch.Tensor:
+def round_activation(x: torch.Tensor) -> torch.Tensor:
     """x [..., in] -> dequant(quant(x)) in x's dtype: per 1x128 group of the last dim (the last partial), e4m3
-    with the float32 scale max(amax, 1e-10) / 448, as vLLM's per_token_group_quant_fp8. `pow2`: the scale
-    rounded up to a power of two (its ue8m0 form, DeepGEMM on Blackwell)."""
+    with the scale max(amax, 1e-10) / 448 rounded up to a power of two, as vLLM's per_token_group_quant_fp8
+    with use_ue8m0 (the module docstring)."""
     v = x.detach().to(torch.float32)
     cols = v.shape[-1]
     groups = -(-cols // BLOCK)
     tiles = F.pad(v, (0, groups * BLOCK - cols)).reshape(*v.shape[:-1], groups, BLOCK)
     scale = tiles.abs().amax(dim=-1, keepdim=True).clamp(min=ACT_EPS) / FP8_MAX
-    if pow2:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    scale = torch.exp2(torch.ceil(torch.log2(scale)))  # ue8m0: rounded up to a power of two
     q = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     back = (q.to(torch.float32) * scale).reshape(*v.shape[:-1], groups * BLOCK)[..., :cols]
     return back.to(x.dtype)

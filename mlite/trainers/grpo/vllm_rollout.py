@@ -79,10 +79,29 @@ def require_vllm() -> None:
         )
 
 
+# vLLM's switch for DeepGEMM's power-of-two (ue8m0) scales (vllm.utils.deep_gemm.is_deep_gemm_e8m0_used),
+# which its per-token-group FP8 quantiser follows
+E8M0_ENV = "VLLM_USE_DEEP_GEMM_E8M0"
+
+
+def keep_e8m0_scales(match_fp8: bool) -> None:
+    """Under rollout.match_fp8 the trainer rounds activations with power-of-two scales
+    (mlite.runtime.fp8_match), as vLLM's quantiser does while DeepGEMM's E8M0 scales are on: keep them on
+    (vLLM's default), and refuse a process that turned them off."""
+    if not match_fp8:
+        return
+    if os.environ.get(E8M0_ENV, "1") == "0":
+        raise MliteError(f"rollout.match_fp8 rounds activations with power-of-two scales, as vLLM's DeepGEMM "
+                         f"E8M0 scales do, and {E8M0_ENV}=0 turns them off; unset it, or remove "
+                         "rollout.match_fp8")
+    os.environ[E8M0_ENV] = "1"
+
+
 class VLLMRollout:
     name = "vllm"
 
     def __init__(self, job, runtime, model_dir: str | Path):
+        keep_e8m0_scales(job.rollout.match_fp8)
         require_vllm()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights pass as tensors
         from vllm import LLM
