@@ -26,7 +26,7 @@ from mlite.plan.policy import (
     vllm_fp8_misfit,
     vllm_weight_bytes,
 )
-from mlite.plan.rules import Layout, fp8_converts, fp8_experts_on
+from mlite.plan.rules import Layout, fp8_converts, fp8_experts_on, planned_device_type
 
 GIB = 2**30
 HEADROOM = 0.90  # an estimate above this share of device (or host) memory does not fit
@@ -381,8 +381,7 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
     the model state, then the step's activations, then the framework. `unsharded_grads`: FSDP2 accumulates
     the step's micro-batches into whole gradients."""
     fsdp_units = backend_traits(job.optimizer.backend).fsdp_units
-    device_type = "cpu" if job.cluster.gpu == "cpu" else "cuda"
-    plain_experts = fsdp_units and experts_outside_fsdp(job, layout, device_type)
+    plain_experts = fsdp_units and experts_outside_fsdp(job, layout, planned_device_type(job))
     sp = stage_params(arch, layout, stage, job.parallel.fsdp_unit_layers, experts_gathered=not plain_experts)
     ledger = _Ledger()
     if fsdp_units:
@@ -530,6 +529,11 @@ def _worst_case_pairs(job: JobConfig, arch: ModelArch, layout: Layout) -> float:
     under parallel.expert_buffers worst_case the most pairs a rank can be sent (policy.expert_pair_rows)."""
     if arch.moe is None or layout.ep == 1 or job.parallel.expert_buffers != "worst_case":
         return 1.0
+    return _worst_case_share(arch, layout)
+
+
+def _worst_case_share(arch: ModelArch, layout: Layout) -> float:
+    """The most pairs a rank can be sent (policy.expert_pair_rows) over a balanced router's top_k, a token."""
     k = arch.moe.top_k
     return expert_pair_rows(layout.ep, 1, k, arch.moe.num_experts // layout.ep) / k
 
@@ -750,9 +754,7 @@ def _auto_buffers(job: JobConfig, arch: ModelArch, layout: Layout) -> MemoryEsti
     times a balanced router's pairs and the estimate fits with its error to spare (KEEP_GATHERED_MARGIN),
     else exact. Nothing is read on the host, so the exchange compiles whole and no rank waits on its own
     host every layer. Chosen before keeping units gathered, whose gain is smaller."""
-    k = arch.moe.top_k
-    pairs = expert_pair_rows(layout.ep, 1, k, arch.moe.num_experts // layout.ep) / k
-    if pairs <= AUTO_WORST_CASE_MAX_PAIRS:
+    if _worst_case_share(arch, layout) <= AUTO_WORST_CASE_MAX_PAIRS:
         worst = _resolving(_with_parallel(job, expert_buffers="worst_case"), arch, layout)
         if worst.fits and worst.total_gb * KEEP_GATHERED_MARGIN <= worst.usable_gb:
             return worst

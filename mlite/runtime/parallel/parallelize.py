@@ -193,11 +193,15 @@ def apply_fsdp(
     layers = blocks(model)
     offloaded = round(offload_fraction * len(layers))
 
+    # plain experts: their ep DTensors stay as they are, stepped and checkpointed like any parameter
+    plain = ({p for layer in layers if is_moe(layer) for p in layer.mlp.experts.parameters()}
+             if plain_experts else set())
+
     def shard(module, mesh_name, offload, **extra):
         if offload:
             extra["offload_policy"] = CPUOffloadPolicy()
         if plain:
-            extra["ignored_params"] = plain | (extra.get("ignored_params") or set())
+            extra["ignored_params"] = plain
         return fully_shard(
             module, mesh=mesh[mesh_name], mp_policy=policy, reshard_after_forward=reshard_after_forward,
             **extra
@@ -209,9 +213,6 @@ def apply_fsdp(
     # host work and its collectives, so otherwise they belong to the layer's unit
     own_experts = mesh.dims.ep * mesh.dims.etp * mesh.dims.tp > 1
     own_router = mesh.dims.tp > 1
-    # plain experts: their ep DTensors stay as they are, stepped and checkpointed like any parameter
-    plain = ({p for layer in layers if is_moe(layer) for p in layer.mlp.experts.parameters()}
-             if plain_experts else set())
     groups = []
     for i, layer in enumerate(layers):
         if is_moe(layer) and own_experts and not plain_experts:
