@@ -200,8 +200,8 @@ def apply_fsdp(
     def shard(module, mesh_name, offload, **extra):
         if offload:
             extra["offload_policy"] = CPUOffloadPolicy()
-        if plain:
-            extra["ignored_params"] = plain
+        if plain:  # with the caller's own ignored parameters (the root unit's)
+            extra["ignored_params"] = plain | (extra.get("ignored_params") or set())
         return fully_shard(
             module, mesh=mesh[mesh_name], mp_policy=policy, reshard_after_forward=reshard_after_forward,
             **extra
