@@ -138,12 +138,12 @@ def mlite_cli(tmp_path: Path, job: dict, ranks: int, *overrides: str, timeout: i
 
 
 def failure(done: subprocess.CompletedProcess, limit: int = 6000) -> str:
-    """A failed run's stderr for an assertion message: the first traceback (under torchrun, the rank that
-    failed first; the others' errors follow it) and the end, within `limit` characters."""
+    """A failed run's stderr for an assertion message: the first traceback or fatal error (under torchrun,
+    the rank that failed first; the others' errors follow it) and the end, within `limit` characters."""
     text = done.stderr
     if len(text) <= limit:
         return text
-    first = max(text.find("Traceback"), 0)
+    first = min((i for i in (text.find("Traceback"), text.find("Fatal Python error")) if i >= 0), default=0)
     return text[first:first + limit // 2] + "\n[...]\n" + text[-limit // 2:]
 
 

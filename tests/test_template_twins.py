@@ -33,6 +33,7 @@ from cli_runs import (  # noqa: F401 - one_thread is an autouse fixture
     ROOT,
     assert_same_curve,
     assert_same_records,
+    failure,
     job_dict,
     layout_assets,
     mlite_cli,
@@ -187,7 +188,7 @@ def test_qwen3_30b_twin_ep2_dp2_matches_one_process_and_resumes_on_one_process(
     make, _ = JOBS[kind]
     saved = tmp_path / "twin"
     done = mlite_cli(tmp_path, make(assets, saved), 4, *QWEN3_30B)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     assert_follows(saved, kind, one_process[kind])
     assert CheckpointManager(saved).steps() == [3, 2, 1]
 
@@ -209,14 +210,14 @@ def test_qwen3_235b_twin_tp2_pp2_ep2_matches_one_process_and_resumes_on_dp2(
     make, _ = JOBS[kind]
     saved = tmp_path / "twin"
     done = mlite_cli(tmp_path, make(assets, saved), 8, *QWEN3_235B, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     assert_follows(saved, kind, one_process[kind])
     assert CheckpointManager(saved).steps() == [3, 2, 1]
 
     resumed = tmp_path / "resumed"
     cut_back_to_step_1(saved, resumed)
     done = mlite_cli(tmp_path, make(assets, resumed), 2)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     assert_resumed(saved, resumed)
     assert_follows(resumed, kind, one_process[kind])
 
@@ -229,5 +230,5 @@ def test_grpo_under_context_parallel_matches_one_process(assets, one_process, tm
     process's), and the logged figures are summed over the shares."""
     out = tmp_path / "cp2"
     done = mlite_cli(tmp_path, grpo_job(assets, out), 2, "parallel.cp=2")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     assert_follows(out, "grpo", one_process["grpo"])

@@ -93,6 +93,20 @@ def test_two_ranks_end_when_one_waits_forever_and_the_other_in_a_collective(work
         assert "in stuck_reward" not in dumps["rank00000.txt"]
 
 
+def test_a_rank_that_crashes_in_native_code_prints_its_python_stack(workdir, tmp_path):  # noqa: F811
+    """A segfault gives the launcher only a signal; the job's faulthandler says where it happened."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}  # the job's own, not the shell's
+    config = write_job(workdir, tmp_path / "run", data={"val_files": []},
+                       grpo={"reward": "crashing_reward:crash_in_native_code"})
+    done = subprocess.run([sys.executable, "-m", "mlite", "grpo", str(config), "--no-progress"],
+                          capture_output=True, text=True, timeout=600,
+                          env={**env, "PYTHONPATH": os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])})
+    assert done.returncode == -11, done.stderr[-3000:]  # SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in done.stderr, done.stderr[-3000:]
+    where = re.search(r'crashing_reward\.py", line \d+ in crash_in_native_code', done.stderr)
+    assert where and "in score_responses" in done.stderr, done.stderr[-3000:]
+
+
 def test_beats_keep_it_quiet_the_start_up_has_its_own_limit_and_off_means_no_thread(tmp_path):
     with Watchdog(0.4, tmp_path, "sft", startup_s=None) as watch:
         assert watch.limit is None

@@ -12,6 +12,10 @@ and the file, and ends the process with status 124 (as `timeout` does), so the l
 ends the others. The stuck rank's stack shows where it waits; a rank waiting in a collective shows the
 collective, and the rank whose file does not show one is the one the others wait for.
 
+A rank can also leave without a Python error: killed by a signal in native code (a segfault in a kernel, a
+collective or an extension). The launcher then reports only the signal, so the watchdog also turns on
+`faulthandler` for the job, which prints every thread's Python stack to stderr on such a crash.
+
     with Watchdog.for_job(job) as watch:       # train_sft / train_grpo: start-up, then the loop
         watch.beat("step 3")
         ...
@@ -69,6 +73,7 @@ class Watchdog:
         return self.timeout_s if self.settled else self.startup_s
 
     def __enter__(self) -> Watchdog:
+        faulthandler.enable(all_threads=True)  # idempotent; PYTHONFAULTHANDLER=1 turns it on the same way
         if self.timeout_s is not None or self.startup_s is not None:
             self.last = time.monotonic()
             self._thread = threading.Thread(target=self._watch, name="mlite-watchdog", daemon=True)
