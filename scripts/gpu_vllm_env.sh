@@ -125,6 +125,10 @@ print(os.path.dirname(hits[0]) if hits else "")')
     export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-/tmp/jit_cache/tvm-ffi}
     export CUTE_DSL_CACHE_DIR=${CUTE_DSL_CACHE_DIR:-/tmp/jit_cache/cute_dsl}
     export CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-/tmp/jit_cache/nv} CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
+    # a bare machine has no DeepGEMM cache, and vLLM's start-up warm-up ("relax") compiles the FP8 GEMMs for
+    # a range of token counts each (1,834 for small-deepseek-v4 under rollout.fp8_weights: over 9 minutes);
+    # `skip` compiles on first use only the ones a run meets (vllm/model_executor/warmup/kernel_warmup.py)
+    export VLLM_DEEP_GEMM_WARMUP=${VLLM_DEEP_GEMM_WARMUP:-skip}
   fi
   # In-process engine (no EngineCore subprocess, no ZMQ sockets between processes); no FlashInfer here;
   # nothing may phone home; weights and tokenizers come from local paths only.
