@@ -131,13 +131,17 @@ if dup:
 PY
 fi
 
-# strip_wheel.py WHEEL SITE [v4]: the main bundle's part of the vLLM wheel, or (v4) the V4 add-on's part.
+# strip_wheel.py WHEEL SITE main|v4 SCRIPTS: the main bundle's part of the vLLM wheel, or (v4) the V4 add-on's
+# part; SCRIPTS: the folder of fatbin.py.
 cat >"$WORK/strip_wheel.py" <<'PY'
-import re, struct, subprocess, sys, zipfile
+import re, sys, zipfile
 from pathlib import Path
 
+sys.path.insert(0, sys.argv[4])  # scripts/: the fat-binary cutter
+from fatbin import prune  # noqa: E402
+
 wheel, site = sys.argv[1], Path(sys.argv[2])
-V4 = sys.argv[3:] == ["v4"]
+V4 = sys.argv[3] == "v4"
 DROP = [
     r"vllm/vllm_flash_attn/_vllm_fa[23]_C\.abi3\.so",  # 190 + 153 MB; FA is optional (selector falls back)
     r"vllm/vllm_flash_attn/cute/",      # FA4 (CuTe DSL, absent here); its presence would mark FA4 available
@@ -171,80 +175,7 @@ with zipfile.ZipFile(wheel) as z:
         n += 1
 print(f"vllm_bundle: kept {n} files of the wheel")
 
-# --- keep only sm_90 cubins in the CUDA fat binaries ---------------------------------------------
-FATBIN_MAGIC, KIND_PTX, KIND_ELF, ARCH = 0xBA55ED50, 1, 2, 90
-
-
-def nv_fatbin_section(data):
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
-    hdrs = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    stroff = hdrs[shstrndx][4]
-    for h in hdrs:
-        if data[stroff + h[0]:data.index(b"\0", stroff + h[0])] == b".nv_fatbin":
-            return h[4], h[5]
-    sys.exit("vllm_bundle: no .nv_fatbin section")
-
-
-def containers(data, off, size):
-    p, end = off, off + size
-    while p + 16 <= end:
-        magic, _ver, hsz, fsz = struct.unpack_from("<IHHQ", data, p)
-        if magic != FATBIN_MAGIC:
-            p += 8
-            continue
-        q, cend, ents = p + hsz, p + hsz + fsz, []
-        while q < cend:
-            kind, _u, ehs, psz = struct.unpack_from("<HHIQ", data, q)
-            arch, = struct.unpack_from("<I", data, q + 28)
-            ents.append((q, kind, ehs + psz, arch))
-            q += ehs + psz
-        if q != cend:
-            sys.exit(f"vllm_bundle: malformed fatbin container at {p:#x}")
-        yield p, hsz, fsz, ents
-        p = cend
-
-
-def ptx_entries(data, e):
-    """The kernel names in a PTX entry (zstd-compressed, as nvcc 13 writes them, or plain)."""
-    _kind, _u, ehs, _psz, comp = struct.unpack_from("<HHIQI", data, e[0])
-    body = bytes(data[e[0] + ehs:e[0] + ehs + comp])
-    if body[:4] == b"\x28\xb5\x2f\xfd":
-        body = subprocess.run(["zstd", "-dcq"], input=body, capture_output=True, check=True).stdout
-    return re.findall(rb"\.entry\s+(\S+?)\(", body)
-
-
-def prune(path, keep_ptx=None):
-    """Each container (one per .cu file) keeps its sm_90/sm_90a cubins. One without any (kernels built
-    only for other GPUs or only as PTX: Marlin, sm_89/100/120 CUTLASS, NVFP4, ...) gets the smallest
-    cubin of another architecture instead: well-formed, and still without an image for sm_90, exactly
-    as before on an H100/H200 (its PTX is dropped, so those kernels can't be JIT-compiled: none of them
-    serves an unquantized bf16 model). With keep_ptx (a pattern; the V4 add-on) such a container keeps
-    its newest PTX for an architecture <= sm_90 instead if one of its kernels matches: the driver
-    JIT-compiles it for sm_90. Freed bytes are zeroed; the file keeps its size and layout."""
-    data = bytearray(path.read_bytes())
-    conts = list(containers(data, *nv_fatbin_section(data)))
-    others = [e for *_x, ents in conts for e in ents if e[1] == KIND_ELF and e[3] != ARCH]
-    f = min(others, key=lambda e: e[2])
-    filler = bytes(data[f[0]:f[0] + f[2]])
-    before = after = 0
-    for p, hsz, fsz, ents in conts:
-        keep = [bytes(data[e[0]:e[0] + e[2]]) for e in ents if e[1] == KIND_ELF and e[3] == ARCH]
-        ptx = [e for e in ents if e[1] == KIND_PTX and e[3] <= ARCH]
-        if not keep and keep_ptx and ptx:
-            e = max(ptx, key=lambda e: e[3])
-            if any(keep_ptx.search(n) for n in ptx_entries(data, e)):
-                keep = [bytes(data[e[0]:e[0] + e[2]])]
-                kept_ptx.append(f"{path.name}@{p:#x}")
-        blob = b"".join(keep) if keep else filler
-        assert len(blob) <= fsz
-        data[p + hsz:p + hsz + fsz] = blob + bytes(fsz - len(blob))
-        struct.pack_into("<Q", data, p + 8, len(blob))
-        before, after = before + fsz, after + len(blob)
-    path.write_bytes(data)
-    print(f"vllm_bundle: {path.name}: CUDA fatbin {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB")
-
-
+# --- keep only sm_90 cubins in the CUDA fat binaries (scripts/fatbin.py) ---------------------------
 # --v4: V4's routed experts are MXFP4; on Hopper they run on Marlin (MARLIN, the first MXFP4 MoE backend
 # there that takes V4's SiLU), whose kernels the wheel has only as compute_80 PTX (and sm_80/sm_120 cubins).
 # Kept: the MoE Marlin kernels for bf16 activations x float4_e2m1f weights (template arguments: vllm
@@ -258,7 +189,7 @@ V4_PTX = {
 }
 kept_ptx = []
 for so in ("_C_stable_libtorch.abi3.so", "_moe_C_stable_libtorch.abi3.so"):
-    prune(site / "vllm" / so, keep_ptx=re.compile(V4_PTX[so]) if V4 else None)
+    kept_ptx += prune(site / "vllm" / so, keep_ptx=re.compile(V4_PTX[so]) if V4 else None)
 if V4:
     print(f"vllm_bundle: kept the PTX of {len(kept_ptx)} kernel groups: {' '.join(kept_ptx)}")
     if not any(k.startswith("_moe_C") for k in kept_ptx) or not any(k.startswith("_C") for k in kept_ptx):
@@ -307,7 +238,7 @@ for rel in ("vllm/v1/structured_output/backend_xgrammar.py",
           "from __future__ import annotations  # mlite bundle: xgrammar/llguidance stay lazy\n")
 PY
 echo "vllm_bundle: unpacking and stripping $(basename "$WHEEL")"
-python3 "$WORK/strip_wheel.py" "$WHEEL" "$SITE"
+python3 "$WORK/strip_wheel.py" "$WHEEL" "$SITE" main "$REPO/scripts"
 
 echo "vllm_bundle: installing dependency wheels"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-warn-script-location \
@@ -357,7 +288,7 @@ if [ "$V4" = 0 ]; then exit 0; fi
 
 echo "vllm_bundle: DeepSeek-V4 add-on: DeepGEMM, FlashMLA, PTX-keeping _C/_moe_C from $(basename "$WHEEL")"
 mkdir -p "$V4_SITE"
-python3 "$WORK/strip_wheel.py" "$WHEEL" "$V4_SITE" v4
+python3 "$WORK/strip_wheel.py" "$WHEEL" "$V4_SITE" v4 "$REPO/scripts"
 echo "vllm_bundle: installing the DeepSeek-V4 wheels"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-warn-script-location \
   "${PIP_TARGET_FLAGS[@]}" --target "$V4_SITE" "$WORK"/v4deps/*.whl

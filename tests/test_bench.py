@@ -569,7 +569,8 @@ AUTO_THEN = {(name, "dense-1.7b-4k-dp2-fp8"): ["precision.fp8_all_gather=true"]
     "h200x2-2026-11-30c-moe-30b-a3b-8l-4k-ep2-worst-case-plain-experts.json",
     "h200x2-2026-11-30c-moe-30b-a3b-8l-4k-ep2-fp8-plain-experts.json",
     "h200x2-2026-11-30c-moe-30b-a3b-8l-4k-ep2-fp8-experts-fp8.json",
-    "h200x2-2026-11-30e-dense-1.7b-4k-dp2.json", "h200x2-2026-11-30e-moe-30b-a3b-8l-4k-ep2-expert-buffers-auto.json",
+    "h200x2-2026-11-30e-dense-1.7b-4k-dp2.json",
+    "h200x2-2026-11-30e-moe-30b-a3b-8l-4k-ep2-expert-buffers-auto.json",
 ])
 def test_the_planner_sizes_the_multi_gpu_bench_cases_within_15_percent(result):
     """The planner's calibration on the 2 and 4 x H100 and 4 x H200 runs (footprint per GPU, the fullest
