@@ -15,24 +15,22 @@ _te_env_main() {
   _bundle_unpack te "$dest" "$@" || return 1
   if [ "${1:-}" = stash ]; then return 0; fi
   if ! python3 -c 'import transformer_engine_torch' 2>/dev/null; then
-    local sdist t0=$SECONDS
-    sdist=$(ls "$dest"/src/transformer_engine_torch-*.tar.gz) || return 1
     # a wheel an earlier machine built (carried in .whl/) saves the build
     mkdir -p "$dest/wheels"
     cp .whl/transformer_engine_torch-*.whl "$dest/wheels/" 2>/dev/null || true
-  fi
-  if ! python3 -c 'import transformer_engine_torch' 2>/dev/null && ! ls "$dest"/wheels/*.whl >/dev/null 2>&1; then
-    # TE's build links the cuDNN torch loads (docker/Dockerfile: CUDNN_PATH); no prebuilt wheel download
-    CUDNN_PATH=${CUDNN_PATH:-$(python3 -c 'import nvidia.cudnn; print(list(nvidia.cudnn.__path__)[0])')}
-    echo "gpu_te_env: compiling $(basename "$sdist") for sm_90 (CUDNN_PATH=$CUDNN_PATH)"
-    CUDNN_PATH=$CUDNN_PATH NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=90 NVTE_PYTORCH_FORCE_BUILD=TRUE \
-      MAX_JOBS=${MAX_JOBS:-16} PATH="$dest/bin:$PATH" \
-      python3 -m pip wheel -q --no-build-isolation --no-deps --no-index --wheel-dir "$dest/wheels" "$sdist" ||
-      return 1
-    if [ -n "${OUT:-}" ]; then cp "$dest"/wheels/transformer_engine_torch-*.whl "$OUT"/; fi
-    echo "gpu_te_env: built in $((SECONDS - t0)) s"
-  fi
-  if ! python3 -c 'import transformer_engine_torch' 2>/dev/null; then
+    if ! ls "$dest"/wheels/transformer_engine_torch-*.whl >/dev/null 2>&1; then
+      local sdist t0=$SECONDS
+      sdist=$(ls "$dest"/src/transformer_engine_torch-*.tar.gz) || return 1
+      # TE's build links the cuDNN torch loads (docker/Dockerfile: CUDNN_PATH); no prebuilt wheel download
+      CUDNN_PATH=${CUDNN_PATH:-$(python3 -c 'import nvidia.cudnn; print(list(nvidia.cudnn.__path__)[0])')}
+      echo "gpu_te_env: compiling $(basename "$sdist") for sm_90 (CUDNN_PATH=$CUDNN_PATH)"
+      CUDNN_PATH=$CUDNN_PATH NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=90 NVTE_PYTORCH_FORCE_BUILD=TRUE \
+        MAX_JOBS=${MAX_JOBS:-16} PATH="$dest/bin:$PATH" \
+        python3 -m pip wheel -q --no-build-isolation --no-deps --no-index --wheel-dir "$dest/wheels" "$sdist" ||
+        return 1
+      if [ -n "${OUT:-}" ]; then cp "$dest"/wheels/transformer_engine_torch-*.whl "$OUT"/; fi
+      echo "gpu_te_env: built in $((SECONDS - t0)) s"
+    fi
     python3 -m pip install -q --no-deps --no-index --target "$dest" "$dest"/wheels/transformer_engine_torch-*.whl ||
       return 1
   fi

@@ -93,14 +93,12 @@ def test_two_ranks_end_when_one_waits_forever_and_the_other_in_a_collective(work
         assert "in stuck_reward" not in dumps["rank00000.txt"]
 
 
-def test_a_rank_that_crashes_in_native_code_prints_its_python_stack(workdir, tmp_path):  # noqa: F811
+def test_a_rank_that_crashes_in_native_code_prints_its_python_stack(workdir, tmp_path,  # noqa: F811
+                                                                    monkeypatch):
     """A segfault gives the launcher only a signal; the job's faulthandler says where it happened."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}  # the job's own, not the shell's
-    config = write_job(workdir, tmp_path / "run", data={"val_files": []},
-                       grpo={"reward": "crashing_reward:crash_in_native_code"})
-    done = subprocess.run([sys.executable, "-m", "mlite", "grpo", str(config), "--no-progress"],
-                          capture_output=True, text=True, timeout=600,
-                          env={**env, "PYTHONPATH": os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])})
+    monkeypatch.delenv("PYTHONFAULTHANDLER", raising=False)  # the job's own, not the shell's
+    done = mlite_grpo(write_job(workdir, tmp_path / "run", data={"val_files": []},
+                                grpo={"reward": "crashing_reward:crash_in_native_code"}))
     assert done.returncode == -11, done.stderr[-3000:]  # SIGSEGV
     assert "Fatal Python error: Segmentation fault" in done.stderr, done.stderr[-3000:]
     where = re.search(r'crashing_reward\.py", line \d+ in crash_in_native_code', done.stderr)
