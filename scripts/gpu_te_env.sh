@@ -15,9 +15,11 @@ _te_env_main() {
   _bundle_unpack te "$dest" "$@" || return 1
   if [ "${1:-}" = stash ]; then return 0; fi
   if ! python3 -c 'import transformer_engine_torch' 2>/dev/null; then
-    # a wheel an earlier machine built (carried in .whl/) saves the build
+    # a wheel an earlier machine built for this bundle's version (carried in .whl/) saves the build
+    local version
+    version=$(cut -d' ' -f2 "$dest/te_bundle_stamp.txt") || return 1
     mkdir -p "$dest/wheels"
-    cp .whl/transformer_engine_torch-*.whl "$dest/wheels/" 2>/dev/null || true
+    cp .whl/transformer_engine_torch-"$version"-*.whl "$dest/wheels/" 2>/dev/null || true
     if ! ls "$dest"/wheels/transformer_engine_torch-*.whl >/dev/null 2>&1; then
       local sdist t0=$SECONDS
       sdist=$(ls "$dest"/src/transformer_engine_torch-*.tar.gz) || return 1

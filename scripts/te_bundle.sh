@@ -14,7 +14,11 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-TE_VERSION=$(cd "$REPO" && python3 -c 'from mlite.images.stacks import load_stack; print(load_stack().wheels["transformer-engine"])')
+# the image's pin, unless TE_VERSION names another: the device machine's torch 2.11 brings cuBLAS 13.1 (its
+# cuda-toolkit 13.0.2 pin), and TE 2.13 and newer link cublasLtGroupedMatrixLayoutInit_internal, which
+# cuBLAS 13.2 (CUDA 13.1) first exports; the image installs that cuBLAS (docker/stacks), the device cannot
+# (250 MiB in xz once cut to sm_90), so there TE_VERSION=2.12.0, the newest whose core links against 13.1
+TE_VERSION=${TE_VERSION:-$(cd "$REPO" && python3 -c 'from mlite.images.stacks import load_stack; print(load_stack().wheels["transformer-engine"])')}
 CHUNK_MAX=$((60 * 1024 * 1024))
 PIP_TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_12_x86_64

@@ -74,7 +74,7 @@ def test_newest_stack_meets_the_deepseek_v4_hopper_contract():
     assert tuple(map(int, stack.wheels["nvidia-cudnn-frontend"].split("."))) >= (1, 27, 0)
     assert tuple(map(int, stack.wheels["nvidia-nccl-cu13"].split("."))) >= (2, 29, 7)
     assert stack.cuda_tag == "cu130" and stack.torch_short == "2.11"
-    assert stack.python_overrides() == ["nvidia-nccl-cu13==2.30.7"]
+    assert stack.python_overrides() == ["nvidia-nccl-cu13==2.30.7", "nvidia-cublas==13.2.0.9"]
 
 
 def test_no_version_or_commit_literal_in_the_build_files():
@@ -105,6 +105,7 @@ def test_dockerfile_installs_exactly_the_resolved_python_layer():
         extra = f"[{WHEEL_EXTRAS[name]}]" if name in WHEEL_EXTRAS else ""
         assert f'"{name}{extra}==${{{arg_name(name, "VERSION")}}}"' in text, name
     assert "nvidia-nccl-cu13==${NVIDIA_NCCL_CU13_VERSION}" in text and "--override" in text
+    assert "nvidia-cublas==${NVIDIA_CUBLAS_VERSION}" in text
     assert re.search(r"^FROM \$\{BASE_IMAGE\} AS base$", text, re.M)
     stages = re.findall(r"^FROM \S+ AS (\S+)$", text, re.M)
     assert stages[0] == "base" and stages[-2:] == ["runtime", "dev"] and "build" in stages
@@ -157,6 +158,10 @@ def test_old_nccl_old_cudnn_frontend_and_other_cutlass_are_refused(tmp_path):
         tmp_path, lambda d: d["wheels"].update({"nvidia-cudnn-frontend": "1.26.0"})
     )
     assert "exactly 4.5.2" in refused(tmp_path, lambda d: d["wheels"].update({"nvidia-cutlass-dsl": "4.8.1"}))
+    # torch's own cuBLAS (13.1.0.3) lacks the API Transformer Engine's prebuilt core links
+    assert "cublasLtGroupedMatrixLayoutInit_internal" in refused(
+        tmp_path, lambda d: d["wheels"].update({"nvidia-cublas": "13.1.0.3"})
+    )
 
 
 def test_floating_pins_are_refused(tmp_path):

@@ -54,6 +54,7 @@ REQUIRED_WHEELS = {
     "nvidia-cudnn-frontend": "cuDNN frontend (DeepSeek sparse-attention indexer)",
     "nvidia-cutlass-dsl": "CUTLASS DSL (CuTe kernels of the DSA path)",
     "nvidia-nccl-cu13": "NCCL (forced over torch's pin)",
+    "nvidia-cublas": "cuBLAS (forced over torch's pin: Transformer Engine's core links a newer API)",
     "nvidia-nvshmem-cu13": "NVSHMEM (the one copy DeepEP is built and run against)",
     "uv": "the resolver that installs the Python layer",
 }
@@ -76,8 +77,8 @@ RESOLVED_WHEELS = (
     "nvidia-cutlass-dsl",
     "nvidia-nvshmem-cu13",
 )
-# Forced over what the resolved packages ask for (torch pins an older NCCL).
-OVERRIDE_WHEELS = ("nvidia-nccl-cu13",)
+# Forced over what the resolved packages ask for (torch pins an older NCCL and cuBLAS).
+OVERRIDE_WHEELS = ("nvidia-nccl-cu13", "nvidia-cublas")
 WHEEL_EXTRAS = {"ray": "default"}  # verl needs ray[default]
 
 # Distributions on PyPI that share a name with something else: installing them is always a mistake.
@@ -94,6 +95,14 @@ MIN_VERSIONS = {
     "nvidia-nccl-cu13": (
         "2.29.7",
         "NCCL communicator suspend/resume (frees GBs per rank between rollout and training)",
+    ),
+    # torch 2.11.0 pins cuBLAS 13.1.0.3 (cuda-toolkit 13.0.2); the prebuilt core of Transformer Engine 2.13
+    # and newer (libtransformer_engine.so) needs cublasLtGroupedMatrixLayoutInit_internal, which cuBLAS
+    # first exports in 13.2.0.9 (CUDA 13.1): with torch's, `import transformer_engine` fails on it (read
+    # from the wheels' dynamic symbol tables; seen on an H200)
+    "nvidia-cublas": (
+        "13.2.0.9",
+        "Transformer Engine's prebuilt core (cublasLtGroupedMatrixLayoutInit_internal)",
     ),
     "nvidia-cudnn-frontend": (
         "1.27.0",
