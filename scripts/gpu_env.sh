@@ -10,6 +10,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 import importlib.metadata as md, re, sys
 for wheel in sys.argv[1:]:
     name = re.sub(r"[-_.]+", "-", wheel.rsplit("/", 1)[-1].split("-")[0]).lower()
+    if name == "transformer-engine-torch":  # TE's extension: scripts/gpu_te_env.sh puts it into TE's folder
+        continue
     try:
         md.version(name)
     except md.PackageNotFoundError:

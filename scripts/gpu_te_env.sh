@@ -14,6 +14,11 @@ _te_env_main() {
   local dest=/tmp/te_site
   _bundle_unpack te "$dest" "$@" || return 1
   if [ "${1:-}" = stash ]; then return 0; fi
+  # TE loads the cuDNN at CUDNN_PATH before any other: the one torch loads (pip's), as the image sets it;
+  # else a system cuDNN of another version ("libcudnn_cnn.so.9: undefined symbol ... libcudnn_graph.so.9")
+  # and cuDNN's own sub-libraries (libcudnn_cnn.so.9, ...), which it opens by name, from the same folder
+  CUDNN_PATH=${CUDNN_PATH:-$(python3 -c 'import nvidia.cudnn; print(list(nvidia.cudnn.__path__)[0])')}
+  export CUDNN_PATH LD_LIBRARY_PATH="$CUDNN_PATH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   if ! python3 -c 'import transformer_engine_torch' 2>/dev/null; then
     # a wheel an earlier machine built for this bundle's version (carried in .whl/) saves the build
     local version
@@ -23,18 +28,18 @@ _te_env_main() {
     if ! ls "$dest"/wheels/transformer_engine_torch-*.whl >/dev/null 2>&1; then
       local sdist t0=$SECONDS
       sdist=$(ls "$dest"/src/transformer_engine_torch-*.tar.gz) || return 1
-      # TE's build links the cuDNN torch loads (docker/Dockerfile: CUDNN_PATH); no prebuilt wheel download
-      CUDNN_PATH=${CUDNN_PATH:-$(python3 -c 'import nvidia.cudnn; print(list(nvidia.cudnn.__path__)[0])')}
+      # the build links that cuDNN too (docker/Dockerfile: CUDNN_PATH); no prebuilt wheel download
       echo "gpu_te_env: compiling $(basename "$sdist") for sm_90 (CUDNN_PATH=$CUDNN_PATH)"
-      CUDNN_PATH=$CUDNN_PATH NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=90 NVTE_PYTORCH_FORCE_BUILD=TRUE \
+      NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=90 NVTE_PYTORCH_FORCE_BUILD=TRUE \
         MAX_JOBS=${MAX_JOBS:-16} PATH="$dest/bin:$PATH" \
         python3 -m pip wheel -q --no-build-isolation --no-deps --no-index --wheel-dir "$dest/wheels" "$sdist" ||
         return 1
       if [ -n "${OUT:-}" ]; then cp "$dest"/wheels/transformer_engine_torch-*.whl "$OUT"/; fi
       echo "gpu_te_env: built in $((SECONDS - t0)) s"
     fi
-    python3 -m pip install -q --no-deps --no-index --target "$dest" "$dest"/wheels/transformer_engine_torch-*.whl ||
-      return 1
+    # unpacked, not pip-installed: its one file goes into transformer_engine/wheel_lib/, which the bundle
+    # already holds (pip --target skips a top-level folder that exists)
+    python3 -m zipfile -e "$dest"/wheels/transformer_engine_torch-*.whl "$dest" || return 1
   fi
   python3 -c 'import transformer_engine, transformer_engine.pytorch
 print("transformer_engine", transformer_engine.__version__, "from", transformer_engine.__path__[0])'

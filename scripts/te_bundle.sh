@@ -3,14 +3,15 @@
 # Python 3.12): .te1/, one chunk. On the GPU machine, `. scripts/gpu_env.sh; . scripts/gpu_te_env.sh` unpacks it
 # and compiles TE's PyTorch extension there.
 #
-# What the bundle holds, at the image's pin (docker/stacks, the one source of truth):
+# What the bundle holds, at the image's pin (docker/stacks, the one source of truth) or TE_VERSION (below):
 #   - transformer_engine (the Python package) and transformer_engine_cu13 (its CUDA core,
 #     libtransformer_engine.so), installed into a site folder, the core's fat binary cut to its sm_90
-#     cubins (scripts/fatbin.py: 465 MiB of cubins for eight architectures -> 54 MiB, 12 MiB in xz);
+#     cubins (scripts/fatbin.py: 2.16.1's 465 MiB of cubins for eight architectures -> 54 MiB, 12 MiB in
+#     xz; 2.12.0's 440 -> 53 MiB, 10 MiB);
 #   - the source of transformer_engine_torch, the PyTorch extension, which must be compiled against the
 #     torch it runs with (as docker/Dockerfile does), and the build tools the device lacks.
 #
-# Usage: bash scripts/te_bundle.sh  (network: PyPI; one core: about 3 minutes)
+# Usage: TE_VERSION=2.12.0 bash scripts/te_bundle.sh  (network: PyPI; one core: about 3 minutes)
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

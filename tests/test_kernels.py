@@ -141,6 +141,16 @@ def test_grouped_gemm_loop_equals_a_dense_reference(counts):
     assert out.shape == (sum(counts), 40)
 
 
+def test_grouped_gemm_loop_under_autocast_returns_the_autocast_dtype():
+    """fp32 rows and experts under bf16 autocast: every group's product is bf16, and so is the whole
+    output, padding rows (here none: an empty tail) included, as autocast's matmul would return."""
+    x, w, c = grouped_inputs([3, 0, 5, 1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = grouped_gemm_loop(x, w, c)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), dense_reference(x, w, c), rtol=2e-2, atol=1e-1)
+
+
 def test_grouped_gemm_of_no_rows():
     x, w, c = grouped_inputs([0, 0, 0])
     assert grouped_gemm(x, w, c).shape == (0, 40)

@@ -87,6 +87,11 @@ CASES: dict[str, BenchCase] = {
         # H200, docs/PERFORMANCE.md), the routed experts rowwise where they gain (never at these shapes: an
         # A/B needs --set precision.fp8_linears=all); -blockwise: DeepSeek's
         BenchCase("dense-1.7b-4k-fp8", "qwen3-1.7b", 4096, baseline=False, fp8="tensorwise", titan=True),
+        # 16k tokens a micro-batch (mixed documents packed, as SFT packs): each linear's GEMM 4x longer,
+        # where FP8's casts cost less than its faster GEMM saves (scripts/fp8_linear_ab.py); bf16 twin
+        BenchCase("dense-1.7b-16k-mixed", "qwen3-1.7b", 16384, packing="mixed", baseline=False, titan=True),
+        BenchCase("dense-1.7b-16k-mixed-fp8", "qwen3-1.7b", 16384, packing="mixed", baseline=False,
+                  fp8="tensorwise", titan=True),
         BenchCase("moe-30b-a3b-6l-4k-fp8", "qwen3-30b-a3b", 4096, num_layers=6, baseline=False,
                   fp8="tensorwise", titan=True),
         BenchCase("dsv4-flash-4l-4k-fp8", "deepseek-v4-flash", 4096, num_layers=4, config=_DSV4_4L,

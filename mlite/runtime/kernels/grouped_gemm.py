@@ -32,7 +32,8 @@ def grouped_gemm_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) ->
     sizes = counts.tolist()
     groups = torch.split(x, [*sizes, x.shape[0] - sum(sizes)])
     outs = [rows @ w[e].t() for e, rows in enumerate(groups[:-1])]
-    return torch.cat([*outs, x.new_zeros(groups[-1].shape[0], w.shape[1])])
+    # the padding rows in the products' dtype (bf16 under autocast, where x may be fp32)
+    return torch.cat([*outs, outs[0].new_zeros(groups[-1].shape[0], w.shape[1])])
 
 
 def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
