@@ -14,9 +14,9 @@ _te_env_main() {
   local dest=/tmp/te_site
   _bundle_unpack te "$dest" "$@" || return 1
   if [ "${1:-}" = stash ]; then return 0; fi
-  # TE loads the cuDNN at CUDNN_PATH before any other: the one torch loads (pip's), as the image sets it;
-  # else a system cuDNN of another version ("libcudnn_cnn.so.9: undefined symbol ... libcudnn_graph.so.9")
-  # and cuDNN's own sub-libraries (libcudnn_cnn.so.9, ...), which it opens by name, from the same folder
+  # TE loads the cuDNN under CUDNN_PATH before any other, and cuDNN opens its sub-libraries (libcudnn_cnn.so.9,
+  # ...) by name: both must be torch's (pip's), as the image sets it, not the machine's system cuDNN of another
+  # version ("libcudnn_cnn.so.9: undefined symbol ..., version libcudnn_graph.so.9")
   CUDNN_PATH=${CUDNN_PATH:-$(python3 -c 'import nvidia.cudnn; print(list(nvidia.cudnn.__path__)[0])')}
   export CUDNN_PATH LD_LIBRARY_PATH="$CUDNN_PATH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   if ! python3 -c 'import transformer_engine_torch' 2>/dev/null; then
