@@ -19,7 +19,8 @@ _te_env_main() {
   # version ("libcudnn_cnn.so.9: undefined symbol ..., version libcudnn_graph.so.9")
   CUDNN_PATH=${CUDNN_PATH:-$(python3 -c 'import nvidia.cudnn; print(list(nvidia.cudnn.__path__)[0])')}
   export CUDNN_PATH LD_LIBRARY_PATH="$CUDNN_PATH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  if ! python3 -c 'import transformer_engine_torch' 2>/dev/null; then
+  # the extension, once in place, lives in TE's own folder (not importable by its own name)
+  if ! compgen -G "$dest/transformer_engine/wheel_lib/transformer_engine_torch*.so" >/dev/null; then
     # a wheel an earlier machine built for this bundle's version (carried in .whl/) saves the build
     local version
     version=$(cut -d' ' -f2 "$dest/te_bundle_stamp.txt") || return 1
