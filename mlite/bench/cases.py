@@ -90,6 +90,10 @@ CASES: dict[str, BenchCase] = {
         # 16k tokens a micro-batch (mixed documents packed, as SFT packs): each linear's GEMM 4x longer,
         # where FP8's casts cost less than its faster GEMM saves (scripts/fp8_linear_ab.py); bf16 twin
         BenchCase("dense-1.7b-16k-mixed", "qwen3-1.7b", 16384, packing="mixed", baseline=False, titan=True),
+        # the same packing at 8k and 12k: where per-sequence attention starts to beat one varlen call
+        # (model.attention_backend: auto), and the planner's activations per token between 4k and 16k
+        BenchCase("dense-1.7b-8k-mixed", "qwen3-1.7b", 8192, packing="mixed", baseline=False),
+        BenchCase("dense-1.7b-12k-mixed", "qwen3-1.7b", 12288, packing="mixed", baseline=False),
         BenchCase("dense-1.7b-16k-mixed-fp8", "qwen3-1.7b", 16384, packing="mixed", baseline=False,
                   fp8="tensorwise", titan=True),
         BenchCase("moe-30b-a3b-6l-4k-fp8", "qwen3-30b-a3b", 4096, num_layers=6, baseline=False,
