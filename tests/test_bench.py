@@ -517,15 +517,17 @@ def test_the_planner_sizes_the_v4_bench_case_within_10_percent_of_the_h100_runs(
         assert estimate == pytest.approx(row["peak_gb"], rel=0.10), row["case"]
 
 
-@pytest.mark.parametrize(("result", "above"), [
-    ("h200-2026-11-29d-moe-30b-a3b-6l-4k-fp8.json", (0.0, 0.10)),
-    ("h200-2026-11-29d-dense-fp8-persistent-reductions-off.json", (0.0, 0.25)),
-    ("h200x2-2026-11-29f-moe-30b-a3b-6l-4k-fp8-titan.json", (0.0, 0.10)),
+@pytest.mark.parametrize(("result", "above", "bf16"), [
+    ("h200-2026-11-29d-moe-30b-a3b-6l-4k-fp8.json", (0.0, 0.10), (0.0, 0.12)),
+    ("h200-2026-11-29d-dense-fp8-persistent-reductions-off.json", (0.0, 0.25), (0.0, 0.12)),
+    ("h200x2-2026-11-29f-moe-30b-a3b-6l-4k-fp8-titan.json", (0.0, 0.10), (0.0, 0.12)),
+    ("h200-2026-12-01c-dense-mixed-4k-to-16k-switch.json", (0.0, 0.25), (-0.05, 0.08)),
 ])
-def test_the_planner_sizes_the_one_gpu_fp8_twins_from_above(result, above):
-    """The FP8 twins beside their bf16 cases on one H200: the planner never sizes either below the
-    measured footprint. It errs high by 4-11% on both MoE rows and on dense bf16. On dense FP8 it errs
-    high by up to 25%: the measured peak is 2 GB below bf16's, because under model.compile the partitioner
+def test_the_planner_sizes_the_one_gpu_fp8_twins_from_above(result, above, bf16):
+    """The FP8 twins beside their bf16 cases on one H200: the planner never sizes an FP8 twin below the
+    measured footprint, and a bf16 case within its band: from above on the 4k cases (+6% on MoE, +6% on
+    dense), within 5% either side from 4k to 16k tokens of one packing (+6% to -2%). On dense FP8 it errs
+    high by up to 25%: the measured peak is 2-8 GB below bf16's, because under model.compile the partitioner
     keeps FP8 casts where bf16 keeps the normed inputs and activations, and the planner does not count that
     saving."""
     import json
@@ -539,7 +541,7 @@ def test_the_planner_sizes_the_one_gpu_fp8_twins_from_above(result, above):
     for row in rows:
         case = CASES[row["case"]]
         estimate = planner_estimate_gb(case, case_arch(case), "h200")
-        low, high = above if row["case"].endswith("-fp8") else (0.0, 0.12)
+        low, high = above if row["case"].endswith("-fp8") else bf16
         assert low <= estimate / row["peak_gb"] - 1 <= high, (row["case"], estimate, row["peak_gb"])
 
 
@@ -547,6 +549,12 @@ def test_the_planner_sizes_the_one_gpu_fp8_twins_from_above(result, above):
 # `auto` was on for fsdp2 + tensorwise over several ranks until it measured slower (policy.fp8_all_gather)
 AUTO_THEN = {(name, "dense-1.7b-4k-dp2-fp8"): ["precision.fp8_all_gather=true"]
              for name in ("h200x2-2026-11-29-dense-dp2-fp8.json", "h200x2-2026-11-30-dense-dp2-fp8.json")}
+# and the first fsdp2 launches, before parallel.fsdp_unit_layers and fsdp_reshard_after_forward had `auto`:
+# units of one layer, resharded after the forward
+AUTO_THEN |= {("h100x4-2026-11-26-dense-dp4.json", "dense-1.7b-4k-dp4"): [
+                  "parallel.fsdp_unit_layers=1", "parallel.fsdp_reshard_after_forward=true"],
+              ("h100x2-2026-11-26-dense-dp2.json", "dense-1.7b-4k-dp2"): [
+                  "parallel.fsdp_unit_layers=1", "parallel.fsdp_reshard_after_forward=true"]}
 
 
 # the fsdp2 MoE launches at edp 1 from before the routed experts left FSDP2 there

@@ -281,6 +281,27 @@ def test_packed_backend_on_one_long_sequence_agrees_with_the_torch_path():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("lens", "runs"), [([3000, 2200, 1300], "cudnn"), ([1200, 700, 500], "varlen")],
+                         ids=["long-cudnn-per-sequence", "short-one-varlen-call"])
+def test_packed_backend_runs_long_sequences_one_by_one_and_short_ones_in_one_varlen_call(lens, runs):
+    """policy.per_sequence_attention: sequences of 2,048 tokens or more on average run cuDNN one by one,
+    shorter ones one varlen call, bit for bit; either way against the fp32 torch path. varlen takes GQA's
+    fewer K/V heads as they are: its backward keeps no K/V copy per query head (q and the output only)."""
+    from mlite.plan.policy import per_sequence_attention
+
+    assert per_sequence_attention(sum(lens), len(lens)) == (runs == "cudnn")
+    q, k, v, cu = packed_qkv(lens, dtype=torch.bfloat16, device="cuda")
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        out = varlen_attention(q, k, v, cu, max(lens), backend="packed")
+    assert torch.equal(out, varlen_attention(q, k, v, cu, max(lens), backend=runs))
+    if runs == "varlen":
+        assert sum(size == sum(lens) * HEADS * DIM for size in saved) == 2, saved
+    ref = varlen_attention(q.float(), k.float(), v.float(), cu, max(lens), backend="torch")
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads, kv_heads", [(16, 8), (32, 4)], ids=["qwen3-1.7b", "qwen3-30b-a3b"])
 def test_cudnn_takes_fewer_kv_heads_as_they_are(heads, kv_heads):
     """One long sequence (the bench cases' attention shapes) goes to cuDNN with its K/V heads as they are:

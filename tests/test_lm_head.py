@@ -31,6 +31,29 @@ def test_linear_logprobs_match_log_softmax_and_its_gradients(chunk):
 
 
 @pytest.mark.gpu
+def test_gpu_backward_over_several_chunks_keeps_one_chunk_of_logits_alive():
+    """The backward's peak above what exists before it: one chunk's logits, the fp32 weight-gradient sum,
+    one chunk's bf16 weight gradient, the bf16 result and the hidden gradient, not a second chunk of logits
+    or an fp32 copy of a chunk's weight gradient (each as large as the slack allowed here or larger)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    T, H, V, chunk = 8192, 1024, 32768, 2048
+    hidden = torch.randn(T, H, generator=gen, device="cuda").bfloat16().requires_grad_()
+    weight = (torch.randn(V, H, generator=gen, device="cuda") * 0.05).bfloat16().requires_grad_()
+    labels = torch.randint(0, V, (T,), generator=gen, device="cuda")
+    loss = linear_logprobs(hidden, weight, labels, chunk_tokens=chunk).sum()
+    loss.backward(retain_graph=True)  # the first backward compiles the fused kernels
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    expected = chunk * V * 2 + V * H * (4 + 2 + 2) + T * H * 2
+    assert extra <= expected + chunk * V, (extra, expected)
+
+
+@pytest.mark.gpu
 def test_linear_logprobs_bf16_on_cuda_match_fp32_reference():
     gen = torch.Generator(device="cuda").manual_seed(0)
     T, H, V = 1024, 256, 32000

@@ -382,6 +382,10 @@ rules.check_degrees(8, 2, 2, 1, 2, 2)
 rules.check_fp8_capability(load_job("qwen3_30b_a3b_sft", ["precision.fp8=rowwise"]),
                            resolve_arch(load_job("qwen3_30b_a3b_sft").model), (9, 0), "H100")
 policy.expert_exchange(8, 6)
+# packed attention: the bench's five documents at 8k (1,638 a sequence) in one varlen call, at 12k (2,458) and
+# one sequence per cuDNN call
+assert [policy.per_sequence_attention(t, n) for t, n in ((8192, 5), (12288, 5), (2048, 1), (16384, 64))
+        ] == [False, True, True, False]
 assert [rules.fp8_token_multiple(r) for r in ("none", "rowwise", "blockwise")] == [1, 16, 128]
 # torchao's size rule: Qwen3-1.7B's k_proj (2048 -> 1024) stays bf16 under tensorwise auto; its q_proj not
 assert [rules.fp8_converts(r, mode, 2048, n) for r, mode, n in (

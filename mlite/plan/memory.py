@@ -30,8 +30,12 @@ from mlite.plan.rules import Layout, fp8_converts, fp8_experts_on, planned_devic
 
 GIB = 2**30
 HEADROOM = 0.90  # an estimate above this share of device (or host) memory does not fit
-# CUDA context, NCCL communicators and buffers, cuBLAS/attention workspaces, allocator slack
-GPU_OVERHEAD_GB = 4.0
+# One process's CUDA context and handles, workspaces and the caching allocator's slack: on H200s every bench
+# case held 0.74-0.76 GB outside the allocator, and a dense case's reservation up to 0.9 GB above its
+# allocated peak (docs/PERFORMANCE.md, "Planner calibration")
+GPU_CONTEXT_GB = 1.5
+# with a process group: NCCL's communicators and buffers besides (fitted with the multi-GPU bench runs)
+NCCL_BUFFERS_GB = 2.5
 CPU_OVERHEAD_GB = 1.0  # torch + Python per process when the "GPU" is the host (gloo runs)
 # per training process on the host: Python, CUDA host state, pinned buffers, data
 HOST_OVERHEAD_PER_RANK_GB = 8.0
@@ -42,6 +46,11 @@ MOE_IMBALANCE = 1.0  # routed tokens a rank receives, relative to a perfectly ba
 # "Planner calibration"), where the footprint held 3.3-3.4 GB more above its allocated peak than the dense
 # case's and the allocated peak 1-3 GB more than the routed copies alone.
 EP_EXCHANGE_SLACK = 1.0
+# Without ep, the caching allocator still reserves about as much again as the routed token copies around
+# them: on one H200 the reservation exceeded the allocated peak by 2.0 GB on the MoE bench case (2.3 GB of
+# routed copies) and by 3.5 GB on the DeepSeek-V4 one (2.6 GB), against at most 0.9 GB on the dense cases
+# (docs/PERFORMANCE.md, "Planner calibration")
+ROUTED_BUFFER_SLACK = 1.0
 LOGIT_CHUNK_TOKENS = 4096  # mlite.runtime.kernels.lm_head works on this many tokens' logits at a time
 # per logit of a chunk beyond its compute-dtype copy: the compute-dtype d logits (fused path)
 LOGIT_GRAD_BYTES = 2
@@ -259,6 +268,12 @@ def layer_activation_bytes(arch: ModelArch, layer: int, act: int, granularity: s
     else:
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         attn = norms + 2 * q + 2 * kv  # q, k, v, attention output
+        if not selective:
+            # the norms' outputs, which the q/k/v projections and the MLP keep as their inputs, and under
+            # qk-norm the q and k projections' outputs, the per-head norms' inputs. On one H200 (Qwen3-1.7B,
+            # compiled blocks, 4k-16k tokens a micro-batch, docs/PERFORMANCE.md "Planner calibration") a layer
+            # kept 72 KB a token; without these the count was 57 KB
+            attn += 2 * h + ((q + kv) if arch.qk_norm else 0)
         extra = 4 * arch.num_heads  # fp32 log-sum-exp per head
     moe = arch.moe
     if moe is None or not moe.is_moe_layer(layer):
@@ -393,9 +408,17 @@ def _stage_items(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
     if fsdp_units and layout.micro_batches == 1 and not job.offload.grads:
         _gradients_replace_activations(ledger.items, _shares(job, layout, sp)[2])
     cpu = job.cluster.gpu == "cpu"
-    ledger.put("framework overhead", (CPU_OVERHEAD_GB if cpu else GPU_OVERHEAD_GB) * GIB,
-               "torch runtime" if cpu else "CUDA context, NCCL buffers, workspaces, allocator slack")
+    nccl = layout.world > 1
+    ledger.put("framework overhead", (CPU_OVERHEAD_GB if cpu else gpu_overhead_gb(layout.world)) * GIB,
+               "torch runtime" if cpu else "CUDA context, workspaces, allocator slack"
+               + (", NCCL buffers" if nccl else ""))
     return ledger.items, ledger.host, resident
+
+
+def gpu_overhead_gb(world: int) -> float:
+    """A training process's GPU memory outside its tensors: the context and the allocator's slack, and NCCL's
+    buffers where it has peers."""
+    return GPU_CONTEXT_GB + (NCCL_BUFFERS_GB if world > 1 else 0.0)
 
 
 def _shares(job: JobConfig, layout: Layout, sp: StageParams) -> tuple[float, float, str]:
@@ -504,6 +527,12 @@ def _activation_items(ledger: _Ledger, job: JobConfig, arch: ModelArch, layout: 
             exchange = expert_exchange(layout.ep, arch.moe.top_k).replace("_", "-")
             ledger.put("expert exchange buffers", EP_EXCHANGE_SLACK * routed / worst * tokens * flight,
                        f"ep={layout.ep} {exchange}: buffers of a new size every layer, kept by the allocator")
+        else:
+            rebuilt = 0.0
+            if r.granularity == "full":  # the routed copies exist while a recompute group is rebuilt
+                rebuilt = max(b for _, b in per_layer) * min(r.num_layers, len(per_layer))
+            ledger.put("routed expert buffers", ROUTED_BUFFER_SLACK * max(routed, rebuilt) * tokens * flight,
+                       "the allocator's blocks around the routed copies")
     if working:
         ledger.put("recompute working set", working * tokens, f"one group of {r.num_layers} layer(s) rebuilt")
     gather = v4_gather_bytes(arch, layers, job.data.seq_len, tokens, layout.tp, act)
@@ -519,9 +548,13 @@ def _activation_items(ledger: _Ledger, job: JobConfig, arch: ModelArch, layout: 
         logit_tokens = min(layout.tokens_per_micro_batch / layout.cp, LOGIT_CHUNK_TOKENS)
         entropy = job.job == "grpo"  # GRPO's update computes every token's entropy (mlite.trainers.grpo)
         per_logit = act + LOGIT_GRAD_BYTES + (LOGIT_ENTROPY_EXTRA_BYTES if entropy else 0)
-        ledger.put("logits", logit_tokens * arch.vocab / layout.tp * per_logit,
+        several = layout.tokens_per_micro_batch / layout.cp > LOGIT_CHUNK_TOKENS
+        # over several chunks the head's weight gradient is summed in fp32, beside the logits
+        head_sum = arch.vocab * arch.hidden / layout.tp * 4 if several else 0
+        ledger.put("logits", logit_tokens * arch.vocab / layout.tp * per_logit + head_sum,
                    f"one chunk of {logit_tokens:.0f} tokens x vocab/tp: logits + their gradient"
-                   + (", + fp32 log-softmax and entropy, recomputed" if entropy else ""))
+                   + (", + fp32 log-softmax and entropy, recomputed" if entropy else "")
+                   + (", + the head's weight gradient summed over the chunks in fp32" if several else ""))
 
 
 def _worst_case_pairs(job: JobConfig, arch: ModelArch, layout: Layout) -> float:
@@ -604,7 +637,8 @@ def _rollout_phases(job: JobConfig, arch: ModelArch, layout: Layout, stage: int,
                          "rollout.tp: GPUs per engine), each rank holding its slab")
     items.append(MemoryItem("KV cache", sequences * kv / GIB, f"{sequences} sequences x {length} tokens"))
     cpu = job.cluster.gpu == "cpu"
-    items.append(MemoryItem("framework overhead", CPU_OVERHEAD_GB if cpu else GPU_OVERHEAD_GB, ""))
+    items.append(MemoryItem("framework overhead", CPU_OVERHEAD_GB if cpu else gpu_overhead_gb(layout.world),
+                            ""))
     return RolloutPhases(items)
 
 
@@ -652,7 +686,7 @@ def _vllm_phases(job: JobConfig, arch: ModelArch, layout: Layout, trainer: list[
     sync.append(MemoryItem("vLLM weights", weights_gb, f"{held}, 1/rollout.tp={r.tp} of the model"))
     sync.append(MemoryItem("sync bucket", SYNC_BUCKET_BYTES / GIB, "whole-shaped tensors in flight"))
     cpu = job.cluster.gpu == "cpu"
-    sync.append(MemoryItem("framework overhead", CPU_OVERHEAD_GB if cpu else GPU_OVERHEAD_GB,
+    sync.append(MemoryItem("framework overhead", CPU_OVERHEAD_GB if cpu else gpu_overhead_gb(layout.world),
                            "CUDA context, vLLM's own buffers, workspaces"))
     host = MemoryItem("trainer: on the host", 0.0, f"{resident_gb:.1f} GB per GPU in pinned host memory")
     return RolloutPhases([host, vllm] + extra, sync, offload_trainer=True, host_gb=resident_gb,

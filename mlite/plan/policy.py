@@ -15,6 +15,7 @@ the job with them once, so the runtime reads the choice from the plan instead of
     vllm_v4_fp8(job, arch)                       # how a DeepSeek-V4 engine gets its FP8 weights
     vllm_fp8_misfit(arch, tp, expert_parallel)   # what an engine's FP8 blocks would cut, if anything
     vllm_weight_bytes(arch, dtype_bytes, fp8)    # the bytes of the weights a vLLM engine holds
+    per_sequence_attention(tokens, sequences)    # packed attention: cuDNN per sequence or one varlen call
 """
 
 from __future__ import annotations
@@ -152,6 +153,21 @@ def vllm_weight_bytes(arch: ModelArch, dtype_bytes: int, fp8: bool) -> float:
     quantised = sum(p.attention + p.mlp + p.experts
                     for p in (layer_params(arch, i) for i in range(arch.num_layers)))
     return (total - quantised) * dtype_bytes + quantised * (1 + 4 / (128 * 128))
+
+
+# Packed attention (model.attention_backend `packed`, auto's choice on a GPU) over a stream of several
+# sequences runs one varlen call (torch's FA2) or cuDNN's fused kernel once per sequence. cuDNN's kernel is
+# the faster on long sequences; each sequence costs it its own launches, and the boundaries a host read. On
+# one H200 (Qwen3-1.7B, five documents packed, docs/PERFORMANCE.md "Attention") varlen's step was 4% shorter
+# at 1,638 tokens a sequence on average, cuDNN's 3% shorter at 2,458 and 6% at 3,277.
+PER_SEQUENCE_ATTENTION_MEAN_TOKENS = 2048
+
+
+def per_sequence_attention(tokens: int, sequences: int) -> bool:
+    """Whether packed attention runs cuDNN once per sequence, not one varlen call over the stream: where the
+    stream's `sequences` average PER_SEQUENCE_ATTENTION_MEAN_TOKENS of its `tokens` or more. Asked per
+    micro-batch (the lengths are the data's), with sizes the runtime knows without reading the GPU."""
+    return tokens >= PER_SEQUENCE_ATTENTION_MEAN_TOKENS * sequences
 
 
 def process_group(job: JobConfig, world_size: int) -> bool:

@@ -9,7 +9,8 @@ softmax attention of its queries over its own keys, grouped-query heads repeated
                 torch picks)
     varlen      torch.nn.attention.varlen.varlen_attn: one call for the whole stream (CUDA, torch >= 2.10)
     cudnn       cuDNN's fused attention per sequence (CUDA): the fastest kernel for long sequences on Hopper
-    packed      cudnn for a stream of one sequence, varlen for several (CUDA): auto's choice
+    packed      cudnn for a stream of one sequence or of long ones, varlen for several short ones (CUDA):
+                auto's choice
     flash_attn  flash_attn_varlen_func from the flash-attn package (CUDA)
     te          Transformer Engine DotProductAttention in its packed `thd` format (CUDA)
     auto        the first present of: on CUDA packed, flash_attn, varlen, sdpa; on other devices sdpa
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mlite.errors import MliteError
+from mlite.plan.policy import per_sequence_attention
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
@@ -75,11 +77,15 @@ def varlen_torch_attention(q, k, v, cu_seqlens, max_seqlen, scale):
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
-    # torch 2.10/2.11 take is_causal; later versions express causality as a (-1, 0) window
+    # torch 2.10 takes is_causal; later versions express causality as a (-1, 0) window
     causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    # fewer K/V heads than query heads (GQA) go in as they are: FA2's varlen kernel shares each K/V head
+    # across its query group. torch 2.11's varlen_attn passes them through without a flag (on one H200 the
+    # same output and K/V gradients as K/V repeated per query head, bit for bit); later versions ask for
+    # enable_gqa. Repeating them cost a copy each way and kept 2 x (q - kv) heads per token for the backward.
     if "enable_gqa" in params:
         causal["enable_gqa"] = q.shape[1] != k.shape[1]
-    elif q.shape[1] != k.shape[1]:
+    elif "is_causal" in params and q.shape[1] != k.shape[1]:  # torch 2.10: not measured without the copies
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     cu = cu_seqlens.to(torch.int32)
@@ -115,12 +121,14 @@ def cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale):
 
 
 def packed_cuda_attention(q, k, v, cu_seqlens, max_seqlen, scale):
-    """One sequence: cuDNN; several packed sequences: one varlen call (no host sync, no loop of small
-    kernels). fp32 (compute: fp32 without autocast, as the demo runs): the flash kernel behind varlen takes
-    fp16/bf16 only, so SDPA per sequence picks its fp32 kernel."""
+    """One sequence: cuDNN; several packed sequences: cuDNN per sequence where they are long on average, else
+    one varlen call (no host sync, no loop of small kernels): mlite.plan.policy.per_sequence_attention.
+    fp32 (compute: fp32 without autocast, as the demo runs): the flash kernel behind varlen takes fp16/bf16
+    only, so SDPA per sequence picks its fp32 kernel."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         return sdpa_attention(q, k, v, cu_seqlens, max_seqlen, scale)
-    if cu_seqlens.numel() == 2:
+    sequences = cu_seqlens.numel() - 1  # a size: no read of the GPU
+    if sequences == 1 or per_sequence_attention(q.shape[0], sequences):
         return cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale)
     return varlen_torch_attention(q, k, v, cu_seqlens, max_seqlen, scale)
 

@@ -95,8 +95,11 @@ class LinearLogprob(torch.autograd.Function):
                 part = grad_logits.t() @ h  # [V, H]
                 if len(chunks) == 1:
                     grad_weight = part
-                else:  # several chunks: sum in fp32
-                    grad_weight = part.float() if grad_weight is None else grad_weight.add_(part.float())
+                else:  # several chunks: sum in fp32 (add_ converts the bf16 part as it adds: no fp32 copy)
+                    grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
+            # drop this chunk's logits and weight gradient before the next chunk's exist: one of each alive,
+            # not two (a chunk's logits are 1.2 GB at Qwen3's vocabulary and 4,096 tokens, at the step's peak)
+            logits = grad_logits = part = None
         if grad_weight is not None:
             grad_weight = grad_weight.to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None
