@@ -158,8 +158,9 @@ def vllm_weight_bytes(arch: ModelArch, dtype_bytes: int, fp8: bool) -> float:
 # Packed attention (model.attention_backend `packed`, auto's choice on a GPU) over a stream of several
 # sequences runs one varlen call (torch's FA2) or cuDNN's fused kernel once per sequence. cuDNN's kernel is
 # the faster on long sequences; each sequence costs it its own launches, and the boundaries a host read. On
-# one H200 (Qwen3-1.7B, five documents packed, docs/PERFORMANCE.md "Attention") varlen's step was 4% shorter
-# at 1,638 tokens a sequence on average, cuDNN's 3% shorter at 2,458 and 6% at 3,277.
+# one H200 (Qwen3-1.7B, five documents packed; docs/PERFORMANCE.md, "Attention on long packed streams")
+# varlen's step was 4% shorter at 1,638 tokens a sequence on average, cuDNN's 3% shorter at 2,458 and 6% at
+# 3,277.
 PER_SEQUENCE_ATTENTION_MEAN_TOKENS = 2048
 
 
