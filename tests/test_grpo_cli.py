@@ -174,6 +174,6 @@ def test_sft_runs_the_planner_before_starting(workdir, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines() == [
-        "mlite sft: error: the job needs 4.0 GB per GPU, over the usable 0.5 GB; "
+        "mlite sft: error: the job needs 1.5 GB per GPU, over the usable 0.5 GB; "
         "see `mlite plan CONFIG --recommend`"]
     assert not (tmp_path / "sft").exists()  # stopped before any output
