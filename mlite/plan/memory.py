@@ -34,7 +34,8 @@ HEADROOM = 0.90  # an estimate above this share of device (or host) memory does 
 # case held 0.74-0.76 GB outside the allocator, and a dense case's reservation up to 0.9 GB above its
 # allocated peak (docs/PERFORMANCE.md, "Planner calibration")
 GPU_CONTEXT_GB = 1.5
-# with a process group: NCCL's communicators and buffers besides (fitted with the multi-GPU bench runs)
+# with peers (a world of several ranks): NCCL's communicators and buffers besides (fitted with the multi-GPU
+# bench runs)
 NCCL_BUFFERS_GB = 2.5
 CPU_OVERHEAD_GB = 1.0  # torch + Python per process when the "GPU" is the host (gloo runs)
 # per training process on the host: Python, CUDA host state, pinned buffers, data
